@@ -1,0 +1,3 @@
+"""kvbaton: disaggregated LLM inference serving."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""The `kvbaton` command."""

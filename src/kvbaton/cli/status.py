@@ -1,0 +1,67 @@
+"""`kvbaton status`: the instances discovery knows, as a table."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from kvbaton.protocols.discovery import Instance
+from kvbaton.runtime.discovery import open_discovery
+from kvbaton.runtime.names import SERVICES_ROOT
+from kvbaton.runtime.settings import RuntimeSettings
+
+COLUMNS = ("NAMESPACE", "COMPONENT", "ENDPOINT", "INSTANCE", "ADDRESS", "PID", "AGE")
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h"
+
+
+def format_table(rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [COLUMNS, *rows]
+    )
+
+
+async def list_instances(settings: RuntimeSettings, namespace: str | None) -> list[Instance]:
+    discovery = open_discovery(settings.discovery)
+    try:
+        prefix = SERVICES_ROOT + (f"{namespace}/" if namespace else "")
+        records = await discovery.get_prefix(prefix)
+    finally:
+        await discovery.close()
+    instances = []
+    for value in records.values():
+        try:
+            instances.append(Instance.from_json(value))
+        except Exception:  # a foreign or partial record: not ours to show
+            continue
+    return sorted(instances, key=lambda i: (i.namespace, i.component, i.endpoint, i.instance_id))
+
+
+def status(settings: RuntimeSettings, namespace: str | None) -> int:
+    instances = asyncio.run(list_instances(settings, namespace))
+    now = time.time()
+    rows = [
+        (
+            i.namespace,
+            i.component,
+            i.endpoint,
+            f"{i.instance_id:x}",
+            i.address,
+            str(i.pid),
+            _age(now - i.registered_at),
+        )
+        for i in instances
+    ]
+    print(f"discovery: {settings.discovery}")
+    print(format_table(rows) if rows else "no instances")
+    return 0

@@ -1,0 +1,238 @@
+"""Client of one endpoint: tracks its live instances from discovery and routes requests.
+
+Instances come and go with their discovery keys. An instance that cannot be connected to is
+quarantined at once (left out of routing) until its key goes, its key is written again, or the
+quarantine (one lease TTL) runs out. `round_robin` and `random` try the next instance when a
+connection fails, since nothing was sent; `direct` does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+from kvbaton.protocols.discovery import Instance
+from kvbaton.runtime.discovery import PrefixWatch
+from kvbaton.runtime.errors import ConnectError, NoInstancesError
+from kvbaton.runtime.names import EndpointPath
+from kvbaton.runtime.request_plane.framing import encode_payload
+from kvbaton.runtime.request_plane.tcp_client import Stream
+
+if TYPE_CHECKING:
+    from kvbaton.runtime.distributed import DistributedRuntime
+
+log = logging.getLogger(__name__)
+
+
+class ResponseStream:
+    """The responses to one call. Iterate it directly, or `await` it first to send the request
+    (and learn `instance_id`) before reading. Leaving it early cancels the remote handler."""
+
+    def __init__(
+        self,
+        client: Client,
+        request: Any,
+        instance_id: int | None,
+        mode: str,
+        request_id: str | None,
+        timeout: float | None,
+    ) -> None:
+        self._client = client
+        self._request = request
+        self._target = instance_id
+        self._mode = mode
+        self.request_id = request_id or uuid.uuid4().hex
+        self._deadline = None if timeout is None else time.time() + timeout
+        self._stream: Stream | None = None
+        self._closed = False
+        self.instance_id: int | None = None
+
+    async def open(self) -> ResponseStream:
+        if self._stream is None and not self._closed:
+            self.instance_id, self._stream = await self._client._send(
+                self._request, self._mode, self._target, self.request_id, self._deadline
+            )
+        return self
+
+    def __await__(self) -> Generator[Any, None, ResponseStream]:
+        return self.open().__await__()
+
+    def __aiter__(self) -> ResponseStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._stream is None:
+            if self._closed:
+                raise StopAsyncIteration
+            await self.open()
+        assert self._stream is not None
+        return await self._stream.__anext__()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._stream is not None:
+            self._stream.cancel()
+
+    async def __aenter__(self) -> ResponseStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class Client:
+    def __init__(
+        self, runtime: DistributedRuntime, path: EndpointPath, response_type: Any = Any
+    ) -> None:
+        self._runtime = runtime
+        self.path = path
+        self.response_type = response_type
+        self._instances: dict[int, Instance] = {}
+        self._quarantine: dict[int, float] = {}  # instance id -> monotonic time it ends
+        self._changed = asyncio.Event()
+        self._rr = 0
+        self._watch_task: asyncio.Task[None] | None = None
+
+    async def _start(self) -> None:
+        watch = await self._runtime.discovery.watch_prefix(self.path.key_prefix())
+        for key, value in watch.snapshot.items():
+            self._apply("put", key, value)
+        self._watch_task = asyncio.create_task(self._follow(watch), name=f"watch {self.path}")
+
+    async def _follow(self, watch: PrefixWatch) -> None:
+        try:
+            async for event in watch:
+                self._apply(event.kind, event.key, event.value)
+        finally:
+            await watch.aclose()
+
+    def _apply(self, kind: str, key: str, value: bytes | None) -> None:
+        instance_id = self.path.instance_id_from_key(key)
+        if instance_id is None:
+            return
+        if kind == "delete" or value is None:
+            if self._instances.pop(instance_id, None) is not None:
+                log.info("instance %x of %s left", instance_id, self.path)
+        else:
+            try:
+                self._instances[instance_id] = Instance.from_json(value)
+            except Exception as exc:
+                log.warning("ignoring unreadable discovery record %s: %s", key, exc)
+                return
+        self._quarantine.pop(instance_id, None)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- instances ---------------------------------------------------------------------------
+    def _available(self) -> list[int]:
+        now = time.monotonic()
+        for iid, until in list(self._quarantine.items()):
+            if until <= now:
+                del self._quarantine[iid]
+        return sorted(i for i in self._instances if i not in self._quarantine)
+
+    def instance_ids(self) -> list[int]:
+        """Live instances that are not quarantined, in ascending order."""
+        return self._available()
+
+    def instances(self) -> list[Instance]:
+        return [self._instances[i] for i in self._available()]
+
+    def quarantine(self, instance_id: int) -> None:
+        if instance_id in self._instances:
+            self._quarantine[instance_id] = time.monotonic() + self._runtime.settings.lease_ttl
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def wait_for_instances(self, timeout: float | None = None) -> list[int]:
+        """Wait until at least one instance is available; NoInstancesError after `timeout`
+        (default: the runtime's wait_for_instances_timeout)."""
+        limit = self._runtime.settings.wait_for_instances_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while not (ids := self._available()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NoInstancesError(f"no instance of {self.path} appeared within {limit:g}s")
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(remaining, 1.0))
+        return ids
+
+    # -- calls -------------------------------------------------------------------------------
+    def round_robin(
+        self, request: Any, *, request_id: str | None = None, timeout: float | None = None
+    ) -> ResponseStream:
+        return ResponseStream(self, request, None, "round_robin", request_id, timeout)
+
+    def random(
+        self, request: Any, *, request_id: str | None = None, timeout: float | None = None
+    ) -> ResponseStream:
+        return ResponseStream(self, request, None, "random", request_id, timeout)
+
+    def direct(
+        self,
+        request: Any,
+        instance_id: int,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> ResponseStream:
+        return ResponseStream(self, request, instance_id, "direct", request_id, timeout)
+
+    generate = round_robin
+
+    def _order(self, mode: str, target: int | None) -> list[int]:
+        if mode == "direct":
+            assert target is not None
+            if target not in self._instances:
+                raise NoInstancesError(f"instance {target:x} of {self.path} is not known")
+            return [target]
+        ids = self._available()
+        if not ids:
+            raise NoInstancesError(f"no live instance of {self.path}")
+        if mode == "random":
+            random.shuffle(ids)
+            return ids
+        start = self._rr % len(ids)
+        self._rr += 1
+        return ids[start:] + ids[:start]
+
+    async def _send(
+        self, request: Any, mode: str, target: int | None, request_id: str, deadline: float | None
+    ) -> tuple[int, Stream]:
+        payload = encode_payload(request)
+        last_error: ConnectError | None = None
+        for instance_id in self._order(mode, target):
+            instance = self._instances.get(instance_id)
+            if instance is None:
+                continue
+            try:
+                stream = await self._runtime.request_client.open_stream(
+                    instance.address,
+                    str(self.path),
+                    payload,
+                    request_id=request_id,
+                    deadline=deadline,
+                    response_type=self.response_type,
+                )
+            except ConnectError as exc:
+                log.warning("quarantining instance %x of %s: %s", instance_id, self.path, exc)
+                self.quarantine(instance_id)
+                last_error = ConnectError(str(exc), instance_id)
+                continue
+            return instance_id, stream
+        if last_error is not None:
+            raise last_error
+        raise NoInstancesError(f"no live instance of {self.path}")
+
+    async def close(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            await asyncio.gather(self._watch_task, return_exceptions=True)
+            self._watch_task = None

@@ -1,0 +1,39 @@
+"""The context a handler receives beside its request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+class Context:
+    """Per-request state on the serving side.
+
+    Invariant: once `is_stopped()` is true it stays true. It turns true when the caller cancels,
+    when the caller's connection goes, when the deadline passes or when the handler calls
+    `stop_generating()`. A handler that does not look is cancelled after a short grace period.
+    """
+
+    __slots__ = ("_stopped", "deadline", "id")
+
+    def __init__(self, request_id: str, deadline: float | None = None) -> None:
+        self.id = request_id
+        self.deadline = deadline  # seconds since the epoch, or None
+        self._stopped = asyncio.Event()
+
+    def is_stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def stop_generating(self) -> None:
+        self._stopped.set()
+
+    async def stopped(self) -> None:
+        """Wait until the request is stopped."""
+        await self._stopped.wait()
+
+    def time_remaining(self) -> float | None:
+        """Seconds until the deadline (negative once past), or None without one."""
+        return None if self.deadline is None else self.deadline - time.time()
+
+    def __repr__(self) -> str:
+        return f"Context(id={self.id!r}, stopped={self.is_stopped()})"

@@ -1,0 +1,33 @@
+"""Discovery backends behind one interface, chosen by URL."""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+from kvbaton.runtime.discovery.base import Discovery, PrefixWatch, WatchEvent
+from kvbaton.runtime.discovery.file import FileDiscovery
+from kvbaton.runtime.discovery.mem import MemDiscovery
+
+__all__ = [
+    "Discovery",
+    "FileDiscovery",
+    "MemDiscovery",
+    "PrefixWatch",
+    "WatchEvent",
+    "open_discovery",
+]
+
+
+def open_discovery(url: str) -> Discovery:
+    """`mem://name`, `file:///abs/dir` or a bare directory path."""
+    parsed = urlparse(url)
+    if parsed.scheme == "mem":
+        return MemDiscovery(parsed.netloc or parsed.path or "default")
+    if parsed.scheme == "file":
+        path = parsed.netloc + parsed.path
+        if not path:
+            raise ValueError(f"file discovery URL {url!r} names no directory")
+        return FileDiscovery(path)
+    if parsed.scheme == "" and url:
+        return FileDiscovery(url)
+    raise ValueError(f"unknown discovery backend {url!r}; supported: file:///dir, mem://name")

@@ -1,0 +1,194 @@
+"""DistributedRuntime -> Namespace -> Component -> Endpoint: the face every process uses.
+
+A runtime owns at most one discovery lease (granted when it first serves; its id is the
+`instance_id` of everything it serves), one request-plane server and one pool of client
+connections. `shutdown()` (also on leaving `async with`) deregisters, stops accepting, drains
+in-flight streams up to `drain_timeout`, cancels the rest and closes connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from types import TracebackType
+from typing import Any
+
+from kvbaton.protocols.discovery import Instance
+from kvbaton.runtime.client import Client
+from kvbaton.runtime.discovery import Discovery, open_discovery
+from kvbaton.runtime.names import EndpointPath, check_name
+from kvbaton.runtime.request_plane import Handler, TcpRequestClient, TcpRequestServer
+from kvbaton.runtime.settings import RuntimeSettings
+
+log = logging.getLogger(__name__)
+
+
+class DistributedRuntime:
+    def __init__(
+        self,
+        discovery: str | Discovery | None = None,
+        *,
+        settings: RuntimeSettings | None = None,
+        **overrides: Any,
+    ) -> None:
+        """`discovery` is a URL (`file:///dir`, `mem://name`) or a Discovery object; keyword
+        overrides are RuntimeSettings fields and win over `KVBATON_*` variables."""
+        if isinstance(discovery, str):
+            overrides["discovery"] = discovery
+        self.settings = settings or RuntimeSettings(**overrides)
+        if settings is not None and overrides:
+            self.settings = settings.model_copy(update=overrides)
+        self.discovery: Discovery = (
+            discovery
+            if isinstance(discovery, Discovery)
+            else open_discovery(self.settings.discovery)
+        )
+        self.request_client = TcpRequestClient(self.settings)
+        self._server: TcpRequestServer | None = None
+        self._lease_id: int | None = None
+        self._setup_lock = asyncio.Lock()
+        self._clients: list[Client] = []
+        self._stopped = asyncio.Event()
+        self._closed = False
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> DistributedRuntime:
+        """Settings from `KVBATON_*` variables and defaults, with `overrides` on top."""
+        return cls(**overrides)
+
+    async def __aenter__(self) -> DistributedRuntime:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown()
+
+    # -- naming ------------------------------------------------------------------------------
+    def namespace(self, name: str) -> Namespace:
+        return Namespace(self, check_name("namespace", name))
+
+    def endpoint(self, path: str) -> Endpoint:
+        """`runtime.endpoint("ns.component.endpoint")`."""
+        return Endpoint(self, EndpointPath.parse(path))
+
+    # -- serving -----------------------------------------------------------------------------
+    @property
+    def instance_id(self) -> int | None:
+        """The lease id of this process once it serves something, else None."""
+        return self._lease_id
+
+    async def _serving_setup(self) -> tuple[TcpRequestServer, int]:
+        if self._closed:
+            raise RuntimeError("the runtime is shut down")
+        async with self._setup_lock:
+            if self._server is None:
+                server = TcpRequestServer(self.settings)
+                await server.start()
+                self._server = server
+            if self._lease_id is None:
+                self._lease_id = await self.discovery.grant_lease(self.settings.lease_ttl)
+            return self._server, self._lease_id
+
+    async def _register(
+        self,
+        path: EndpointPath,
+        handler: Handler,
+        request_type: Any,
+        metadata: dict[str, Any] | None,
+    ) -> str:
+        server, lease_id = await self._serving_setup()
+        server.add_route(str(path), handler, request_type)
+        instance = Instance(
+            namespace=path.namespace,
+            component=path.component,
+            endpoint=path.endpoint,
+            instance_id=lease_id,
+            address=server.address,
+            transport="tcp",
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+            registered_at=time.time(),
+            metadata=metadata or {},
+        )
+        key = path.key(lease_id)
+        await self.discovery.put(key, instance.to_json(), lease_id)
+        log.info("serving %s as instance %x at %s", path, lease_id, server.address)
+        return key
+
+    async def _deregister(self, path: EndpointPath, key: str) -> None:
+        if not self._closed:
+            await self.discovery.delete(key)
+        if self._server is not None:
+            self._server.remove_route(str(path))
+
+    async def wait_for_shutdown(self) -> None:
+        await self._stopped.wait()
+
+    async def shutdown(self) -> None:
+        """Graceful: deregister, stop accepting, drain, cancel the rest, close. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopped.set()
+        for client in self._clients:
+            await client.close()
+        if self._lease_id is not None:
+            await self.discovery.revoke_lease(self._lease_id)
+        if self._server is not None:
+            await self._server.shutdown()
+        await self.request_client.close()
+        await self.discovery.close()
+
+
+class Namespace:
+    def __init__(self, runtime: DistributedRuntime, name: str) -> None:
+        self.runtime = runtime
+        self.name = name
+
+    def component(self, name: str) -> Component:
+        return Component(self, check_name("component", name))
+
+
+class Component:
+    def __init__(self, namespace: Namespace, name: str) -> None:
+        self.namespace = namespace
+        self.name = name
+
+    def endpoint(self, name: str) -> Endpoint:
+        path = EndpointPath(self.namespace.name, self.name, check_name("endpoint", name))
+        return Endpoint(self.namespace.runtime, path)
+
+
+class Endpoint:
+    def __init__(self, runtime: DistributedRuntime, path: EndpointPath) -> None:
+        self.runtime = runtime
+        self.path = path
+
+    @property
+    def name(self) -> str:
+        return self.path.endpoint
+
+    async def serve_endpoint(
+        self, handler: Handler, *, request_type: Any = Any, metadata: dict[str, Any] | None = None
+    ) -> None:
+        """Serve `handler` (an async generator function, or an async function for one
+        response) and register in discovery; returns when the runtime shuts down. Cancelling
+        it deregisters the endpoint; streams already running go on to their end."""
+        key = await self.runtime._register(self.path, handler, request_type, metadata)
+        try:
+            await self.runtime.wait_for_shutdown()
+        finally:
+            await asyncio.shield(self.runtime._deregister(self.path, key))
+
+    async def client(self, *, response_type: Any = Any) -> Client:
+        client = Client(self.runtime, self.path, response_type)
+        await client._start()
+        self.runtime._clients.append(client)
+        return client

@@ -1,0 +1,219 @@
+"""The calling side of the TCP request plane: one pooled connection per peer address, carrying
+any number of concurrent streams multiplexed by stream id."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections import deque
+from typing import Any
+from urllib.parse import urlparse
+
+import msgspec
+
+from kvbaton.protocols.frames import Cancel, Data, End, Error, ErrorKind, Frame, Request
+from kvbaton.runtime.errors import (
+    BadRequestError,
+    ConnectError,
+    DeadlineExceededError,
+    EndpointNotFoundError,
+    FrameError,
+    HandlerError,
+    RuntimeServiceError,
+    ShuttingDownError,
+    StreamBrokenError,
+)
+from kvbaton.runtime.request_plane.connection import FrameConnection
+from kvbaton.runtime.request_plane.framing import payload_decoder
+from kvbaton.runtime.settings import RuntimeSettings
+
+log = logging.getLogger(__name__)
+
+_ERRORS: dict[str, type[RuntimeServiceError]] = {
+    ErrorKind.NOT_FOUND: EndpointNotFoundError,
+    ErrorKind.SHUTTING_DOWN: ShuttingDownError,
+    ErrorKind.DEADLINE: DeadlineExceededError,
+    ErrorKind.BAD_REQUEST: BadRequestError,
+}
+
+
+def error_from_frame(frame: Error) -> RuntimeServiceError:
+    cls = _ERRORS.get(frame.kind)
+    return cls(frame.message) if cls is not None else HandlerError(frame.message, frame.error_type)
+
+
+class Stream:
+    """The responses of one request, as an async iterator of decoded items.
+
+    Ends with StopAsyncIteration after the `End` frame; raises the error an `Error` frame carries,
+    or StreamBrokenError when the connection goes first. Leaving it early (`aclose`, a `break`
+    that drops it, or cancellation of the reading task) sends `Cancel` to the handler.
+    """
+
+    def __init__(
+        self, conn: ClientConnection, stream_id: int, decoder: msgspec.msgpack.Decoder[Any]
+    ) -> None:
+        self._conn = conn
+        self.stream_id = stream_id
+        self._decoder = decoder
+        self._frames: deque[Frame | BaseException] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self.done = False
+
+    def _push(self, item: Frame | BaseException) -> None:
+        self._frames.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> Any:
+        while not self._frames:
+            if self.done:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+            finally:
+                self._waiter = None
+        item = self._frames.popleft()
+        if isinstance(item, Data):
+            return self._decoder.decode(item.payload)
+        self.done = True
+        if isinstance(item, End):
+            raise StopAsyncIteration
+        if isinstance(item, Error):
+            raise error_from_frame(item)
+        if isinstance(item, BaseException):
+            raise item
+        raise FrameError(f"unexpected {type(item).__name__} frame")
+
+    def cancel(self) -> None:
+        """Stop the remote handler (idempotent; a no-op after the stream ended)."""
+        if self.done:
+            return
+        self.done = True
+        self._frames.clear()
+        if self._conn.streams.pop(self.stream_id, None) is not None:
+            self._conn.send(Cancel(self.stream_id))
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        if not self.done:
+            with contextlib.suppress(Exception):  # the loop may be gone at interpreter exit
+                self.cancel()
+
+
+class ClientConnection(FrameConnection):
+    def __init__(self, pool: TcpRequestClient, address: str) -> None:
+        super().__init__(pool.settings.max_frame_bytes)
+        self.pool = pool
+        self.address = address
+        self.streams: dict[int, Stream] = {}
+        self._ids = itertools.count(1)
+
+    def open(
+        self,
+        endpoint: str,
+        payload: msgspec.Raw,
+        request_id: str,
+        deadline: float | None,
+        decoder: msgspec.msgpack.Decoder[Any],
+    ) -> Stream:
+        if self.closed:
+            raise StreamBrokenError(f"connection to {self.address} lost")
+        stream = Stream(self, next(self._ids), decoder)
+        self.streams[stream.stream_id] = stream
+        self.send(Request(stream.stream_id, endpoint, request_id, payload, deadline))
+        return stream
+
+    def frame_received(self, frame: Frame) -> None:
+        if isinstance(frame, Request | Cancel):
+            raise FrameError(f"unexpected {type(frame).__name__} frame from a server")
+        stream = self.streams.get(frame.stream_id)
+        if stream is None:
+            return  # cancelled by us; late frames are dropped
+        if not isinstance(frame, Data):
+            del self.streams[frame.stream_id]
+        stream._push(frame)
+
+    def connection_closed(self, exc: BaseException | None) -> None:
+        self.pool.discard(self)
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream._push(
+                StreamBrokenError(
+                    f"stream {stream.stream_id} to {self.address} broke before its end: "
+                    f"{exc or 'connection closed'}"
+                )
+            )
+
+
+class TcpRequestClient:
+    """Pool of client connections, one per peer address."""
+
+    def __init__(self, settings: RuntimeSettings) -> None:
+        self.settings = settings
+        self._conns: dict[str, ClientConnection] = {}
+        self._connecting: dict[str, asyncio.Task[ClientConnection]] = {}
+
+    async def open_stream(
+        self,
+        address: str,
+        endpoint: str,
+        payload: msgspec.Raw,
+        *,
+        request_id: str,
+        deadline: float | None = None,
+        response_type: Any = Any,
+    ) -> Stream:
+        """Send a request; raises ConnectError if the peer cannot be reached (nothing sent)."""
+        conn = self._conns.get(address)
+        if conn is None or conn.closed:
+            conn = await self._connect(address)
+        return conn.open(endpoint, payload, request_id, deadline, payload_decoder(response_type))
+
+    async def _connect(self, address: str) -> ClientConnection:
+        task = self._connecting.get(address)
+        if task is None:
+            task = asyncio.create_task(self._dial(address))
+            self._connecting[address] = task
+            task.add_done_callback(lambda _: self._connecting.pop(address, None))
+        return await asyncio.shield(task)
+
+    async def _dial(self, address: str) -> ClientConnection:
+        parsed = urlparse(address)
+        if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
+            raise ConnectError(f"not a tcp address: {address!r}")
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: ClientConnection(self, address), parsed.hostname, parsed.port
+                ),
+                self.settings.connect_timeout,
+            )
+        except (OSError, TimeoutError) as exc:
+            raise ConnectError(f"cannot connect to {address}: {exc or 'timed out'}") from exc
+        self._conns[address] = conn
+        return conn
+
+    def discard(self, conn: ClientConnection) -> None:
+        if self._conns.get(conn.address) is conn:
+            del self._conns[conn.address]
+
+    async def close(self) -> None:
+        for task in list(self._connecting.values()):
+            task.cancel()
+        for conn in list(self._conns.values()):
+            conn.close()
+        self._conns.clear()

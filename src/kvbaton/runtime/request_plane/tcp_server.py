@@ -1,0 +1,218 @@
+"""The serving side of the TCP request plane.
+
+A stream's life on this side:
+1. `Request` arrives -> refused at once with `Error` if the server drains (SHUTTING_DOWN), the
+   endpoint is unknown (NOT_FOUND) or the payload does not decode (BAD_REQUEST);
+2. running -> the handler's items go out as `Data`, in order, waiting while the socket is full;
+3. finished -> exactly one `End` (handler returned) or `Error` (handler raised, deadline passed).
+A `Cancel`, the connection's loss or the deadline stops the stream: the context turns stopped at
+once, nothing more is sent, and the handler's task is cancelled after the grace period unless it
+returned first. Shutdown stops taking requests, lets running streams finish for up to the drain
+timeout, then cancels what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvbaton.protocols.frames import Cancel, Data, End, Error, ErrorKind, Frame, Request
+from kvbaton.runtime.context import Context
+from kvbaton.runtime.errors import FrameError
+from kvbaton.runtime.request_plane.connection import FrameConnection
+from kvbaton.runtime.request_plane.framing import encode_payload, payload_decoder
+from kvbaton.runtime.settings import RuntimeSettings
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any, Context], AsyncIterator[Any] | Awaitable[Any]]
+
+
+@dataclass
+class Route:
+    handler: Handler
+    decoder: msgspec.msgpack.Decoder[Any]
+
+
+@dataclass(eq=False)
+class _Stream:
+    stream_id: int
+    context: Context
+    task: asyncio.Task[None] | None = None
+    finished: bool = False  # a terminal frame was sent, or the caller is gone
+    timers: list[asyncio.TimerHandle] = field(default_factory=list)
+
+
+class _ServerConnection(FrameConnection):
+    def __init__(self, server: TcpRequestServer) -> None:
+        super().__init__(server.settings.max_frame_bytes)
+        self.server = server
+        self.streams: dict[int, _Stream] = {}
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.server.connections.add(self)
+
+    def frame_received(self, frame: Frame) -> None:
+        if isinstance(frame, Request):
+            self._start(frame)
+        elif isinstance(frame, Cancel):
+            stream = self.streams.get(frame.stream_id)
+            if stream is not None:
+                self.stop(stream)
+        else:
+            raise FrameError(f"unexpected {type(frame).__name__} frame from a client")
+
+    def connection_closed(self, exc: BaseException | None) -> None:
+        self.server.connections.discard(self)
+        for stream in list(self.streams.values()):
+            self.stop(stream)
+
+    def _refuse(self, frame: Request, kind: ErrorKind, message: str) -> None:
+        self.send(Error(frame.stream_id, kind, message))
+
+    def _start(self, frame: Request) -> None:
+        if frame.stream_id in self.streams:
+            raise FrameError(f"stream id {frame.stream_id} is already open")
+        server = self.server
+        if server.draining:
+            return self._refuse(frame, ErrorKind.SHUTTING_DOWN, "instance is shutting down")
+        route = server.routes.get(frame.endpoint)
+        if route is None:
+            return self._refuse(
+                frame, ErrorKind.NOT_FOUND, f"endpoint {frame.endpoint!r} is not served here"
+            )
+        try:
+            request = route.decoder.decode(frame.payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return self._refuse(frame, ErrorKind.BAD_REQUEST, f"bad request: {exc}")
+        stream = _Stream(frame.stream_id, Context(frame.request_id, frame.deadline))
+        self.streams[frame.stream_id] = stream
+        stream.task = asyncio.create_task(self._run(stream, route, request))
+        server.tasks.add(stream.task)
+        stream.task.add_done_callback(server.tasks.discard)
+        if frame.deadline is not None:
+            loop = asyncio.get_running_loop()
+            stream.timers.append(
+                loop.call_at(
+                    loop.time() + frame.deadline - time.time(), self._deadline_passed, stream
+                )
+            )
+        return None
+
+    def _finish(self, stream: _Stream, frame: Frame | None) -> None:
+        if not stream.finished:
+            stream.finished = True
+            if frame is not None:
+                self.send(frame)
+
+    def stop(self, stream: _Stream, frame: Frame | None = None) -> None:
+        """Stop a stream: nothing more is sent but `frame`; cancel its task after the grace."""
+        self._finish(stream, frame)
+        stream.context.stop_generating()
+        if stream.task is not None and not stream.task.done():
+            loop = asyncio.get_running_loop()
+            stream.timers.append(
+                loop.call_later(self.server.settings.cancel_grace, stream.task.cancel)
+            )
+
+    def _deadline_passed(self, stream: _Stream) -> None:
+        self.stop(stream, Error(stream.stream_id, ErrorKind.DEADLINE, "deadline exceeded"))
+
+    async def _run(self, stream: _Stream, route: Route, request: Any) -> None:
+        sid = stream.stream_id
+        try:
+            result = route.handler(request, stream.context)
+            if isinstance(result, AsyncIterator):
+                try:
+                    async for item in result:
+                        if stream.finished:
+                            break
+                        self.send(Data(sid, encode_payload(item)))
+                        await self.drain()
+                finally:
+                    aclose = getattr(result, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+            else:
+                item = await result
+                if not stream.finished:
+                    self.send(Data(sid, encode_payload(item)))
+            self._finish(stream, End(sid))
+        except asyncio.CancelledError:
+            # Cancelled by us (grace over, drain over): the caller is gone or sees the
+            # connection close, which it reads as a broken stream.
+            stream.finished = True
+        except Exception as exc:
+            if not self.closed:
+                log.warning("handler of %s raised on request %s: %r", sid, stream.context.id, exc)
+            self._finish(
+                stream, Error(sid, ErrorKind.HANDLER, str(exc) or repr(exc), type(exc).__name__)
+            )
+        finally:
+            for timer in stream.timers:
+                timer.cancel()
+            self.streams.pop(sid, None)
+
+
+class TcpRequestServer:
+    """Serves the routes of one process on one TCP port."""
+
+    def __init__(self, settings: RuntimeSettings) -> None:
+        self.settings = settings
+        self.routes: dict[str, Route] = {}
+        self.connections: set[_ServerConnection] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.draining = False
+        self.address = ""
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _ServerConnection(self),
+            self.settings.host,
+            self.settings.port,
+            reuse_address=True,
+        )
+        host, port = self._server.sockets[0].getsockname()[:2]
+        self.address = f"tcp://{host}:{port}"
+        return self.address
+
+    def add_route(self, path: str, handler: Handler, request_type: Any = Any) -> None:
+        if path in self.routes:
+            raise ValueError(f"endpoint {path!r} is already served by this process")
+        self.routes[path] = Route(handler, payload_decoder(request_type))
+
+    def remove_route(self, path: str) -> None:
+        self.routes.pop(path, None)
+
+    async def shutdown(self, drain_timeout: float | None = None) -> None:
+        """Stop accepting, let in-flight streams finish up to the timeout, then cancel them."""
+        timeout = self.settings.drain_timeout if drain_timeout is None else drain_timeout
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+        if self.tasks:
+            _, pending = await asyncio.wait(set(self.tasks), timeout=timeout)
+            if pending:
+                log.warning(
+                    "cancelling %d streams still running after %.1fs of draining",
+                    len(pending),
+                    timeout,
+                )
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+        for conn in list(self.connections):
+            conn.close()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)

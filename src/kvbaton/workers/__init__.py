@@ -1,0 +1,1 @@
+"""Worker processes: each serves an engine's endpoints through the runtime."""
