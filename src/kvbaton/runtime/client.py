@@ -79,6 +79,12 @@ class ResponseStream:
         if self._stream is not None:
             self._stream.cancel()
 
+    def __del__(self) -> None:
+        # `break` out of `async for` drops the stream: stop the remote handler at once.
+        if self._stream is not None and not self._stream.done:
+            with contextlib.suppress(Exception):  # the loop may be gone at interpreter exit
+                self._stream.cancel()
+
     async def __aenter__(self) -> ResponseStream:
         return self
 

@@ -9,7 +9,7 @@ A key is live while its file exists and its lease file was touched within the le
 process has to be alive to expire a key: every reader judges liveness from modification times, and
 removes the files of expired leases it finds (best effort; a process that is still alive rewrites
 its files on its next keep-alive). Watchers rescan on file-system events (inotify through
-watchfiles), at the earliest lease expiry they know of, and at a slow fallback tick.
+watchfiles' notify binding), at the earliest lease expiry they know of, and at a slow fallback tick.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import secrets
+import threading
 import time
 from pathlib import Path
 
@@ -66,7 +67,8 @@ class FileDiscovery(Discovery):
         self._next_expiry = float("inf")
         self._dirty = asyncio.Event()
         self._scanner_task: asyncio.Task[None] | None = None
-        self._fs_task: asyncio.Task[None] | None = None
+        self._fs_thread: threading.Thread | None = None
+        self._fs_stop = threading.Event()
 
     # -- paths -------------------------------------------------------------------------------
     def _key_path(self, key: str) -> Path:
@@ -210,39 +212,66 @@ class FileDiscovery(Discovery):
             self._dirty.clear()
             self._rescan_and_notify()
 
-    async def _fs_events_loop(self) -> None:
+    def _start_fs_events(self) -> None:
+        """Watch the tree for changes (inotify where the OS has it) from a thread of our own;
+        the watch is in place when this returns, so a scan after it misses no change."""
+        if self._fs_thread is not None:
+            return
         try:
-            import watchfiles
+            from watchfiles._rust_notify import RustNotify
 
-            async for _changes in watchfiles.awatch(self.root, debounce=20, step=5, recursive=True):
-                self._dirty.set()
-        except Exception as exc:  # no inotify here: the ticks still find every change
+            notify = RustNotify([str(self.root)], False, False, 50, True, True)
+        except Exception as exc:  # no file-system events here: the ticks find every change
             log.info("file discovery falls back to polling (%s)", exc)
+            return
+        loop = asyncio.get_running_loop()
+        stop = threading.Event()
+
+        def run() -> None:
+            try:
+                while not stop.is_set():
+                    result = notify.watch(20, 5, 500, stop)
+                    if isinstance(result, set) and result:
+                        loop.call_soon_threadsafe(self._dirty.set)
+            except RuntimeError:  # the loop closed under us
+                pass
+            finally:
+                notify.close()
+
+        self._fs_stop = stop
+        self._fs_thread = threading.Thread(target=run, name="kvbaton-file-discovery", daemon=True)
+        self._fs_thread.start()
+
+    def _stop_fs_events(self) -> None:
+        if self._fs_thread is not None:
+            self._fs_stop.set()
+            self._fs_thread = None
 
     async def watch_prefix(self, prefix: str) -> PrefixWatch:
         queue: asyncio.Queue[WatchEvent] = asyncio.Queue()
+        self._start_fs_events()
         self._rescan_and_notify()
         snapshot = {k: v for k, v in self._snapshot.items() if k.startswith(prefix)}
         entry = (prefix, queue)
         self._watchers.append(entry)
         if self._scanner_task is None or self._scanner_task.done():
             self._scanner_task = asyncio.create_task(self._scanner_loop(), name="file-scanner")
-            self._fs_task = asyncio.create_task(self._fs_events_loop(), name="file-fs-events")
         return PrefixWatch(snapshot, queue, lambda: self._unwatch(entry))
 
     def _unwatch(self, entry: tuple[str, asyncio.Queue[WatchEvent]]) -> None:
         self._watchers.remove(entry)
         if not self._watchers:
-            for task in (self._scanner_task, self._fs_task):
-                if task is not None:
-                    task.cancel()
-            self._scanner_task = self._fs_task = None
+            if self._scanner_task is not None:
+                self._scanner_task.cancel()
+                self._scanner_task = None
+            self._stop_fs_events()
 
     async def close(self) -> None:
         for lease_id in list(self._own):
             await self.revoke_lease(lease_id)
-        tasks = [t for t in (self._keepalive_task, self._scanner_task, self._fs_task) if t]
+        self._stop_fs_events()
+        tasks = [t for t in (self._keepalive_task, self._scanner_task) if t]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._keepalive_task = self._scanner_task = self._fs_task = None
+        self._keepalive_task = self._scanner_task = None

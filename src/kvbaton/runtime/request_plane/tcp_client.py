@@ -4,7 +4,6 @@ any number of concurrent streams multiplexed by stream id."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections import deque
@@ -48,8 +47,9 @@ class Stream:
     """The responses of one request, as an async iterator of decoded items.
 
     Ends with StopAsyncIteration after the `End` frame; raises the error an `Error` frame carries,
-    or StreamBrokenError when the connection goes first. Leaving it early (`aclose`, a `break`
-    that drops it, or cancellation of the reading task) sends `Cancel` to the handler.
+    or StreamBrokenError when the connection goes first. `cancel()`, or cancellation of the task
+    that reads it, sends `Cancel` to the handler. The connection holds every open stream, so an
+    abandoned one is cancelled by its owner (`ResponseStream`), never by garbage collection.
     """
 
     def __init__(
@@ -106,11 +106,6 @@ class Stream:
 
     async def aclose(self) -> None:
         self.cancel()
-
-    def __del__(self) -> None:
-        if not self.done:
-            with contextlib.suppress(Exception):  # the loop may be gone at interpreter exit
-                self.cancel()
 
 
 class ClientConnection(FrameConnection):
@@ -206,6 +201,10 @@ class TcpRequestClient:
             raise ConnectError(f"cannot connect to {address}: {exc or 'timed out'}") from exc
         self._conns[address] = conn
         return conn
+
+    def connections(self) -> list[str]:
+        """Addresses with an open connection."""
+        return [a for a, c in self._conns.items() if not c.closed]
 
     def discard(self, conn: ClientConnection) -> None:
         if self._conns.get(conn.address) is conn:

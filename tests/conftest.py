@@ -1,0 +1,59 @@
+"""Shared fixtures: a temp discovery directory and echo worker processes that are always
+stopped (by PID) at the end of the test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+WorkerFactory = Callable[..., subprocess.Popen[bytes]]
+
+
+@pytest.fixture
+def discovery_url(tmp_path: Path) -> str:
+    return f"file://{tmp_path / 'discovery'}"
+
+
+@pytest.fixture
+def spawn_worker(tmp_path: Path, discovery_url: str) -> Iterator[WorkerFactory]:
+    """Start `kvbaton worker --engine echo` processes on the test's discovery directory."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(*extra: str, lease_ttl: float = 2.0, namespace: str = "t") -> subprocess.Popen[bytes]:
+        log = open(tmp_path / f"worker-{len(procs)}.log", "wb")  # noqa: SIM115 (closed below)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvbaton",
+                "worker",
+                "--engine",
+                "echo",
+                "--discovery",
+                discovery_url,
+                "--lease-ttl",
+                str(lease_ttl),
+                "--namespace",
+                namespace,
+                *extra,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        log.close()
+        procs.append(proc)
+        return proc
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)

@@ -1,0 +1,325 @@
+"""The runtime's face in one process: serving, routing, errors, cancellation, deadlines,
+shutdown. Every test runs on each discovery backend."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvbaton.runtime import (
+    BadRequestError,
+    ConnectError,
+    Context,
+    DeadlineExceededError,
+    DistributedRuntime,
+    EndpointNotFoundError,
+    HandlerError,
+    NoInstancesError,
+    ShuttingDownError,
+)
+from tests.helpers import collect, wait_until
+
+pytestmark = pytest.mark.unit
+
+RuntimeFactory = Callable[..., Awaitable[DistributedRuntime]]
+
+
+@pytest.fixture(params=["mem", "file"])
+async def make_runtime(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[RuntimeFactory]:
+    url = f"mem://{uuid.uuid4().hex}" if request.param == "mem" else f"file://{tmp_path}/d"
+    runtimes: list[DistributedRuntime] = []
+
+    async def make(**overrides: Any) -> DistributedRuntime:
+        overrides.setdefault("lease_ttl", 2.0)
+        runtime = DistributedRuntime(url, **overrides)
+        runtimes.append(runtime)
+        return runtime
+
+    yield make
+    for runtime in runtimes:
+        await runtime.shutdown()
+
+
+async def serve(
+    runtime: DistributedRuntime, path: str, handler: Any, **kw: Any
+) -> asyncio.Task[None]:
+    task = asyncio.create_task(runtime.endpoint(path).serve_endpoint(handler, **kw))
+    while (
+        runtime.instance_id is None or runtime._server is None or path not in runtime._server.routes
+    ):
+        await asyncio.sleep(0.001)
+        if task.done():
+            task.result()
+    return task
+
+
+async def echo(request: Any, context: Context) -> AsyncIterator[Any]:
+    for i in range(3):
+        if context.is_stopped():
+            return
+        yield {"i": i, "echo": request}
+
+
+async def test_the_issue_example_streams_in_order(make_runtime: RuntimeFactory) -> None:
+    runtime = await make_runtime()
+    await serve(runtime, "demo.backend.generate", echo)
+    client = await runtime.endpoint("demo.backend.generate").client()
+    assert await client.wait_for_instances() == [runtime.instance_id]
+    out = [r async for r in client.round_robin({"hello": 1})]
+    assert out == [{"i": i, "echo": {"hello": 1}} for i in range(3)]
+    assert client.instance_ids() == [runtime.instance_id]
+
+
+async def test_round_robin_random_and_direct(make_runtime: RuntimeFactory) -> None:
+    servers = [await make_runtime(), await make_runtime()]
+    for rt in servers:
+
+        async def who(request: Any, ctx: Context, rt: DistributedRuntime = rt) -> int | None:
+            return rt.instance_id
+
+        await serve(rt, "ns.c.who", who)
+    caller = await make_runtime()
+    client = await caller.endpoint("ns.c.who").client()
+    ids = sorted(rt.instance_id for rt in servers if rt.instance_id is not None)
+    await wait_until(lambda: client.instance_ids() == ids, what="both instances seen")
+    rr = [(await collect(client.round_robin(None)))[0] for _ in range(10)]
+    assert rr.count(ids[0]) == rr.count(ids[1]) == 5
+    assert all(a != b for a, b in itertools.pairwise(rr))  # alternates
+    rnd = {(await collect(client.random(None)))[0] for _ in range(40)}
+    assert rnd == set(ids)
+    for iid in ids:
+        stream = await client.direct(None, iid)
+        assert stream.instance_id == iid
+        assert [x async for x in stream] == [iid]
+    with pytest.raises(NoInstancesError):
+        await client.direct(None, 0xDEAD)
+
+
+async def test_unary_handler_and_struct_types(make_runtime: RuntimeFactory) -> None:
+    class Ask(msgspec.Struct):
+        a: int
+        b: int
+
+    class Sum(msgspec.Struct):
+        total: int
+
+    async def add(request: Ask, ctx: Context) -> Sum:
+        return Sum(request.a + request.b)
+
+    runtime = await make_runtime()
+    await serve(runtime, "ns.math.add", add, request_type=Ask)
+    client = await runtime.endpoint("ns.math.add").client(response_type=Sum)
+    await client.wait_for_instances()
+    assert [r async for r in client.round_robin(Ask(2, 3))] == [Sum(5)]
+    with pytest.raises(BadRequestError, match="bad request"):
+        async for _ in client.round_robin({"a": "not a number"}):
+            pass
+
+
+async def test_handler_error_reaches_the_caller_typed(make_runtime: RuntimeFactory) -> None:
+    async def failing(request: Any, ctx: Context) -> AsyncIterator[int]:
+        yield 1
+        raise KeyError("no such thing")
+
+    runtime = await make_runtime()
+    await serve(runtime, "ns.c.fail", failing)
+    client = await runtime.endpoint("ns.c.fail").client()
+    await client.wait_for_instances()
+    got = []
+    with pytest.raises(HandlerError) as info:
+        async for item in client.round_robin(None):
+            got.append(item)
+    assert got == [1]
+    assert info.value.error_type == "KeyError"
+    assert "no such thing" in info.value.message
+
+
+async def test_unknown_endpoint_on_an_instance(make_runtime: RuntimeFactory) -> None:
+    runtime = await make_runtime()
+    task = await serve(runtime, "ns.c.gone", echo)
+    client = await runtime.endpoint("ns.c.gone").client()
+    await client.wait_for_instances()
+    stream = await client.round_robin(None)  # connected and sent...
+    assert [x async for x in stream]
+    runtime._server.remove_route("ns.c.gone")  # type: ignore[union-attr]
+    with pytest.raises(EndpointNotFoundError):
+        async for _ in client.round_robin(None):
+            pass
+    task.cancel()
+
+
+async def test_break_stops_the_handler_within_milliseconds(make_runtime: RuntimeFactory) -> None:
+    stopped_after: list[float] = []
+    broke_at: list[float] = []
+
+    async def endless(request: Any, ctx: Context) -> AsyncIterator[int]:
+        i = 0
+        while True:
+            yield i
+            i += 1
+            await asyncio.sleep(0.001)
+            if ctx.is_stopped():
+                stopped_after.append(time.monotonic() - broke_at[0])
+                return
+
+    runtime = await make_runtime()
+    await serve(runtime, "ns.c.endless", endless)
+    client = await runtime.endpoint("ns.c.endless").client()
+    await client.wait_for_instances()
+    async for item in client.round_robin(None):
+        if item == 5:
+            broke_at.append(time.monotonic())
+            break
+    for _ in range(500):
+        if stopped_after:
+            break
+        await asyncio.sleep(0.001)
+    assert stopped_after and stopped_after[0] < 0.1
+
+
+async def test_a_handler_that_ignores_stop_is_cancelled_after_the_grace(
+    make_runtime: RuntimeFactory,
+) -> None:
+    events: list[str] = []
+
+    async def stubborn(request: Any, ctx: Context) -> AsyncIterator[int]:
+        yield 0
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            events.append("cancelled" if ctx.is_stopped() else "cancelled-unstopped")
+            raise
+
+    runtime = await make_runtime(cancel_grace=0.2)
+    await serve(runtime, "ns.c.stubborn", stubborn)
+    client = await runtime.endpoint("ns.c.stubborn").client()
+    await client.wait_for_instances()
+
+    async def consume() -> None:
+        async for _ in client.round_robin(None):
+            pass
+
+    reader = asyncio.create_task(consume())
+    await asyncio.sleep(0.1)
+    reader.cancel()  # cancelling the caller's task cancels the stream
+    waited = await wait_until(lambda: events, timeout=5, what="handler cancelled")
+    assert events == ["cancelled"]
+    assert 0.15 <= waited < 1.0
+
+
+async def test_deadline_stops_the_handler(make_runtime: RuntimeFactory) -> None:
+    async def slow(request: Any, ctx: Context) -> AsyncIterator[int]:
+        while not ctx.is_stopped():
+            yield 1
+            await asyncio.sleep(0.01)
+
+    runtime = await make_runtime()
+    await serve(runtime, "ns.c.slow", slow)
+    client = await runtime.endpoint("ns.c.slow").client()
+    await client.wait_for_instances()
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceededError):
+        async for _ in client.round_robin(None, timeout=0.2):
+            pass
+    assert 0.15 < time.monotonic() - t0 < 1.0
+
+
+async def test_500_concurrent_streams_share_one_connection(make_runtime: RuntimeFactory) -> None:
+    async def count(request: int, ctx: Context) -> AsyncIterator[int]:
+        for i in range(5):
+            await asyncio.sleep(0.01)
+            yield request * 10 + i
+
+    server = await make_runtime()
+    await serve(server, "ns.c.count", count)
+    caller = await make_runtime()
+    client = await caller.endpoint("ns.c.count").client()
+    await client.wait_for_instances()
+
+    async def one(n: int) -> list[int]:
+        return [x async for x in client.round_robin(n)]
+
+    results = await asyncio.gather(*(one(n) for n in range(500)))
+    assert results == [[n * 10 + i for i in range(5)] for n in range(500)]
+    assert len(caller.request_client.connections()) == 1
+    assert len(server._server.connections) == 1  # type: ignore[union-attr]
+
+
+async def test_shutdown_drains_in_flight_streams_and_refuses_new_ones(
+    make_runtime: RuntimeFactory,
+) -> None:
+    async def slow(request: Any, ctx: Context) -> AsyncIterator[int]:
+        for i in range(5):
+            await asyncio.sleep(0.05)
+            yield i
+
+    server = await make_runtime(drain_timeout=5.0)
+    await serve(server, "ns.c.slow", slow)
+    caller = await make_runtime()
+    client = await caller.endpoint("ns.c.slow").client()
+    await client.wait_for_instances()
+    in_flight = client.round_robin(None)
+    assert await in_flight.__anext__() == 0  # running on the server
+    shutdown = asyncio.create_task(server.shutdown())
+    await asyncio.sleep(0.01)
+    # A request that arrives while draining is refused and never runs.
+    conn = next(iter(caller.request_client._conns.values()))
+    stream = conn.open(
+        "ns.c.slow",
+        msgspec.Raw(msgspec.msgpack.encode(None)),
+        "late",
+        None,
+        msgspec.msgpack.Decoder(),
+    )
+    with pytest.raises(ShuttingDownError):
+        async for _ in stream:
+            pass
+    assert [x async for x in in_flight] == [1, 2, 3, 4]
+    await shutdown
+    await wait_until(lambda: not client.instance_ids(), what="instance deregistered")
+
+
+async def test_unreachable_instance_is_quarantined_and_skipped(
+    make_runtime: RuntimeFactory,
+) -> None:
+    live = await make_runtime()
+    await serve(live, "ns.c.echo", echo)
+    dead = await make_runtime()
+    await serve(dead, "ns.c.echo", echo)
+    dead_id = dead.instance_id
+    # Close the dead one's listener without deregistering, as a crashed process would.
+    dead._server._server.close()  # type: ignore[union-attr]
+    for conn in list(dead._server.connections):  # type: ignore[union-attr]
+        conn.abort("test")
+    caller = await make_runtime()
+    client = await caller.endpoint("ns.c.echo").client()
+    await wait_until(lambda: len(client.instance_ids()) == 2, what="both instances seen")
+    for _ in range(4):
+        assert len([x async for x in client.round_robin("x")]) == 3
+    assert client.instance_ids() == [live.instance_id]
+    with pytest.raises(ConnectError):
+        await client.direct("x", dead_id)  # type: ignore[arg-type]
+
+
+async def test_wait_for_instances_times_out_clearly(make_runtime: RuntimeFactory) -> None:
+    runtime = await make_runtime()
+    client = await runtime.endpoint("ns.nobody.here").client()
+    with pytest.raises(NoInstancesError, match=r"ns\.nobody\.here"):
+        await client.wait_for_instances(timeout=0.2)
+
+
+def test_bad_names_are_refused() -> None:
+    runtime = DistributedRuntime(f"mem://{uuid.uuid4().hex}")
+    for path in ["a.b", "a.b.c.d", "a..c", "a.b/c.d", "-a.b.c"]:
+        with pytest.raises(ValueError):
+            runtime.endpoint(path)
