@@ -22,5 +22,11 @@ async def wait_until(
     return time.monotonic() - t0
 
 
-async def collect(stream: AsyncIterable[T]) -> list[T]:
-    return [item async for item in stream]
+async def collect(stream: AsyncIterable[T], limit: int | None = None) -> list[T]:
+    """The stream's items; with `limit`, only the first `limit` (the rest are not read)."""
+    items: list[T] = []
+    async for item in stream:
+        items.append(item)
+        if limit is not None and len(items) >= limit:
+            break
+    return items

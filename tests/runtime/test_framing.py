@@ -20,7 +20,7 @@ LIMIT = 1 << 20
 FRAMES = [
     Request(1, "ns.comp.ep", "req-1", encode_payload({"a": [1, 2, 3]}), 123.5),
     Request(2, "ns.comp.ep", "req-2", encode_payload("x")),
-    Data(1, encode_payload({"i": 0, "blob": b"\x00" * 100})),
+    Data(1, [encode_payload({"i": 0, "blob": b"\x00" * 100}), encode_payload(2)]),
     End(1),
     Error(2, ErrorKind.HANDLER, "boom", "ValueError"),
     Cancel(3),
@@ -60,7 +60,7 @@ def test_oversized_header_is_refused_before_the_body_arrives() -> None:
 
 def test_encoding_refuses_an_oversized_frame() -> None:
     with pytest.raises(FrameError, match="over the limit"):
-        encode_frame(Data(1, encode_payload(b"x" * 2048)), 1024)
+        encode_frame(Data(1, [encode_payload(b"x" * 2048)]), 1024)
 
 
 @pytest.mark.parametrize(

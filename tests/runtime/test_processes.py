@@ -200,7 +200,7 @@ def _garbage(seed: int) -> list[bytes]:
         HEADER.pack(3) + msgspec.msgpack.encode([77, 1])[:3],
         b"\x00\x00",
         request[: len(request) - 3],
-        encode_frame(Data(1, encode_payload("a client may not send data")), 1 << 20),
+        encode_frame(Data(1, [encode_payload("a client may not send data")]), 1 << 20),
     ]
 
 

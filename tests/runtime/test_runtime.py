@@ -323,3 +323,52 @@ def test_bad_names_are_refused() -> None:
     for path in ["a.b", "a.b.c.d", "a..c", "a.b/c.d", "-a.b.c"]:
         with pytest.raises(ValueError):
             runtime.endpoint(path)
+
+
+async def test_a_handler_that_never_awaits_neither_starves_nor_floods(
+    make_runtime: RuntimeFactory,
+) -> None:
+    async def firehose(n: int, ctx: Context) -> AsyncIterator[int]:
+        for i in range(n):
+            yield i
+
+    async def ping(request: Any, ctx: Context) -> str:
+        return "pong"
+
+    server = await make_runtime()
+    await serve(server, "ns.c.firehose", firehose)
+    await serve(server, "ns.c.ping", ping)
+    caller = await make_runtime()
+    hose = await caller.endpoint("ns.c.firehose").client()
+    pinger = await caller.endpoint("ns.c.ping").client()
+    await hose.wait_for_instances()
+    await pinger.wait_for_instances()
+    big = asyncio.create_task(collect(hose.round_robin(200_000)))
+    await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    assert await collect(pinger.round_robin(None)) == ["pong"]
+    assert not big.done(), "the ping had to wait for the whole firehose"
+    assert time.monotonic() - t0 < 0.5
+    assert await big == list(range(200_000))
+
+
+async def test_responses_too_big_or_not_encodable_fail_that_stream_only(
+    make_runtime: RuntimeFactory,
+) -> None:
+    async def bad(kind: str, ctx: Context) -> AsyncIterator[Any]:
+        yield "fine"
+        yield b"x" * 4096 if kind == "big" else object()
+
+    server = await make_runtime(max_frame_bytes=2048)
+    await serve(server, "ns.c.bad", bad)
+    caller = await make_runtime(max_frame_bytes=2048)
+    client = await caller.endpoint("ns.c.bad").client()
+    await client.wait_for_instances()
+    for kind, error_type in [("big", "FrameError"), ("odd", "TypeError")]:
+        got = []
+        with pytest.raises(HandlerError) as info:
+            async for item in client.round_robin(kind):
+                got.append(item)
+        assert got == ["fine"]
+        assert info.value.error_type == error_type
+    assert await collect(client.round_robin("big"), limit=1) == ["fine"]

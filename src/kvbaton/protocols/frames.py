@@ -2,8 +2,9 @@
 
 A stream is opened by the client with `Request`, answered by zero or more `Data` frames and
 closed by exactly one `End` or `Error`; the client may send `Cancel` at any time. Stream ids are
-chosen by the client and are unique per connection. Payloads are msgpack documents carried as
-`msgspec.Raw`, so a frame is decoded without decoding the payload it carries.
+chosen by the client and are unique per connection. A `Data` frame carries one or more responses
+of its stream, in order (a sender may coalesce responses produced together). Payloads are msgpack
+documents carried as `msgspec.Raw`, so a frame is decoded without decoding what it carries.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Request(msgspec.Struct, tag=0, array_like=True):
 
 class Data(msgspec.Struct, tag=1, array_like=True):
     stream_id: int
-    payload: msgspec.Raw
+    payloads: list[msgspec.Raw]
 
 
 class End(msgspec.Struct, tag=2, array_like=True):

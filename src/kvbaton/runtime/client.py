@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import time
 import uuid
-from collections.abc import Generator
+from collections.abc import Awaitable, Generator
 from typing import TYPE_CHECKING, Any
 
 from kvbaton.protocols.discovery import Instance
@@ -28,6 +29,15 @@ if TYPE_CHECKING:
     from kvbaton.runtime.distributed import DistributedRuntime
 
 log = logging.getLogger(__name__)
+
+
+_ID_PREFIX = uuid.uuid4().hex[:12]
+_ID_COUNTER = itertools.count()
+
+
+def _new_request_id() -> str:
+    """Unique across processes (random per-process prefix) and cheap (a counter)."""
+    return f"{_ID_PREFIX}-{next(_ID_COUNTER):x}"
 
 
 class ResponseStream:
@@ -47,7 +57,7 @@ class ResponseStream:
         self._request = request
         self._target = instance_id
         self._mode = mode
-        self.request_id = request_id or uuid.uuid4().hex
+        self.request_id = request_id or _new_request_id()
         self._deadline = None if timeout is None else time.time() + timeout
         self._stream: Stream | None = None
         self._closed = False
@@ -66,11 +76,15 @@ class ResponseStream:
     def __aiter__(self) -> ResponseStream:
         return self
 
-    async def __anext__(self) -> Any:
-        if self._stream is None:
-            if self._closed:
-                raise StopAsyncIteration
-            await self.open()
+    def __anext__(self) -> Awaitable[Any]:
+        if self._stream is not None:  # the common case: no extra coroutine per response
+            return self._stream.__anext__()
+        return self._open_then_next()
+
+    async def _open_then_next(self) -> Any:
+        if self._closed:
+            raise StopAsyncIteration
+        await self.open()
         assert self._stream is not None
         return await self._stream.__anext__()
 
@@ -102,6 +116,7 @@ class Client:
         self._instances: dict[int, Instance] = {}
         self._quarantine: dict[int, float] = {}  # instance id -> monotonic time it ends
         self._changed = asyncio.Event()
+        self._available_ids: list[int] | None = None  # cache of _available(); None: stale
         self._rr = 0
         self._watch_task: asyncio.Task[None] | None = None
 
@@ -132,20 +147,28 @@ class Client:
                 log.warning("ignoring unreadable discovery record %s: %s", key, exc)
                 return
         self._quarantine.pop(instance_id, None)
+        self._mark_changed()
+
+    def _mark_changed(self) -> None:
+        self._available_ids = None
         self._changed.set()
         self._changed = asyncio.Event()
 
     # -- instances ---------------------------------------------------------------------------
     def _available(self) -> list[int]:
-        now = time.monotonic()
-        for iid, until in list(self._quarantine.items()):
-            if until <= now:
-                del self._quarantine[iid]
-        return sorted(i for i in self._instances if i not in self._quarantine)
+        if self._quarantine:
+            now = time.monotonic()
+            for iid, until in list(self._quarantine.items()):
+                if until <= now:
+                    del self._quarantine[iid]
+                    self._available_ids = None
+        if self._available_ids is None:
+            self._available_ids = sorted(i for i in self._instances if i not in self._quarantine)
+        return self._available_ids
 
     def instance_ids(self) -> list[int]:
         """Live instances that are not quarantined, in ascending order."""
-        return self._available()
+        return list(self._available())
 
     def instances(self) -> list[Instance]:
         return [self._instances[i] for i in self._available()]
@@ -153,8 +176,7 @@ class Client:
     def quarantine(self, instance_id: int) -> None:
         if instance_id in self._instances:
             self._quarantine[instance_id] = time.monotonic() + self._runtime.settings.lease_ttl
-            self._changed.set()
-            self._changed = asyncio.Event()
+            self._mark_changed()
 
     async def wait_for_instances(self, timeout: float | None = None) -> list[int]:
         """Wait until at least one instance is available; NoInstancesError after `timeout`
@@ -168,7 +190,7 @@ class Client:
             changed = self._changed
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), min(remaining, 1.0))
-        return ids
+        return list(ids)
 
     # -- calls -------------------------------------------------------------------------------
     def round_robin(
@@ -203,8 +225,7 @@ class Client:
         if not ids:
             raise NoInstancesError(f"no live instance of {self.path}")
         if mode == "random":
-            random.shuffle(ids)
-            return ids
+            return random.sample(ids, len(ids))
         start = self._rr % len(ids)
         self._rr += 1
         return ids[start:] + ids[:start]

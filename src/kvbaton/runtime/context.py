@@ -14,22 +14,28 @@ class Context:
     `stop_generating()`. A handler that does not look is cancelled after a short grace period.
     """
 
-    __slots__ = ("_stopped", "deadline", "id")
+    __slots__ = ("_event", "_stopped", "deadline", "id")
 
     def __init__(self, request_id: str, deadline: float | None = None) -> None:
         self.id = request_id
         self.deadline = deadline  # seconds since the epoch, or None
-        self._stopped = asyncio.Event()
+        self._stopped = False
+        self._event: asyncio.Event | None = None  # made only for a handler that waits on it
 
     def is_stopped(self) -> bool:
-        return self._stopped.is_set()
+        return self._stopped
 
     def stop_generating(self) -> None:
-        self._stopped.set()
+        self._stopped = True
+        if self._event is not None:
+            self._event.set()
 
     async def stopped(self) -> None:
         """Wait until the request is stopped."""
-        await self._stopped.wait()
+        if not self._stopped:
+            if self._event is None:
+                self._event = asyncio.Event()
+            await self._event.wait()
 
     def time_remaining(self) -> float | None:
         """Seconds until the deadline (negative once past), or None without one."""

@@ -1,21 +1,33 @@
 """A framed connection over an asyncio transport, shared by the server and client sides.
 
 Outgoing frames are coalesced: `send` queues the encoded frame and the queue is written once per
-event-loop iteration, so many concurrent streams cost one write syscall, not one each. `drain`
-waits while the transport's buffer is over its high-water mark.
+event-loop iteration, so many concurrent streams cost one write syscall, not one each. Responses
+given to `send_data` in one iteration go out as one `Data` frame per stream (up to the frame size
+limit), ahead of any later frame of that stream. Once more than FLUSH_BYTES are queued they are
+written at once, so the transport's flow control (`pause_writing`) can push back; `drain` waits
+while the transport's buffer is over its high-water mark.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import cast
+from typing import Any, cast
 
-from kvbaton.protocols.frames import Frame
+import msgspec
+
+from kvbaton.protocols.frames import Data, Frame
 from kvbaton.runtime.errors import FrameError, StreamBrokenError
-from kvbaton.runtime.request_plane.framing import FrameDecoder, encode_frame
+from kvbaton.runtime.request_plane.framing import (
+    DATA_OVERHEAD,
+    FrameDecoder,
+    encode_frame_into,
+    encode_payload,
+)
 
 log = logging.getLogger(__name__)
+
+FLUSH_BYTES = 256 * 1024
 
 
 class FrameConnection(asyncio.Protocol):
@@ -23,7 +35,9 @@ class FrameConnection(asyncio.Protocol):
         self.max_frame_bytes = max_frame_bytes
         self._decoder = FrameDecoder(max_frame_bytes)
         self._transport: asyncio.Transport | None = None
-        self._pending: list[bytes] = []
+        self._out = bytearray()
+        self._data: dict[int, tuple[list[msgspec.Raw], int]] = {}  # stream -> (payloads, bytes)
+        self._queued = 0  # bytes in _out and _data
         self._flush_scheduled = False
         self._paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
@@ -75,19 +89,57 @@ class FrameConnection(asyncio.Protocol):
     # -- sending -----------------------------------------------------------------------------
     def send(self, frame: Frame) -> None:
         """Queue a frame; raises FrameError if it is over the size limit. A no-op once closed."""
-        data = encode_frame(frame, self.max_frame_bytes)
         if self.closed or self._transport is None:
             return
-        self._pending.append(data)
-        if not self._flush_scheduled:
+        if frame.stream_id in self._data:
+            self._emit_data(frame.stream_id)
+        before = len(self._out)
+        encode_frame_into(frame, self._out, self.max_frame_bytes)
+        self._queued += len(self._out) - before
+        self._schedule_flush()
+
+    def send_data(self, stream_id: int, value: Any) -> None:
+        """Queue one response of a stream. Raises TypeError if msgpack cannot hold `value`, and
+        FrameError if it is over the size limit. A no-op once closed."""
+        raw = encode_payload(value)
+        if len(raw) + DATA_OVERHEAD > self.max_frame_bytes:
+            raise FrameError(
+                f"response of {len(raw)} bytes is over the frame limit of "
+                f"{self.max_frame_bytes} bytes"
+            )
+        if self.closed or self._transport is None:
+            return
+        batch = self._data.get(stream_id)
+        if batch is not None and batch[1] + len(raw) + DATA_OVERHEAD > self.max_frame_bytes:
+            self._emit_data(stream_id)
+            batch = None
+        if batch is None:
+            self._data[stream_id] = ([raw], len(raw))
+        else:
+            batch[0].append(raw)
+            self._data[stream_id] = (batch[0], batch[1] + len(raw))
+        self._queued += len(raw)
+        self._schedule_flush()
+
+    def _emit_data(self, stream_id: int) -> None:
+        payloads, _ = self._data.pop(stream_id)
+        encode_frame_into(Data(stream_id, payloads), self._out, self.max_frame_bytes)
+
+    def _schedule_flush(self) -> None:
+        if self._queued > FLUSH_BYTES:
+            self._flush()
+        elif not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        pending, self._pending = self._pending, []
-        if pending and not self.closed and self._transport is not None:
-            self._transport.write(b"".join(pending) if len(pending) > 1 else pending[0])
+        for stream_id in list(self._data):
+            self._emit_data(stream_id)
+        out, self._out = self._out, bytearray()
+        self._queued = 0
+        if out and not self.closed and self._transport is not None:
+            self._transport.write(out)
 
     async def drain(self) -> None:
         """Wait until the transport accepts more; raises StreamBrokenError once closed."""

@@ -16,19 +16,28 @@ from kvbaton.protocols.frames import Frame
 from kvbaton.runtime.errors import FrameError
 
 HEADER = struct.Struct(">I")
+DATA_OVERHEAD = 16  # bytes a Data frame adds around its payloads, at most (tag, ids, lengths)
 _encoder = msgspec.msgpack.Encoder()
 _frame_decoder = msgspec.msgpack.Decoder(Frame)
 _any_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder()
 
 
+def encode_frame_into(frame: Frame, buf: bytearray, max_frame_bytes: int) -> None:
+    """Append header and body of `frame` to `buf`; raises FrameError (leaving `buf` as it was)
+    when the body is over the limit."""
+    start = len(buf)
+    _encoder.encode_into(frame, buf, start + HEADER.size)
+    size = len(buf) - start - HEADER.size
+    if size > max_frame_bytes:
+        del buf[start:]
+        raise FrameError(f"frame of {size} bytes is over the limit of {max_frame_bytes} bytes")
+    HEADER.pack_into(buf, start, size)
+
+
 def encode_frame(frame: Frame, max_frame_bytes: int) -> bytes:
     """Header and body of `frame`; raises FrameError when the body is over the limit."""
-    buf = bytearray(HEADER.size)
-    _encoder.encode_into(frame, buf, HEADER.size)
-    size = len(buf) - HEADER.size
-    if size > max_frame_bytes:
-        raise FrameError(f"frame of {size} bytes is over the limit of {max_frame_bytes} bytes")
-    HEADER.pack_into(buf, 0, size)
+    buf = bytearray()
+    encode_frame_into(frame, buf, max_frame_bytes)
     return bytes(buf)
 
 
@@ -54,23 +63,28 @@ class FrameDecoder:
         return len(self._buf)
 
     def feed(self, data: bytes) -> list[Frame]:
-        buf = self._buf
-        buf += data
+        if self._buf:  # complete the held-back frame; copies only then
+            self._buf += data
+            data = bytes(self._buf)
+            self._buf.clear()
+        # Payloads (msgspec.Raw) keep a view of `data`: immutable bytes, so that is safe.
+        view = memoryview(data)
         frames: list[Frame] = []
-        pos, end = 0, len(buf)
+        pos, end = 0, len(data)
         while end - pos >= HEADER.size:
-            (size,) = HEADER.unpack_from(buf, pos)
+            (size,) = HEADER.unpack_from(data, pos)
             if size > self.max_frame_bytes:
                 raise FrameError(
                     f"frame of {size} bytes is over the limit of {self.max_frame_bytes} bytes"
                 )
-            if end - pos - HEADER.size < size:
+            start = pos + HEADER.size
+            if end - start < size:
                 break
-            body = bytes(buf[pos + HEADER.size : pos + HEADER.size + size])
             try:
-                frames.append(_frame_decoder.decode(body))
+                frames.append(_frame_decoder.decode(view[start : start + size]))
             except msgspec.DecodeError as exc:
                 raise FrameError(f"malformed frame: {exc}") from exc
-            pos += HEADER.size + size
-        del buf[:pos]
+            pos = start + size
+        if pos < end:
+            self._buf += view[pos:]
         return frames

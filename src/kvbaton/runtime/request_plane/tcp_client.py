@@ -58,12 +58,16 @@ class Stream:
         self._conn = conn
         self.stream_id = stream_id
         self._decoder = decoder
-        self._frames: deque[Frame | BaseException] = deque()
+        # Responses not yet read, then possibly the end: End, Error or a StreamBrokenError.
+        self._items: deque[msgspec.Raw | End | Error | BaseException] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self.done = False
 
-    def _push(self, item: Frame | BaseException) -> None:
-        self._frames.append(item)
+    def _push(self, frame: Data | End | Error | BaseException) -> None:
+        if isinstance(frame, Data):
+            self._items.extend(frame.payloads)
+        else:
+            self._items.append(frame)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -72,7 +76,7 @@ class Stream:
         return self
 
     async def __anext__(self) -> Any:
-        while not self._frames:
+        while not self._items:
             if self.done:
                 raise StopAsyncIteration
             self._waiter = asyncio.get_running_loop().create_future()
@@ -83,24 +87,23 @@ class Stream:
                 raise
             finally:
                 self._waiter = None
-        item = self._frames.popleft()
-        if isinstance(item, Data):
-            return self._decoder.decode(item.payload)
+        item = self._items.popleft()
+        if type(item) is msgspec.Raw:
+            return self._decoder.decode(item)
         self.done = True
         if isinstance(item, End):
             raise StopAsyncIteration
         if isinstance(item, Error):
             raise error_from_frame(item)
-        if isinstance(item, BaseException):
-            raise item
-        raise FrameError(f"unexpected {type(item).__name__} frame")
+        assert isinstance(item, BaseException)
+        raise item
 
     def cancel(self) -> None:
         """Stop the remote handler (idempotent; a no-op after the stream ended)."""
         if self.done:
             return
         self.done = True
-        self._frames.clear()
+        self._items.clear()
         if self._conn.streams.pop(self.stream_id, None) is not None:
             self._conn.send(Cancel(self.stream_id))
 

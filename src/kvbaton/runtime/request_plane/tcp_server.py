@@ -23,14 +23,16 @@ from typing import Any
 
 import msgspec
 
-from kvbaton.protocols.frames import Cancel, Data, End, Error, ErrorKind, Frame, Request
+from kvbaton.protocols.frames import Cancel, End, Error, ErrorKind, Frame, Request
 from kvbaton.runtime.context import Context
 from kvbaton.runtime.errors import FrameError
 from kvbaton.runtime.request_plane.connection import FrameConnection
-from kvbaton.runtime.request_plane.framing import encode_payload, payload_decoder
+from kvbaton.runtime.request_plane.framing import payload_decoder
 from kvbaton.runtime.settings import RuntimeSettings
 
 log = logging.getLogger(__name__)
+
+YIELD_EVERY = 64  # responses a stream may send without letting other streams run
 
 Handler = Callable[[Any, Context], AsyncIterator[Any] | Awaitable[Any]]
 
@@ -132,11 +134,16 @@ class _ServerConnection(FrameConnection):
             result = route.handler(request, stream.context)
             if isinstance(result, AsyncIterator):
                 try:
+                    sent = 0
                     async for item in result:
                         if stream.finished:
                             break
-                        self.send(Data(sid, encode_payload(item)))
-                        await self.drain()
+                        self.send_data(sid, item)
+                        sent += 1
+                        if self._paused or self.closed:
+                            await self.drain()
+                        elif sent % YIELD_EVERY == 0:
+                            await asyncio.sleep(0)  # a handler that never awaits starves no one
                 finally:
                     aclose = getattr(result, "aclose", None)
                     if aclose is not None:
@@ -144,7 +151,7 @@ class _ServerConnection(FrameConnection):
             else:
                 item = await result
                 if not stream.finished:
-                    self.send(Data(sid, encode_payload(item)))
+                    self.send_data(sid, item)
             self._finish(stream, End(sid))
         except asyncio.CancelledError:
             # Cancelled by us (grace over, drain over): the caller is gone or sees the
