@@ -1,0 +1,40 @@
+"""Settings come from flags, then KVBATON_* variables, then defaults."""
+
+import pytest
+
+from kvbaton.cli.main import build_parser, runtime_settings
+from kvbaton.runtime import RuntimeSettings
+
+pytestmark = pytest.mark.unit
+
+
+def test_defaults_need_no_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(__import__("os").environ):
+        if name.startswith("KVBATON_"):
+            monkeypatch.delenv(name)
+    settings = RuntimeSettings()
+    assert settings.discovery.startswith("file://")
+    assert settings.request_plane == "tcp"
+    assert settings.host == "127.0.0.1"
+    assert settings.lease_ttl == 10.0
+
+
+def test_flags_win_over_variables_which_win_over_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVBATON_LEASE_TTL", "3")
+    monkeypatch.setenv("KVBATON_DISCOVERY", "mem://from-env")
+    args = build_parser().parse_args(["worker", "--discovery", "mem://from-flag"])
+    settings = runtime_settings(args)
+    assert settings.discovery == "mem://from-flag"
+    assert settings.lease_ttl == 3.0
+    assert settings.port == 0
+
+
+def test_bad_values_are_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVBATON_LEASE_TTL", "-1")
+    with pytest.raises(ValueError, match="lease_ttl"):
+        RuntimeSettings()
+    monkeypatch.delenv("KVBATON_LEASE_TTL")
+    with pytest.raises(ValueError, match="unknown request plane"):
+        RuntimeSettings(request_plane="carrier-pigeon")
