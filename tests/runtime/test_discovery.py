@@ -38,7 +38,7 @@ async def pair(url: str) -> AsyncIterator[tuple[Discovery, Discovery]]:
     await b.close()
 
 
-async def next_event(watch: PrefixWatch, timeout: float = 2.0) -> WatchEvent:
+async def next_event(watch: PrefixWatch, timeout: float = 5.0) -> WatchEvent:
     return await asyncio.wait_for(watch.__anext__(), timeout)
 
 
@@ -184,3 +184,51 @@ def test_open_discovery_urls(tmp_path: Path) -> None:
     assert isinstance(open_discovery(str(tmp_path)), FileDiscovery)
     with pytest.raises(ValueError, match="unknown discovery backend"):
         open_discovery("zookeeper://x")
+
+
+async def test_closing_wakes_a_reader_waiting_on_the_watch(url: str) -> None:
+    disc = open_discovery(url)
+    watches = [await disc.watch_prefix("/a/"), await disc.watch_prefix("/b/")]
+
+    async def read(watch: PrefixWatch) -> list[WatchEvent]:
+        return [e async for e in watch]
+
+    readers = [asyncio.create_task(read(w)) for w in watches]
+    await asyncio.sleep(0.05)
+    await watches[0].aclose()
+    assert await asyncio.wait_for(readers[0], 2) == []
+    await disc.close()  # closes the other watch too
+    assert await asyncio.wait_for(readers[1], 2) == []
+
+
+def test_file_scans_never_reap_keys_of_leases_granted_meanwhile(tmp_path: Path) -> None:
+    """A reader in another process scanning while a writer grants leases and puts keys must not
+    take a fresh key for an orphan (its lease appeared after the reader listed the leases)."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "disc"
+    stop = tmp_path / "stop"
+    writer = FileDiscovery(root)
+    scanner = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, sys\n"
+        "from kvbaton.runtime.discovery import FileDiscovery\n"
+        "reader = FileDiscovery(sys.argv[1])\n"
+        "while not pathlib.Path(sys.argv[2]).exists():\n"
+        "    reader._scan()\n"
+    ), str(root), str(stop)])
+
+    async def put_many() -> None:
+        await asyncio.sleep(1.0)  # let the scanner start its loop
+        for i in range(500):
+            lease = await writer.grant_lease(30)
+            await writer.put(f"/k/{i}", b"v", lease)
+        if writer._keepalive_task is not None:
+            writer._keepalive_task.cancel()
+
+    try:
+        asyncio.run(put_many())
+    finally:
+        stop.touch()
+        scanner.wait(timeout=30)
+    assert len(list((root / "k").iterdir())) == 500

@@ -105,14 +105,12 @@ async def test_killed_worker_leaves_instance_ids_within_the_lease_ttl(
     generate, _, pids = await clients(runtime, 2)
     victim_iid = next(i for i, pid in pids.items() if pid == procs[1].pid)
     kill9(procs[1])
-    t0 = time.monotonic()
     waited = await wait_until(
         lambda: victim_iid not in generate.instance_ids(), TTL + 3, "dead worker dropped"
     )
     assert waited <= TTL + 0.3, f"dropped after {waited:.2f}s, TTL is {TTL}s"
     assert generate.instance_ids() == [i for i in pids if i != victim_iid]
-    assert time.monotonic() - t0 >= 0  # the survivor is still routed to:
-    assert len(await collect(generate.round_robin("still there"))) == 1
+    assert len(await collect(generate.round_robin("still there"))) == 1  # the survivor serves
 
 
 async def test_cancellation_reaches_the_handler_in_another_process(

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvbaton.protocols.discovery import Instance
 from kvbaton.runtime import (
     BadRequestError,
     ConnectError,
@@ -21,6 +22,7 @@ from kvbaton.runtime import (
     DeadlineExceededError,
     DistributedRuntime,
     EndpointNotFoundError,
+    FrameError,
     HandlerError,
     NoInstancesError,
     ShuttingDownError,
@@ -372,3 +374,63 @@ async def test_responses_too_big_or_not_encodable_fail_that_stream_only(
         assert got == ["fine"]
         assert info.value.error_type == error_type
     assert await collect(client.round_robin("big"), limit=1) == ["fine"]
+
+
+async def test_a_huge_handler_error_is_cut_not_lost(make_runtime: RuntimeFactory) -> None:
+    async def shouty(request: Any, ctx: Context) -> AsyncIterator[int]:
+        yield 1
+        raise RuntimeError("x" * 20_000)
+
+    server = await make_runtime(max_frame_bytes=4096)
+    await serve(server, "ns.c.shouty", shouty)
+    client = await server.endpoint("ns.c.shouty").client()
+    await client.wait_for_instances()
+    with pytest.raises(HandlerError) as info:
+        await collect(client.round_robin(None))
+    assert info.value.error_type == "RuntimeError"
+    assert "more characters" in info.value.message and len(info.value.message) < 4096
+
+
+async def test_the_caller_enforces_its_deadline_when_the_server_never_answers(
+    make_runtime: RuntimeFactory,
+) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # reads everything, answers nothing
+        writer.close()
+
+    mute = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = mute.sockets[0].getsockname()[1]
+    runtime = await make_runtime()
+    lease = await runtime.discovery.grant_lease(10)
+    instance = Instance(
+        namespace="ns",
+        component="c",
+        endpoint="mute",
+        instance_id=lease,
+        address=f"tcp://127.0.0.1:{port}",
+    )
+    await runtime.discovery.put(f"/services/ns/c/mute-{lease:x}", instance.to_json(), lease)
+    client = await runtime.endpoint("ns.c.mute").client()
+    await client.wait_for_instances()
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceededError):
+        await collect(client.round_robin(None, timeout=0.2))
+    assert time.monotonic() - t0 < 5  # bounded: the slack past the deadline is 0.5 s
+    assert not runtime.request_client._conns[instance.address].streams  # cancelled, not kept
+    mute.close()
+
+
+async def test_an_oversized_request_is_refused_and_leaves_nothing_behind(
+    make_runtime: RuntimeFactory,
+) -> None:
+    server = await make_runtime(max_frame_bytes=2048)
+    await serve(server, "ns.c.echo", echo)
+    client = await server.endpoint("ns.c.echo").client()
+    await client.wait_for_instances()
+    assert await collect(client.round_robin("small"), limit=1)
+    for _ in range(3):
+        with pytest.raises(FrameError, match="over the limit"):
+            await client.round_robin("x" * 4096)
+    (conn,) = server.request_client._conns.values()
+    assert conn.streams == {}
+    assert len(await collect(client.round_robin("small again"))) == 3

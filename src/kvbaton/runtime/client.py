@@ -96,8 +96,8 @@ class ResponseStream:
     def __del__(self) -> None:
         # `break` out of `async for` drops the stream: stop the remote handler at once.
         if self._stream is not None and not self._stream.done:
-            with contextlib.suppress(Exception):  # the loop may be gone at interpreter exit
-                self._stream.cancel()
+            with contextlib.suppress(RuntimeError):  # the loop may be closed at exit
+                self._stream.cancel_threadsafe()
 
     async def __aenter__(self) -> ResponseStream:
         return self

@@ -23,6 +23,9 @@ class WatchEvent(NamedTuple):
     value: bytes | None  # None for a delete
 
 
+_CLOSED = WatchEvent("delete", "", None)  # the end-of-watch marker, compared by identity
+
+
 class PrefixWatch:
     """The keys under a prefix at the time of the call, then their changes as an async iterator.
 
@@ -44,12 +47,20 @@ class PrefixWatch:
     async def __anext__(self) -> WatchEvent:
         if self._on_close is None:
             raise StopAsyncIteration
-        return await self._queue.get()
+        event = await self._queue.get()
+        if event is _CLOSED:
+            raise StopAsyncIteration
+        return event
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        """Stop delivery; a reader waiting in `async for` ends its loop."""
         on_close, self._on_close = self._on_close, None
         if on_close is not None:
             on_close()
+            self._queue.put_nowait(_CLOSED)
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 class Discovery(abc.ABC):

@@ -21,6 +21,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import msgspec
@@ -63,6 +64,7 @@ class FileDiscovery(Discovery):
         self._own: dict[int, tuple[float, dict[str, bytes]]] = {}  # lease -> (ttl, keys)
         self._keepalive_task: asyncio.Task[None] | None = None
         self._watchers: list[tuple[str, asyncio.Queue[WatchEvent]]] = []
+        self._watches: weakref.WeakSet[PrefixWatch] = weakref.WeakSet()
         self._snapshot: dict[str, bytes] = {}
         self._next_expiry = float("inf")
         self._dirty = asyncio.Event()
@@ -91,7 +93,7 @@ class FileDiscovery(Discovery):
         _write_atomic(
             self._lease_path(lease_id), msgspec.msgpack.encode(_LeaseRecord(ttl, os.getpid()))
         )
-        if self._keepalive_task is None:
+        if self._keepalive_task is None or self._keepalive_task.done():
             self._keepalive_task = asyncio.create_task(
                 self._keepalive_loop(), name="file-keepalive"
             )
@@ -188,10 +190,22 @@ class FileDiscovery(Discovery):
                     continue
                 if leases.get(record.lease_id):
                     live["/" + path.relative_to(self.root).as_posix()] = record.value
-                elif record.lease_id not in self._own and record.lease_id not in unreadable:
-                    _unlink(path)
+                elif (
+                    record.lease_id not in self._own
+                    and record.lease_id not in unreadable
+                    and not self._lease_alive(record.lease_id, now)
+                ):
+                    _unlink(path)  # re-checked: a lease granted after the listing is alive
         self._next_expiry = next_expiry
         return live
+
+    def _lease_alive(self, lease_id: int, now: float) -> bool:
+        path = self._lease_path(lease_id)
+        try:
+            ttl = msgspec.msgpack.decode(path.read_bytes(), type=_LeaseRecord).ttl
+            return path.stat().st_mtime + ttl > now
+        except (OSError, msgspec.DecodeError):
+            return False
 
     # -- watches -----------------------------------------------------------------------------
     def _rescan_and_notify(self) -> None:
@@ -210,7 +224,12 @@ class FileDiscovery(Discovery):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._dirty.wait(), timeout)
             self._dirty.clear()
-            self._rescan_and_notify()
+            try:
+                self._rescan_and_notify()
+            except OSError as exc:  # e.g. the directory was removed: recreate, keep watching
+                log.error("file discovery scan of %s failed: %s", self.root, exc)
+                with contextlib.suppress(OSError):
+                    self._lease_dir.mkdir(parents=True, exist_ok=True)
 
     def _start_fs_events(self) -> None:
         """Watch the tree for changes (inotify where the OS has it) from a thread of our own;
@@ -256,7 +275,9 @@ class FileDiscovery(Discovery):
         self._watchers.append(entry)
         if self._scanner_task is None or self._scanner_task.done():
             self._scanner_task = asyncio.create_task(self._scanner_loop(), name="file-scanner")
-        return PrefixWatch(snapshot, queue, lambda: self._unwatch(entry))
+        watch = PrefixWatch(snapshot, queue, lambda: self._unwatch(entry))
+        self._watches.add(watch)
+        return watch
 
     def _unwatch(self, entry: tuple[str, asyncio.Queue[WatchEvent]]) -> None:
         self._watchers.remove(entry)
@@ -267,6 +288,9 @@ class FileDiscovery(Discovery):
             self._stop_fs_events()
 
     async def close(self) -> None:
+        for watch in list(self._watches):
+            watch.close()
+        self._watches.clear()
         for lease_id in list(self._own):
             await self.revoke_lease(lease_id)
         self._stop_fs_events()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 
 from kvbaton.runtime.discovery.base import Discovery, PrefixWatch, WatchEvent
 
@@ -37,6 +38,7 @@ class MemDiscovery(Discovery):
     def __init__(self, name: str = "default") -> None:
         self._store = _STORES.setdefault(name, MemStore())
         self._own_leases: set[int] = set()
+        self._watches: weakref.WeakSet[PrefixWatch] = weakref.WeakSet()
 
     async def grant_lease(self, ttl: float) -> int:
         lease_id = next(self._store.lease_ids)
@@ -69,10 +71,15 @@ class MemDiscovery(Discovery):
         queue: asyncio.Queue[WatchEvent] = asyncio.Queue()
         entry = (prefix, queue)
         self._store.watchers.append(entry)
-        return PrefixWatch(
+        watch = PrefixWatch(
             await self.get_prefix(prefix), queue, lambda: self._store.watchers.remove(entry)
         )
+        self._watches.add(watch)
+        return watch
 
     async def close(self) -> None:
+        for watch in list(self._watches):
+            watch.close()
+        self._watches.clear()
         for lease_id in list(self._own_leases):
             await self.revoke_lease(lease_id)

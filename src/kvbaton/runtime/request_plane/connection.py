@@ -31,6 +31,8 @@ FLUSH_BYTES = 256 * 1024
 
 
 class FrameConnection(asyncio.Protocol):
+    loop: asyncio.AbstractEventLoop  # set when connected
+
     def __init__(self, max_frame_bytes: int) -> None:
         self.max_frame_bytes = max_frame_bytes
         self._decoder = FrameDecoder(max_frame_bytes)
@@ -53,6 +55,7 @@ class FrameConnection(asyncio.Protocol):
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.loop = asyncio.get_running_loop()
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -129,8 +132,8 @@ class FrameConnection(asyncio.Protocol):
         if self._queued > FLUSH_BYTES:
             self._flush()
         elif not self._flush_scheduled:
-            self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
+            self._flush_scheduled = True
 
     def _flush(self) -> None:
         self._flush_scheduled = False

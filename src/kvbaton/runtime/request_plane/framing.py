@@ -56,6 +56,7 @@ class FrameDecoder:
     def __init__(self, max_frame_bytes: int) -> None:
         self.max_frame_bytes = max_frame_bytes
         self._buf = bytearray()
+        self._need = 0  # bytes the held-back frame needs in all (header included), once known
 
     @property
     def buffered(self) -> int:
@@ -63,8 +64,10 @@ class FrameDecoder:
         return len(self._buf)
 
     def feed(self, data: bytes) -> list[Frame]:
-        if self._buf:  # complete the held-back frame; copies only then
+        if self._buf:  # a held-back frame: gather its bytes, copy once when it is whole
             self._buf += data
+            if len(self._buf) < self._need:
+                return []
             data = bytes(self._buf)
             self._buf.clear()
         # Payloads (msgspec.Raw) keep a view of `data`: immutable bytes, so that is safe.
@@ -79,6 +82,7 @@ class FrameDecoder:
                 )
             start = pos + HEADER.size
             if end - start < size:
+                self._need = HEADER.size + size
                 break
             try:
                 frames.append(_frame_decoder.decode(view[start : start + size]))
@@ -86,5 +90,7 @@ class FrameDecoder:
                 raise FrameError(f"malformed frame: {exc}") from exc
             pos = start + size
         if pos < end:
+            if end - pos < HEADER.size:
+                self._need = HEADER.size
             self._buf += view[pos:]
         return frames

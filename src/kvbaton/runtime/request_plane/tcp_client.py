@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections import deque
 from typing import Any
 from urllib.parse import urlparse
@@ -30,6 +31,8 @@ from kvbaton.runtime.settings import RuntimeSettings
 
 log = logging.getLogger(__name__)
 
+DEADLINE_SLACK_S = 0.5  # past the deadline, wait this long for the server's own error frame
+
 _ERRORS: dict[str, type[RuntimeServiceError]] = {
     ErrorKind.NOT_FOUND: EndpointNotFoundError,
     ErrorKind.SHUTTING_DOWN: ShuttingDownError,
@@ -53,9 +56,14 @@ class Stream:
     """
 
     def __init__(
-        self, conn: ClientConnection, stream_id: int, decoder: msgspec.msgpack.Decoder[Any]
+        self,
+        conn: ClientConnection,
+        stream_id: int,
+        decoder: msgspec.msgpack.Decoder[Any],
+        deadline: float | None = None,
     ) -> None:
         self._conn = conn
+        self._deadline = deadline
         self.stream_id = stream_id
         self._decoder = decoder
         # Responses not yet read, then possibly the end: End, Error or a StreamBrokenError.
@@ -81,7 +89,14 @@ class Stream:
                 raise StopAsyncIteration
             self._waiter = asyncio.get_running_loop().create_future()
             try:
-                await self._waiter
+                if self._deadline is None:
+                    await self._waiter
+                else:  # the server enforces it too; this side holds even if the server hangs
+                    remaining = self._deadline - time.time() + DEADLINE_SLACK_S
+                    await asyncio.wait_for(self._waiter, max(0.0, remaining))
+            except TimeoutError:
+                self.cancel()
+                raise DeadlineExceededError("deadline exceeded (no answer)") from None
             except asyncio.CancelledError:
                 self.cancel()
                 raise
@@ -97,6 +112,11 @@ class Stream:
             raise error_from_frame(item)
         assert isinstance(item, BaseException)
         raise item
+
+    def cancel_threadsafe(self) -> None:
+        """`cancel` from any thread (a finalizer may run on one that is not the loop's)."""
+        if not self.done:
+            self._conn.loop.call_soon_threadsafe(self.cancel)
 
     def cancel(self) -> None:
         """Stop the remote handler (idempotent; a no-op after the stream ended)."""
@@ -129,9 +149,9 @@ class ClientConnection(FrameConnection):
     ) -> Stream:
         if self.closed:
             raise StreamBrokenError(f"connection to {self.address} lost")
-        stream = Stream(self, next(self._ids), decoder)
-        self.streams[stream.stream_id] = stream
+        stream = Stream(self, next(self._ids), decoder, deadline)
         self.send(Request(stream.stream_id, endpoint, request_id, payload, deadline))
+        self.streams[stream.stream_id] = stream
         return stream
 
     def frame_received(self, frame: Frame) -> None:
@@ -185,8 +205,15 @@ class TcpRequestClient:
         if task is None:
             task = asyncio.create_task(self._dial(address))
             self._connecting[address] = task
-            task.add_done_callback(lambda _: self._connecting.pop(address, None))
+            task.add_done_callback(self._dialed)
         return await asyncio.shield(task)
+
+    def _dialed(self, task: asyncio.Task[ClientConnection]) -> None:
+        for address, pending in list(self._connecting.items()):
+            if pending is task:
+                del self._connecting[address]
+        if not task.cancelled():
+            task.exception()  # retrieved here: every caller may have been cancelled meanwhile
 
     async def _dial(self, address: str) -> ClientConnection:
         parsed = urlparse(address)

@@ -115,6 +115,26 @@ class _ServerConnection(FrameConnection):
             if frame is not None:
                 self.send(frame)
 
+    def _finish_with_error(self, stream: _Stream, message: str, error_type: str) -> None:
+        """Send a handler's error; a message too long for a frame is cut, never dropped."""
+        limit = self.max_frame_bytes // 2
+        if len(message) > limit:
+            message = message[:limit] + f"... [{len(message) - limit} more characters]"
+        frame = Error(stream.stream_id, ErrorKind.HANDLER, message, error_type[:200])
+        try:
+            self._finish(stream, frame)
+        except FrameError:
+            stream.finished = False
+            self._finish(
+                stream,
+                Error(
+                    stream.stream_id,
+                    ErrorKind.HANDLER,
+                    "handler error too large to send",
+                    error_type[:200],
+                ),
+            )
+
     def stop(self, stream: _Stream, frame: Frame | None = None) -> None:
         """Stop a stream: nothing more is sent but `frame`; cancel its task after the grace."""
         self._finish(stream, frame)
@@ -158,11 +178,8 @@ class _ServerConnection(FrameConnection):
             # connection close, which it reads as a broken stream.
             stream.finished = True
         except Exception as exc:
-            if not self.closed:
-                log.warning("handler of %s raised on request %s: %r", sid, stream.context.id, exc)
-            self._finish(
-                stream, Error(sid, ErrorKind.HANDLER, str(exc) or repr(exc), type(exc).__name__)
-            )
+            log.warning("handler raised on request %s: %r", stream.context.id, exc)
+            self._finish_with_error(stream, str(exc) or repr(exc), type(exc).__name__)
         finally:
             for timer in stream.timers:
                 timer.cancel()
