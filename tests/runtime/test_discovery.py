@@ -210,13 +210,21 @@ def test_file_scans_never_reap_keys_of_leases_granted_meanwhile(tmp_path: Path) 
     root = tmp_path / "disc"
     stop = tmp_path / "stop"
     writer = FileDiscovery(root)
-    scanner = subprocess.Popen([sys.executable, "-c", (
-        "import pathlib, sys\n"
-        "from kvbaton.runtime.discovery import FileDiscovery\n"
-        "reader = FileDiscovery(sys.argv[1])\n"
-        "while not pathlib.Path(sys.argv[2]).exists():\n"
-        "    reader._scan()\n"
-    ), str(root), str(stop)])
+    scanner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import pathlib, sys\n"
+                "from kvbaton.runtime.discovery import FileDiscovery\n"
+                "reader = FileDiscovery(sys.argv[1])\n"
+                "while not pathlib.Path(sys.argv[2]).exists():\n"
+                "    reader._scan()\n"
+            ),
+            str(root),
+            str(stop),
+        ]
+    )
 
     async def put_many() -> None:
         await asyncio.sleep(1.0)  # let the scanner start its loop

@@ -95,6 +95,29 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status(runtime_settings(args), args.namespace)
 
 
+def cmd_pull(args: argparse.Namespace) -> int:
+    from kvbaton.llm.model_files import pull
+
+    path = pull(args.model, force=args.force, progress=lambda line: print(line, flush=True))
+    print(path)  # the last line is the directory
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvbaton.engine import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    ).validate()
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate([args.prompt], params)[0]
+    print(out.text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbaton", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvbaton {__version__}")
@@ -113,6 +136,23 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_flags(worker)
     worker.set_defaults(func=cmd_worker)
 
+    pull = sub.add_parser("pull", help="fetch and convert a model into the local cache")
+    pull.add_argument("model", nargs="?", default="smollm2")
+    pull.add_argument("--force", action="store_true", help="convert again even if cached")
+    pull.add_argument("--log-level", default="WARNING")
+    pull.set_defaults(func=cmd_pull)
+
+    generate = sub.add_parser("generate", help="complete one prompt with the built-in engine")
+    generate.add_argument("prompt")
+    generate.add_argument("--model", default="smollm2", help="a pulled model or a directory")
+    generate.add_argument("--chat", action="store_true", help="apply the chat template")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    generate.add_argument("--log-level", default="WARNING")
+    generate.set_defaults(func=cmd_generate)
+
     status = sub.add_parser("status", help="list the instances discovery knows")
     status.add_argument("--namespace", help="only this namespace")
     _runtime_flags(status)
@@ -125,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     _setup_logging(args.log_level)
     try:
         code = args.func(args)
-    except ValueError as exc:  # bad settings: say what, not a traceback
+    except (ValueError, FileNotFoundError) as exc:  # bad input: say what, not a traceback
         print(f"kvbaton: error: {exc}", file=sys.stderr)
         code = 2
     with contextlib.suppress(Exception):

@@ -1,0 +1,171 @@
+"""The engine's async face for workers: the step loop runs on a thread of its own (a step is
+blocking tensor work), requests and aborts go in through a queue, outputs come back to each
+caller's event loop.
+
+A request's life: `add_request` validates at once (ValueError to the caller), then queues it;
+the loop thread admits it before its next step; outputs stream to the caller's async iterator
+until one carries a finish reason. Leaving the iterator early, or `abort(request_id)`, aborts
+the request, which frees its blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kvbaton.engine.config import EngineConfig
+from kvbaton.engine.engine import EngineStats, LLMEngine
+from kvbaton.protocols.kv import KvEvent
+from kvbaton.protocols.llm import EngineOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora_name: str | None
+    cache_salt: str | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[
+            str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[EngineOutput | BaseException]]
+        ] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="kvbaton-engine", daemon=True)
+        self._stopped = False
+        self._thread.start()
+
+    @classmethod
+    async def create(
+        cls, config: EngineConfig, on_kv_event: Callable[[KvEvent], None] | None = None
+    ) -> AsyncEngine:
+        """Load the model off the event loop, then start the step thread."""
+        engine = await asyncio.to_thread(LLMEngine, config, on_kv_event)
+        return cls(engine)
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[EngineOutput]:
+        """Outputs of one request, the last with a finish reason. Raises ValueError at once for
+        a request that could never run; closing the iterator early aborts the request."""
+        if self._stopped:
+            raise RuntimeError("the engine is shut down")
+        self.engine.check_request(prompt_token_ids, params)
+        outputs: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, lora_name, cache_salt))
+        return self._stream(request_id, outputs)
+
+    async def _stream(
+        self, request_id: str, outputs: asyncio.Queue[EngineOutput | BaseException]
+    ) -> AsyncIterator[EngineOutput]:
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its blocks are freed before the next step. Idempotent."""
+        self._inbox.put(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def shutdown(self) -> None:
+        self._stopped = True
+        self._inbox.put(None)
+        await asyncio.to_thread(self._thread.join, 30)
+
+    # -- the step thread ---------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: EngineOutput | BaseException) -> None:
+        with self._lock:
+            entry = self._streams.get(request_id)
+            done = isinstance(item, BaseException) or item.finish_reason is not None
+            if entry is not None and done:
+                del self._streams[request_id]
+        if entry is not None:
+            loop, outputs = entry
+            with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def _apply(self, message: _Add | _Abort) -> None:
+        if isinstance(message, _Abort):
+            final = self.engine.abort_request(message.request_id)
+            if final is not None:
+                self._deliver(message.request_id, final)
+            return
+        try:
+            self.engine.add_request(
+                message.request_id,
+                message.prompt_token_ids,
+                message.params,
+                lora_name=message.lora_name,
+                cache_salt=message.cache_salt,
+            )
+        except ValueError as exc:  # checked before queueing; the engine's state may differ
+            self._deliver(message.request_id, exc)
+
+    def _loop(self) -> None:
+        while True:
+            block = not self.engine.has_unfinished()
+            try:
+                while True:
+                    message = self._inbox.get(block=block)
+                    if message is None:
+                        return self._fail_all(RuntimeError("the engine shut down"))
+                    self._apply(message)
+                    block = False
+            except queue.Empty:
+                pass
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a broken step fails its requests, not the process
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, exc)

@@ -1,0 +1,37 @@
+"""The engine's one frozen config, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2"  # a pulled model's name or a model directory
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: as many as kv_cache_gib holds
+    kv_cache_gib: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch threads on CPU; None: torch's default
+    seed: int = 0  # for requests without their own seed
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, not {self.dtype!r}")
+        if self.device.startswith("cpu") and self.dtype == "float16":
+            raise ValueError("float16 is for CUDA; use bfloat16 or float32 on CPU")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be positive")
+        if self.kv_cache_gib <= 0:
+            raise ValueError("kv_cache_gib must be positive")

@@ -1,0 +1,188 @@
+"""The engine core: `step()` is schedule -> run -> update, nothing else. Synchronous and
+single-threaded; `AsyncEngine` runs it on a thread of its own for workers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvbaton.engine.block_manager import BlockManager
+from kvbaton.engine.config import EngineConfig
+from kvbaton.engine.model_runner import ModelRunner
+from kvbaton.engine.scheduler import Scheduler
+from kvbaton.engine.sequence import Sequence
+from kvbaton.llm.model_files import resolve_model
+from kvbaton.protocols.kv import KvEvent
+from kvbaton.protocols.llm import EngineOutput, SamplingParams, Usage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int
+    running: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_cache_hit_rate: float
+
+
+class LLMEngine:
+    def __init__(
+        self, config: EngineConfig, on_kv_event: Callable[[KvEvent], None] | None = None
+    ) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model(config.model)
+        self.runner = ModelRunner(
+            self.model_dir, config.dtype, config.device, config.max_model_len, config.seed
+        )
+        self.max_model_len = self.runner.max_model_len
+        per_block = self.runner.model.kv_bytes_per_block(config.block_size)
+        num_blocks = config.num_kv_blocks or int(config.kv_cache_gib * 2**30 // per_block)
+        if num_blocks < 1:
+            raise ValueError("kv_cache_gib is too small for one block")
+        self.runner.allocate_cache(num_blocks, config.block_size)
+        self.blocks = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, on_kv_event
+        )
+        self.scheduler = Scheduler(
+            self.blocks,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            self.max_model_len,
+        )
+        self.eos_token_ids = self.runner.model.config.eos_token_ids
+        self.vocab_size = self.runner.model.config.vocab_size
+        self._requests: dict[str, Sequence] = {}
+        log.info(
+            "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            self.model_dir.name,
+            config.dtype,
+            config.device,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+        )
+
+    # -- requests ----------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request could never run here."""
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens; this model's context is "
+                f"{self.max_model_len} (including at least one output token)"
+            )
+        if any(t < 0 or t >= self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"the prompt has {n} tokens, over max_num_batched_tokens "
+                f"{self.config.max_num_batched_tokens} without chunked prefill"
+            )
+        longest = min(n + params.max_tokens, self.max_model_len)
+        if self.blocks.blocks_needed(longest) > self.blocks.num_blocks:
+            raise ValueError(
+                f"{longest} tokens need more KV blocks than this engine has "
+                f"({self.blocks.num_blocks} of {self.config.block_size})"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.check_request(prompt_token_ids, params)
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= self.eos_token_ids
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            frozenset(stop),
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+        )
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> EngineOutput | None:
+        """Stop a request and free its blocks now; its final output, or None if unknown."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        return self._output(self._forget(seq), [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        scheduled = self.scheduler.schedule()
+        sampled = self.runner.execute(scheduled)
+        finished = {s.request_id for s in self.scheduler.update(scheduled, sampled)}
+        outputs = []
+        for item in scheduled.scheduled:
+            seq = item.seq
+            if seq.request_id in sampled:
+                new = seq.output_token_ids[seq.num_emitted_tokens :]
+                if seq.request_id in finished:
+                    self._forget(seq)
+                outputs.append(self._output(seq, new))
+        return outputs
+
+    def _forget(self, seq: Sequence) -> Sequence:
+        self._requests.pop(seq.request_id, None)
+        self.runner.sampler.forget(seq.request_id)
+        return seq
+
+    def _output(self, seq: Sequence, new: list[int]) -> EngineOutput:
+        logprobs = (
+            seq.logprobs[seq.num_emitted_tokens :] if seq.params.logprobs is not None else None
+        )
+        seq.num_emitted_tokens += len(new)
+        usage = None
+        if seq.is_finished:
+            usage = Usage(
+                prompt_tokens=seq.num_prompt_tokens,
+                completion_tokens=seq.num_output_tokens,
+                cached_tokens=seq.num_cached_tokens,
+            )
+        return EngineOutput(
+            request_id=seq.request_id,
+            token_ids=new,
+            finish_reason=seq.finish_reason,
+            usage=usage,
+            logprobs=logprobs,
+        )
+
+    def clear_kv_blocks(self) -> int:
+        return self.blocks.clear_kv_blocks()
+
+    def stats(self) -> EngineStats:
+        b = self.blocks.stats()
+        return EngineStats(
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            kv_blocks_total=b.total,
+            kv_blocks_used=b.used,
+            kv_blocks_free=b.free,
+            prefix_cache_hit_rate=self.blocks.prefix_hit_rate,
+        )

@@ -1,0 +1,305 @@
+"""Llama-family forward pass over a paged KV cache (Llama, Mistral, Qwen2 configs).
+
+Numerics follow HF transformers' Llama exactly where it matters for identical greedy output:
+RMSNorm in float32 then cast, RoPE tables from transformers' own init functions (every scaling
+type it knows), residuals in the model dtype. Q/K/V and gate/up projections are fused.
+
+The cache is one tensor [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]: a block is
+contiguous across all layers, so a request's KV moves between processes in one piece per block.
+Rows are addressed through a flat view: row(block, layer, k_or_v, offset) =
+((block * L + layer) * 2 + k_or_v) * block_size + offset.
+Within a layer, the K/V of every token of the step is written before any attention reads the
+cache, so a sequence may read blocks that another sequence of the same step is filling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class LayerWeights:
+    in_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk in a step: tokens [start, end) of the flat batch, at positions
+    [context_len - (end - start), context_len)."""
+
+    start: int
+    end: int
+    context_len: int
+    context_rows: torch.Tensor | None  # [context_len] cache rows of layer 0's K; None: no prefix
+
+
+@dataclass
+class StepBatch:
+    """Tensors of one forward step. Tokens of all sequences are flat: decodes first (one token
+    each, in `decode` order), then the prefill chunks."""
+
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    write_rows: torch.Tensor  # [T] cache row of each token's K in layer 0
+    num_decodes: int
+    decode_rows: torch.Tensor | None  # [D, Lmax] rows of layer 0's K for each decode's context
+    decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] True where attended
+    prefills: list[PrefillSpan]
+    logits_index: torch.Tensor  # [S] flat indices of the tokens whose next token is sampled
+
+
+class ModelConfig:
+    """What the forward pass needs from config.json (read through transformers)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoConfig
+
+        hf: Any = AutoConfig.from_pretrained(str(model_dir))
+        if hf.model_type not in SUPPORTED:
+            raise ValueError(
+                f"model type {hf.model_type!r} is not supported; supported: {', '.join(SUPPORTED)}"
+            )
+        self.hf = hf
+        self.num_layers: int = hf.num_hidden_layers
+        self.hidden: int = hf.hidden_size
+        self.num_heads: int = hf.num_attention_heads
+        self.num_kv_heads: int = getattr(hf, "num_key_value_heads", None) or self.num_heads
+        self.head_dim: int = getattr(hf, "head_dim", None) or self.hidden // self.num_heads
+        self.vocab_size: int = hf.vocab_size
+        self.eps: float = hf.rms_norm_eps
+        self.tied: bool = bool(getattr(hf, "tie_word_embeddings", False))
+        self.max_len: int = hf.max_position_embeddings
+        if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
+            self.max_len = min(self.max_len, hf.sliding_window)  # no sliding attention here
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            raise ValueError(f"activation {hf.hidden_act!r} is not supported (only silu)")
+        eos = getattr(hf, "eos_token_id", None)
+        self.eos_token_ids = frozenset(
+            eos if isinstance(eos, list) else [] if eos is None else [eos]
+        )
+
+
+def rope_tables(
+    config: ModelConfig, max_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_len, head_dim] in float32, as transformers computes them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = config.hf
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        dim = config.head_dim
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
+        )
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, device)
+    positions = torch.arange(max_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq.float())
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def load_weights(
+    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[LayerWeights]]:
+    """(embedding, final norm, lm_head, layers) from the directory's safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
+    raw: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                raw[name] = f.get_tensor(name)
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return raw.pop(name).to(device=device, dtype=dtype)
+        except KeyError:
+            raise ValueError(f"weight {name!r} is missing from {model_dir}") from None
+
+    def maybe(name: str) -> torch.Tensor | None:
+        return take(name) if name in raw else None
+
+    embed = take("model.embed_tokens.weight")
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        biases = [b for x in "qkv" if (b := maybe(a + f"{x}_proj.bias")) is not None]
+        layers.append(
+            LayerWeights(
+                in_norm=take(p + "input_layernorm.weight"),
+                qkv=torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]),
+                qkv_bias=torch.cat(biases) if len(biases) == 3 else None,
+                o=take(a + "o_proj.weight"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat(
+                    [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                ),
+                down=take(p + "mlp.down_proj.weight"),
+            )
+        )
+    norm = take("model.norm.weight")
+    lm_head = embed if config.tied or "lm_head.weight" not in raw else take("lm_head.weight")
+    return embed, norm, lm_head, layers
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        model_dir: Path,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_len: int,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.embed, self.norm, self.lm_head, self.layers = load_weights(
+            model_dir, self.config, dtype, device
+        )
+        cos, sin = rope_tables(self.config, max_len, device)
+        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        self.scale = self.config.head_dim**-0.5
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        c = self.config
+        return (
+            c.num_layers
+            * 2
+            * block_size
+            * c.num_kv_heads
+            * c.head_dim
+            * torch.finfo(self.dtype).bits
+            // 8
+        )
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        c = self.config
+        return torch.zeros(
+            num_blocks,
+            c.num_layers,
+            2,
+            block_size,
+            c.num_kv_heads,
+            c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, cache: torch.Tensor) -> torch.Tensor:
+        """Logits [S, vocab] (float32) at `batch.logits_index`; writes the step's K/V."""
+        c = self.config
+        block_size = cache.shape[3]
+        rows = cache.view(-1, c.num_kv_heads, c.head_dim)
+        layer_stride = 2 * block_size
+        n_q, n_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        t = batch.token_ids.shape[0]
+        cos = self.cos[batch.positions].unsqueeze(1)
+        sin = self.sin[batch.positions].unsqueeze(1)
+        h = self.embed[batch.token_ids]
+        for i, w in enumerate(self.layers):
+            x = rms_norm(h, w.in_norm, c.eps)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            q, k, v = torch.split(qkv, [n_q, n_kv, n_kv], dim=-1)
+            q = q.view(t, c.num_heads, c.head_dim)
+            k = k.view(t, c.num_kv_heads, c.head_dim)
+            v = v.view(t, c.num_kv_heads, c.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            offset = i * layer_stride
+            rows.index_copy_(0, batch.write_rows + offset, k)
+            rows.index_copy_(0, batch.write_rows + (offset + block_size), v)
+            attn = self._attention(batch, q, k, v, rows, offset, block_size)
+            h = h + F.linear(attn, w.o)
+            x = rms_norm(h, w.post_norm, c.eps)
+            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w.down)
+        h = rms_norm(h[batch.logits_index], self.norm, c.eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(
+        self,
+        batch: StepBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: torch.Tensor,
+        offset: int,
+        block_size: int,
+    ) -> torch.Tensor:
+        c = self.config
+        out = torch.empty_like(q)
+        d = batch.num_decodes
+        if d:
+            assert batch.decode_rows is not None and batch.decode_mask is not None
+            idx = batch.decode_rows + offset
+            length = idx.shape[1]
+            kk = rows.index_select(0, idx.flatten()).view(d, length, c.num_kv_heads, c.head_dim)
+            vv = rows.index_select(0, (idx + block_size).flatten()).view(
+                d, length, c.num_kv_heads, c.head_dim
+            )
+            out[:d] = F.scaled_dot_product_attention(
+                q[:d].unsqueeze(2),
+                kk.transpose(1, 2),
+                vv.transpose(1, 2),
+                attn_mask=batch.decode_mask,
+                scale=self.scale,
+                enable_gqa=True,
+            ).squeeze(2)
+        for span in batch.prefills:
+            qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            n = span.end - span.start
+            if span.context_rows is None:  # the whole context is this chunk
+                ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
+                vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
+                )
+            else:
+                idx = span.context_rows + offset
+                ks = rows.index_select(0, idx).transpose(0, 1).unsqueeze(0)
+                vs = rows.index_select(0, idx + block_size).transpose(0, 1).unsqueeze(0)
+                prefix = span.context_len - n
+                mask = torch.ones(n, span.context_len, dtype=torch.bool, device=q.device).tril(
+                    diagonal=prefix
+                )
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True
+                )
+            out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
+        return out.view(q.shape[0], -1)

@@ -1,0 +1,115 @@
+"""Runs one scheduled step on the model: builds the step's tensors from block tables, calls the
+forward pass, samples. Owns the model, the KV cache and the sampler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvbaton.engine.model import LlamaModel, ModelConfig, PrefillSpan, StepBatch
+from kvbaton.engine.sampler import Sampler
+from kvbaton.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(
+        self, model_dir: Path, dtype: str, device: str, max_model_len: int | None, seed: int
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        config = ModelConfig(model_dir)
+        if max_model_len is not None and max_model_len > config.max_len:
+            raise ValueError(
+                f"max_model_len {max_model_len} is over the model's {config.max_len} positions"
+            )
+        self.max_model_len = max_model_len or config.max_len
+        self.model = LlamaModel(model_dir, config, self.dtype, self.device, self.max_model_len)
+        self.sampler = Sampler(seed, self.device)
+        self.cache: torch.Tensor | None = None
+        self.block_size = 0
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        self.cache = self.model.allocate_cache(num_blocks, block_size)
+        self.block_size = block_size
+
+    def _rows(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """Cache rows of layer 0's K for the given positions of one sequence."""
+        table = torch.tensor(block_table, dtype=torch.long, device=self.device)
+        stride = self.model.config.num_layers * 2 * self.block_size
+        return table[positions // self.block_size] * stride + positions % self.block_size
+
+    def build(self, scheduled: list[ScheduledSeq]) -> tuple[StepBatch, list[ScheduledSeq]]:
+        """The step's tensors, and the scheduled sequences in the order their logits come."""
+        decodes = [s for s in scheduled if s.num_tokens == 1]
+        prefills = [s for s in scheduled if s.num_tokens > 1]
+        ordered = decodes + prefills
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for s in ordered:
+            start = s.seq.num_computed_tokens
+            token_ids += s.seq.token_ids[start : start + s.num_tokens]
+            positions += range(start, start + s.num_tokens)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        stride = self.model.config.num_layers * 2 * self.block_size
+        write_rows = torch.empty_like(pos)
+        decode_rows = decode_mask = None
+        if decodes:
+            lengths = torch.tensor(
+                [s.seq.num_computed_tokens + 1 for s in decodes], device=self.device
+            )
+            width = max(len(s.seq.block_table) for s in decodes)
+            tables = torch.tensor(
+                [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes],
+                dtype=torch.long,
+                device=self.device,
+            )
+            span = torch.arange(int(lengths.max()), device=self.device)
+            decode_rows = tables[:, span // self.block_size] * stride + span % self.block_size
+            decode_mask = (span[None, :] < lengths[:, None])[:, None, None, :]
+            write_rows[: len(decodes)] = decode_rows[torch.arange(len(decodes)), lengths - 1]
+        spans = []
+        flat = len(decodes)
+        for s in prefills:
+            end = flat + s.num_tokens
+            context_len = s.seq.num_computed_tokens + s.num_tokens
+            all_rows = self._rows(s.seq.block_table, torch.arange(context_len, device=self.device))
+            write_rows[flat:end] = all_rows[s.seq.num_computed_tokens :]
+            spans.append(
+                PrefillSpan(flat, end, context_len, all_rows if s.seq.num_computed_tokens else None)
+            )
+            flat = end
+        sampling = [i for i, s in enumerate(ordered) if s.samples]
+        ends = []
+        flat = 0
+        for s in ordered:
+            flat += s.num_tokens
+            ends.append(flat - 1)
+        batch = StepBatch(
+            token_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
+            positions=pos,
+            write_rows=write_rows,
+            num_decodes=len(decodes),
+            decode_rows=decode_rows,
+            decode_mask=decode_mask,
+            prefills=spans,
+            logits_index=torch.tensor(
+                [ends[i] for i in sampling], dtype=torch.long, device=self.device
+            ),
+        )
+        return batch, [ordered[i] for i in sampling]
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        """Run the step; the sampled token of each sequence that samples, by request id."""
+        assert self.cache is not None, "allocate_cache first"
+        if not output.scheduled:
+            return {}
+        batch, sampling = self.build(output.scheduled)
+        logits = self.model.forward(batch, self.cache)
+        if not sampling:
+            return {}
+        seqs = [s.seq for s in sampling]
+        tokens = self.sampler(logits, seqs)
+        return {seq.request_id: token for seq, token in zip(seqs, tokens, strict=True)}

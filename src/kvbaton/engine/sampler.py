@@ -1,0 +1,95 @@
+"""Turns the logits of a step into one token per sampling sequence.
+
+Order, as in vLLM: penalties (repetition on prompt and output, frequency and presence on the
+output), the min_tokens mask on stop tokens, then greedy argmax, or temperature, top-k, top-p,
+min-p and a draw. A request with a seed draws from its own generator, so its tokens do not
+depend on what else is in the batch. Logprobs are those of the raw model output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbaton.engine.sequence import Sequence
+from kvbaton.protocols.llm import TokenLogprob
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._seeded: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._seeded.pop(request_id, None)
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        if seq.params.seed is None:
+            return self.generator
+        gen = self._seeded.get(seq.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+            self._seeded[seq.request_id] = gen
+        return gen
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Sample a token per row; appends each row's logprobs to its sequence if asked for."""
+        raw = logits
+        logits = logits.clone()
+        for row, seq in enumerate(seqs):
+            self._penalize(logits[row], seq)
+        tokens = [0] * len(seqs)
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+        if greedy:
+            picked = logits[greedy].argmax(dim=-1).tolist()
+            for i, token in zip(greedy, picked, strict=True):
+                tokens[i] = token
+        for i, seq in enumerate(seqs):
+            if not seq.params.greedy:
+                tokens[i] = self._draw(logits[i], seq)
+        wants = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if wants:
+            logprobs = torch.log_softmax(raw[wants], dim=-1)
+            for row, i in enumerate(wants):
+                seq, token = seqs[i], tokens[i]
+                top = seq.params.logprobs or 0
+                entry = [TokenLogprob(token, float(logprobs[row, token]))]
+                if top:
+                    values, ids = logprobs[row].topk(top)
+                    entry += [
+                        TokenLogprob(int(t), float(v))
+                        for t, v in zip(ids.tolist(), values.tolist(), strict=True)
+                    ]
+                seq.logprobs.append(entry)
+        return tokens
+
+    def _penalize(self, row: torch.Tensor, seq: Sequence) -> None:
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
+            values = row[seen]
+            row[seen] = torch.where(
+                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+            )
+        if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
+            out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=row.device)
+            counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if seq.num_output_tokens < p.min_tokens and seq.stop_token_ids:
+            row[list(seq.stop_token_ids)] = float("-inf")
+
+    def _draw(self, row: torch.Tensor, seq: Sequence) -> int:
+        p = seq.params
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.shape[0]:
+            kth = row.topk(p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            cumulative = sorted_probs.cumsum(0)
+            drop = cumulative - sorted_probs > p.top_p  # keep the smallest set reaching top_p
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        return int(torch.multinomial(probs, 1, generator=self._generator(seq)))

@@ -1,0 +1,78 @@
+"""One request's state inside the engine.
+
+Accounting follows "computed tokens catch up with known tokens": `token_ids` holds every known
+token (prompt, then output), `num_computed_tokens` how many of them have their KV in the cache.
+A step computes some of the rest; when a step brings `num_computed_tokens` up to `num_tokens`, the
+model's output at the last position is sampled and appended. Prefix-cache hits (and, later, KV
+received from a prefill worker) are tokens that became computed without a forward pass.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbaton.llm.hashing import block_extra_keys, hash_block
+from kvbaton.protocols.llm import SamplingParams, TokenLogprob
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()  # EOS and the request's stop ids
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    num_emitted_tokens: int = 0  # output tokens already handed to the caller
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def extra_keys(self) -> tuple[Any, ...] | None:
+        return block_extra_keys(self.lora_name, self.cache_salt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def full_block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
+        """Hashes of the first `num_blocks` full blocks (computed once, then extended)."""
+        hashes = self.block_hashes
+        extra = self.extra_keys
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            tokens = self.token_ids[i * block_size : (i + 1) * block_size]
+            assert len(tokens) == block_size, "only full blocks are hashed"
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, extra))
+        return hashes[:num_blocks]

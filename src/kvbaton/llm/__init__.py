@@ -1,0 +1,1 @@
+"""What engine, mocker and router share: model files, tokenizer, block hashing."""

@@ -1,0 +1,34 @@
+"""The model's tokenizer (HF tokenizers through transformers), with its chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf: Any = AutoTokenizer.from_pretrained(str(model_dir))
+        self.eos_token_id: int | None = self.hf.eos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        if not self.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return self.encode(str(text), add_special_tokens=False)

@@ -1,0 +1,33 @@
+"""KV events: what a worker's block pool reports so that routers can index its cache.
+
+Every event carries the worker's `event_id`, a sequence number that increases by one per event
+(per worker, from 0), so a consumer can detect a gap and ask for a full dump.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class BlockStored(msgspec.Struct, tag="stored", kw_only=True):
+    """Full blocks became cached, in order: each one's parent is the one before it, the first
+    one's parent is `parent_hash` (None at the start of a sequence)."""
+
+    event_id: int
+    block_hashes: list[int]
+    parent_hash: int | None
+    token_ids: list[int]  # len(block_hashes) * block_size tokens
+    block_size: int
+    lora_name: str | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag="removed", kw_only=True):
+    event_id: int
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(msgspec.Struct, tag="cleared", kw_only=True):
+    event_id: int
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared

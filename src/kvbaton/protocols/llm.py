@@ -1,0 +1,79 @@
+"""LLM types that cross process boundaries: sampling options and engine outputs."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to pick tokens and when to stop. `temperature == 0` is greedy.
+
+    Validated by `validate()`; an engine may assume a validated object."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: int | None = None  # number of top logprobs per token (0: only the chosen one)
+
+    def validate(self) -> SamplingParams:
+        """Raise ValueError naming the first bad field; returns self."""
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (
+                0 <= self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                "must be between 0 and max_tokens",
+            ),
+            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "must be -1, 0 (off) or positive"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= 20,
+                "logprobs",
+                "must be between 0 and 20",
+            ),
+        ]
+        for ok, name, message in checks:
+            if not ok:
+                raise ValueError(f"{name} {message} (got {getattr(self, name)!r})")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """New tokens of one request since its previous output. The last one has `finish_reason`
+    ("stop": EOS or a stop token; "length": max_tokens or the context; "abort")."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    # One entry per new token: the chosen token's logprob, then the top alternatives.
+    logprobs: list[list[TokenLogprob]] | None = None

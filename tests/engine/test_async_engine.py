@@ -1,0 +1,67 @@
+"""The async face that workers use: concurrent streams, early exit aborts, clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kvbaton.engine import AsyncEngine, EngineConfig, SamplingParams
+from tests.engine.test_model_vs_hf import hf_greedy, prompts
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+async def engine(tiny_models: dict[str, Path]) -> AsyncIterator[AsyncEngine]:
+    config = EngineConfig(
+        model=str(tiny_models["llama-tied"]), dtype="float32", block_size=8, num_kv_blocks=128
+    )
+    eng = await AsyncEngine.create(config)
+    yield eng
+    await eng.shutdown()
+
+
+async def test_concurrent_requests_stream_their_own_tokens(
+    engine: AsyncEngine, tiny_models: dict[str, Path]
+) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0)
+
+    async def one(i: int, prompt: list[int]) -> tuple[list[int], str | None]:
+        tokens: list[int] = []
+        reason = None
+        async for out in await engine.add_request(f"r{i}", prompt, params):
+            tokens += out.token_ids
+            reason = out.finish_reason
+            if reason:
+                assert out.usage is not None and out.usage.completion_tokens == 12
+        return tokens, reason
+
+    results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts())))
+    model_dir = tiny_models["llama-tied"]
+    assert [r[0] for r in results] == [hf_greedy(model_dir, tuple(p)) for p in prompts()]
+    assert {r[1] for r in results} == {"length"}
+
+
+async def test_leaving_early_aborts_and_frees_the_blocks(engine: AsyncEngine) -> None:
+    stream = await engine.add_request(
+        "long", prompts()[5], SamplingParams(max_tokens=200, temperature=0)
+    )
+    async for _ in stream:
+        break
+    await stream.aclose()  # type: ignore[attr-defined]
+    await wait_until(
+        lambda: engine.stats().kv_blocks_used == 0 and engine.stats().running == 0,
+        10,
+        "blocks freed",
+    )
+
+
+async def test_bad_requests_fail_at_once(engine: AsyncEngine) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        await engine.add_request("bad", [], SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        await engine.add_request("bad", [5], SamplingParams(max_tokens=0))

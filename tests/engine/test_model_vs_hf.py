@@ -1,0 +1,180 @@
+"""Greedy outputs are token-identical to HF transformers' `generate` (same weights, float32):
+one at a time and all at once, chunked prefill on and off, with prefix-cache hits and with
+preemption. Then the offline face and the real SmolLM2 (slow)."""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbaton.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+
+pytestmark = pytest.mark.unit
+NEW_TOKENS = 12
+PROMPT_LENGTHS = [1, 3, 16, 17, 40, 75]
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 96) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@cache
+def hf_greedy(model_dir: Path, prompt: tuple[int, ...], new_tokens: int = NEW_TOKENS) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = _hf_model(model_dir)
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+    assert AutoModelForCausalLM  # imported for the cache's sake
+    return out[0, len(prompt) :].tolist()
+
+
+@cache
+def _hf_model(model_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def engine(model_dir: Path, **kw: object) -> LLMEngine:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("block_size", 8)
+    kw.setdefault("num_kv_blocks", 128)
+    return LLMEngine(EngineConfig(model=str(model_dir), **kw))  # type: ignore[arg-type]
+
+
+def run(eng: LLMEngine, batch: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0)
+    outs: dict[str, list[int]] = {}
+    for i, p in enumerate(batch):
+        eng.add_request(f"r{i}-{id(batch)}", p, params)
+        outs[f"r{i}-{id(batch)}"] = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] += o.token_ids
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks  # every block came back
+    return list(outs.values())
+
+
+@pytest.mark.parametrize("arch", ["llama-tied", "llama3-rope-untied", "qwen2-bias"])
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
+def test_greedy_matches_hf_one_at_a_time_and_all_at_once(
+    tiny_models: dict[str, Path], arch: str, chunked: bool
+) -> None:
+    model_dir = tiny_models[arch]
+    expected = [hf_greedy(model_dir, tuple(p)) for p in prompts()]
+    budget = 16 if chunked else 128
+    eng = engine(model_dir, enable_chunked_prefill=chunked, max_num_batched_tokens=budget)
+    assert [run(eng, [p])[0] for p in prompts()] == expected
+    assert run(eng, prompts()) == expected
+
+
+def test_prefix_cache_hits_give_the_same_tokens(tiny_models: dict[str, Path]) -> None:
+    model_dir = tiny_models["llama-tied"]
+    eng = engine(model_dir)
+    base = prompts()[4]  # 40 tokens: 5 full blocks of 8
+    run(eng, [base])
+    longer = [*base, 7, 8, 9, 10, 11]
+    eng.add_request("hit", longer, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+    got: list[int] = []
+    cached = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            got += o.token_ids
+            if o.usage:
+                cached = o.usage.cached_tokens
+    assert cached == 40
+    assert got == hf_greedy(model_dir, tuple(longer))
+    assert eng.stats().prefix_cache_hit_rate > 0
+
+
+def test_preemption_by_recompute_gives_the_same_tokens(tiny_models: dict[str, Path]) -> None:
+    model_dir = tiny_models["llama-tied"]
+    batch = prompts(seed=3)
+    expected = [hf_greedy(model_dir, tuple(p), 30) for p in batch]
+    eng = engine(model_dir, num_kv_blocks=16, block_size=8, enable_prefix_caching=False)
+    assert run(eng, batch, new_tokens=30) == expected
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(
+    tiny_models: dict[str, Path],
+) -> None:
+    model_dir = tiny_models["llama-tied"]
+    eng = engine(model_dir)
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=20, seed=1234)
+
+    def sample(with_others: int) -> list[int]:
+        rid = f"seeded-{with_others}"
+        eng.add_request(rid, prompts()[2], params)
+        for i in range(with_others):
+            eng.add_request(
+                f"other-{with_others}-{i}",
+                prompts()[i % 6],
+                SamplingParams(max_tokens=8, temperature=1.0),
+            )
+        got: list[int] = []
+        while eng.has_unfinished():
+            got += [t for o in eng.step() if o.request_id == rid for t in o.token_ids]
+        return got
+
+    alone = sample(0)
+    assert sample(5) == alone and sample(2) == alone
+    assert len(alone) == 10
+
+
+def test_abort_frees_blocks_at_once(tiny_models: dict[str, Path]) -> None:
+    eng = engine(tiny_models["llama-tied"])
+    eng.add_request("a", prompts()[5], SamplingParams(max_tokens=50, temperature=0))
+    eng.step()
+    assert eng.blocks.num_free_blocks < eng.blocks.num_blocks
+    final = eng.abort_request("a")
+    assert final is not None and final.finish_reason == "abort"
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    assert not eng.has_unfinished()
+
+
+def test_bad_requests_are_refused_clearly(tiny_models: dict[str, Path]) -> None:
+    eng = engine(tiny_models["llama-tied"], max_model_len=64, num_kv_blocks=4)
+    ok = SamplingParams(max_tokens=4)
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request("x", [], ok)
+    with pytest.raises(ValueError, match="token ids"):
+        eng.add_request("x", [1, 5000], ok)
+    with pytest.raises(ValueError, match="context"):
+        eng.add_request("x", [5] * 64, ok)
+    with pytest.raises(ValueError, match="KV blocks"):
+        eng.add_request("x", [5] * 30, SamplingParams(max_tokens=30))
+    with pytest.raises(ValueError, match="temperature"):
+        eng.add_request("x", [5], SamplingParams(temperature=-1))
+    eng.add_request("dup", [5], ok)
+    with pytest.raises(ValueError, match="already"):
+        eng.add_request("dup", [5], ok)
+
+
+def test_offline_face_generates_and_chats(tiny_models: dict[str, Path]) -> None:
+    model_dir = tiny_models["llama-tied"]
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=8)
+    outs = llm.generate(["w1 w2 w3", "w4"], SamplingParams(max_tokens=5, temperature=0))
+    assert [o.token_ids for o in outs] == [
+        hf_greedy(model_dir, tuple(llm.tokenizer.encode(t)), 5) for t in ["w1 w2 w3", "w4"]
+    ]
+    assert outs[0].text == llm.tokenizer.decode(outs[0].token_ids)
+    assert outs[0].finish_reason == "length"
+    chat = llm.chat(
+        [{"role": "user", "content": "w5 w6"}],
+        SamplingParams(max_tokens=3, temperature=0, logprobs=2),
+    )
+    assert len(chat[0].token_ids) == 3
+    assert chat[0].logprobs is not None and len(chat[0].logprobs) == 3
+    assert all(len(entry) == 3 for entry in chat[0].logprobs)
