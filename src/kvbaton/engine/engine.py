@@ -40,7 +40,12 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model(config.model)
         self.runner = ModelRunner(
-            self.model_dir, config.dtype, config.device, config.max_model_len, config.seed
+            self.model_dir,
+            config.dtype,
+            config.device,
+            config.max_model_len,
+            config.seed,
+            config.matmul_dtype,
         )
         self.max_model_len = self.runner.max_model_len
         per_block = self.runner.model.kv_bytes_per_block(config.block_size)

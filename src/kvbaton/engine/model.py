@@ -4,6 +4,13 @@ Numerics follow HF transformers' Llama exactly where it matters for identical gr
 RMSNorm in float32 then cast, RoPE tables from transformers' own init functions (every scaling
 type it knows), residuals in the model dtype. Q/K/V and gate/up projections are fused.
 
+On a CPU without bfloat16 arithmetic (AVX2 only), PyTorch's bfloat16 matmul is a reference
+kernel: fine for a few rows, where reading the weights is the cost and bfloat16 halves it, but
+about 3x slower than float32 for many rows. There each projection also keeps its
+bfloat16-rounded weights in float32 and a call with many rows multiplies in float32: the same
+products, summed in float32 as a bfloat16 GEMM sums them, then rounded back to bfloat16.
+Activations, residuals and the KV cache stay bfloat16.
+
 The cache is one tensor [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]: a block is
 contiguous across all layers, so a request's KV moves between processes in one piece per block.
 Rows are addressed through a flat view: row(block, layer, k_or_v, offset) =
@@ -24,15 +31,39 @@ import torch.nn.functional as F
 SUPPORTED = ("llama", "mistral", "qwen2")
 
 
+WIDE_FROM_ROWS = 8  # from this many rows on, a projection multiplies in its wide copy
+
+
+class Projection:
+    """A linear layer: weight [out, in] and optional bias in the model dtype, and optionally a
+    wide (float32) copy used for calls of WIDE_FROM_ROWS rows or more. Output in x's dtype."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, wide: torch.dtype | None
+    ) -> None:
+        self.weight = weight.contiguous()
+        self.bias = bias
+        self.wide = (
+            None
+            if wide is None or wide == weight.dtype
+            else (weight.to(wide).contiguous(), None if bias is None else bias.to(wide))
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wide is None or x.shape[0] < WIDE_FROM_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        weight, bias = self.wide
+        return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+
 @dataclass
 class LayerWeights:
     in_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Projection
+    o: Projection
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Projection
+    down: Projection
 
 
 @dataclass
@@ -117,9 +148,14 @@ def rope_tables(
 
 
 def load_weights(
-    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[LayerWeights]]:
-    """(embedding, final norm, lm_head, layers) from the directory's safetensors files."""
+    model_dir: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    wide: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, Projection, list[LayerWeights]]:
+    """(embedding, final norm, lm_head, layers) from the directory's safetensors files, in
+    `dtype`; projections with a `wide` copy too, if given."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -140,6 +176,9 @@ def load_weights(
     def maybe(name: str) -> torch.Tensor | None:
         return take(name) if name in raw else None
 
+    def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
+        return Projection(weight, bias, wide)
+
     embed = take("model.embed_tokens.weight")
     layers = []
     for i in range(config.num_layers):
@@ -149,26 +188,26 @@ def load_weights(
         layers.append(
             LayerWeights(
                 in_norm=take(p + "input_layernorm.weight"),
-                qkv=torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]),
-                qkv_bias=torch.cat(biases) if len(biases) == 3 else None,
-                o=take(a + "o_proj.weight"),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat(
-                    [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                qkv=proj(
+                    torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]),
+                    torch.cat(biases) if len(biases) == 3 else None,
                 ),
-                down=take(p + "mlp.down_proj.weight"),
+                o=proj(take(a + "o_proj.weight")),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=proj(
+                    torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                ),
+                down=proj(take(p + "mlp.down_proj.weight")),
             )
         )
     norm = take("model.norm.weight")
     lm_head = embed if config.tied or "lm_head.weight" not in raw else take("lm_head.weight")
-    return embed, norm, lm_head, layers
+    return embed, norm, proj(lm_head), layers
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    """HF's LlamaRMSNorm: normalize in float32, cast back, then scale."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -184,12 +223,13 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         max_len: int,
+        wide: torch.dtype | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
         self.embed, self.norm, self.lm_head, self.layers = load_weights(
-            model_dir, self.config, dtype, device
+            model_dir, self.config, dtype, device, wide
         )
         cos, sin = rope_tables(self.config, max_len, device)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
@@ -227,30 +267,48 @@ class LlamaModel:
         block_size = cache.shape[3]
         rows = cache.view(-1, c.num_kv_heads, c.head_dim)
         layer_stride = 2 * block_size
-        n_q, n_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        nh, nqk = c.num_heads, c.num_heads + c.num_kv_heads
         t = batch.token_ids.shape[0]
         cos = self.cos[batch.positions].unsqueeze(1)
         sin = self.sin[batch.positions].unsqueeze(1)
+        # Row of each token's K (then V) in every layer: [layers, 2, T].
+        offsets = torch.arange(c.num_layers, device=self.device) * layer_stride
+        write = (
+            batch.write_rows
+            + offsets[:, None, None]
+            + torch.tensor([0, block_size], device=self.device)[None, :, None]
+        )
         h = self.embed[batch.token_ids]
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.in_norm, c.eps)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
-            q, k, v = torch.split(qkv, [n_q, n_kv, n_kv], dim=-1)
-            q = q.view(t, c.num_heads, c.head_dim)
-            k = k.view(t, c.num_kv_heads, c.head_dim)
-            v = v.view(t, c.num_kv_heads, c.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            offset = i * layer_stride
-            rows.index_copy_(0, batch.write_rows + offset, k)
-            rows.index_copy_(0, batch.write_rows + (offset + block_size), v)
-            attn = self._attention(batch, q, k, v, rows, offset, block_size)
-            h = h + F.linear(attn, w.o)
+            heads = w.qkv(x).view(t, nqk + c.num_kv_heads, c.head_dim)
+            qk = heads[:, :nqk]
+            qk = qk * cos + rotate_half(qk) * sin  # RoPE on q and k at once
+            q, k, v = qk[:, :nh], qk[:, nh:], heads[:, nqk:]
+            rows.index_copy_(0, write[i, 0], k)
+            rows.index_copy_(0, write[i, 1], v)
+            attn = self._attention(batch, q, k, v, rows, i * layer_stride, block_size)
+            h = h + w.o(attn)
             x = rms_norm(h, w.post_norm, c.eps)
-            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w.down)
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            h = h + w.down(F.silu(gate) * up)
         h = rms_norm(h[batch.logits_index], self.norm, c.eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
+
+    def _decode_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """One query per sequence against its gathered context, in float32 batched matmuls:
+        q [D, heads, dim], k and v [D, L, kv_heads, dim], mask [D, 1, 1, L] (True: attend).
+        CPU SDPA takes a slow generic path for this shape; this is several times faster."""
+        c = self.config
+        d, group = q.shape[0], c.num_heads // c.num_kv_heads
+        qf = q.view(d, c.num_kv_heads, group, c.head_dim).float()
+        scores = torch.einsum("dkgh,dlkh->dkgl", qf, k.float()) * self.scale
+        scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("dkgl,dlkh->dkgh", probs, v.float())
+        return out.reshape(d, c.num_heads, c.head_dim).to(q.dtype)
 
     def _attention(
         self,
@@ -273,14 +331,7 @@ class LlamaModel:
             vv = rows.index_select(0, (idx + block_size).flatten()).view(
                 d, length, c.num_kv_heads, c.head_dim
             )
-            out[:d] = F.scaled_dot_product_attention(
-                q[:d].unsqueeze(2),
-                kk.transpose(1, 2),
-                vv.transpose(1, 2),
-                attn_mask=batch.decode_mask,
-                scale=self.scale,
-                enable_gqa=True,
-            ).squeeze(2)
+            out[:d] = self._decode_attention(q[:d], kk, vv, batch.decode_mask)
         for span in batch.prefills:
             qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
             n = span.end - span.start

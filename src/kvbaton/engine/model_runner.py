@@ -14,9 +14,29 @@ from kvbaton.engine.scheduler import ScheduledSeq, SchedulerOutput
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def wide_matmul_dtype(choice: str, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
+    """The dtype of the projections' wide copies (see model.py), or None for none. "auto":
+    float32 for bfloat16 on a CPU without bfloat16 arithmetic; "off": none."""
+    if choice == "off":
+        return None
+    if choice != "auto":
+        return DTYPES[choice]
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        capability = torch.backends.cpu.get_cpu_capability()
+        if "BF16" not in capability and "AMX" not in capability:
+            return torch.float32
+    return None
+
+
 class ModelRunner:
     def __init__(
-        self, model_dir: Path, dtype: str, device: str, max_model_len: int | None, seed: int
+        self,
+        model_dir: Path,
+        dtype: str,
+        device: str,
+        max_model_len: int | None,
+        seed: int,
+        matmul_dtype: str = "auto",
     ) -> None:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
@@ -26,7 +46,14 @@ class ModelRunner:
                 f"max_model_len {max_model_len} is over the model's {config.max_len} positions"
             )
         self.max_model_len = max_model_len or config.max_len
-        self.model = LlamaModel(model_dir, config, self.dtype, self.device, self.max_model_len)
+        self.model = LlamaModel(
+            model_dir,
+            config,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            wide_matmul_dtype(matmul_dtype, self.dtype, self.device),
+        )
         self.sampler = Sampler(seed, self.device)
         self.cache: torch.Tensor | None = None
         self.block_size = 0
