@@ -178,3 +178,24 @@ def test_offline_face_generates_and_chats(tiny_models: dict[str, Path]) -> None:
     assert len(chat[0].token_ids) == 3
     assert chat[0].logprobs is not None and len(chat[0].logprobs) == 3
     assert all(len(entry) == 3 for entry in chat[0].logprobs)
+
+
+def test_blocks_move_between_caches_by_id(tiny_models: dict[str, Path]) -> None:
+    """Blocks read out by id from one engine's cache and written by id into another's arrive
+    intact, each block one contiguous piece across all layers: the layout that the
+    disaggregation issue builds on."""
+    from kvbaton.engine.sequence import Sequence
+
+    model_dir = tiny_models["llama-tied"]
+    first, second = engine(model_dir), engine(model_dir)
+    prompt = prompts()[4]  # 40 tokens: 5 full blocks of 8
+    run(first, [prompt])
+    source = first.blocks.match_prefix(Sequence("probe", [*prompt, 1], SamplingParams()))
+    assert len(source) == 5
+    data = first.runner.read_blocks(source)
+    assert data.shape == (5, *first.runner.cache.shape[1:])  # type: ignore[union-attr]
+    assert all(first.runner.cache[b].is_contiguous() for b in source)  # type: ignore[index]
+    assert data.abs().sum() > 0  # the prefill's KV, not empty blocks
+    target = [7, 3, 11, 0, 5]
+    second.runner.write_blocks(target, data)
+    assert torch.equal(second.runner.read_blocks(target), data)

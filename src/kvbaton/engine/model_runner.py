@@ -62,6 +62,18 @@ class ModelRunner:
         self.cache = self.model.allocate_cache(num_blocks, block_size)
         self.block_size = block_size
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the given blocks: [n, layers, 2, block_size, kv_heads, head_dim]. Each
+        block is one contiguous piece of the cache (all its layers), so n blocks are n pieces."""
+        assert self.cache is not None
+        return self.cache[torch.tensor(block_ids, dtype=torch.long, device=self.device)]
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write blocks read from another cache of the same layout (the KV of a prefill)."""
+        assert self.cache is not None
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.cache.index_copy_(0, index, data.to(device=self.device, dtype=self.cache.dtype))
+
     def _rows(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
         """Cache rows of layer 0's K for the given positions of one sequence."""
         table = torch.tensor(block_table, dtype=torch.long, device=self.device)
