@@ -434,3 +434,28 @@ async def test_an_oversized_request_is_refused_and_leaves_nothing_behind(
     (conn,) = server.request_client._conns.values()
     assert conn.streams == {}
     assert len(await collect(client.round_robin("small again"))) == 3
+
+
+async def test_shutdown_is_bounded_even_if_a_handler_ignores_cancellation(
+    make_runtime: RuntimeFactory,
+) -> None:
+    release = asyncio.Event()
+
+    async def deaf(request: Any, ctx: Context) -> AsyncIterator[int]:
+        yield 0
+        while not release.is_set():
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                continue  # a badly behaved handler
+
+    server = await make_runtime(drain_timeout=0.2)
+    await serve(server, "ns.c.deaf", deaf)
+    client = await server.endpoint("ns.c.deaf").client()
+    await client.wait_for_instances()
+    stream = client.round_robin(None)
+    assert await stream.__anext__() == 0
+    t0 = time.monotonic()
+    await server.shutdown()
+    assert time.monotonic() - t0 < 5  # drain 0.2 s + cancel wait 1 s, not forever
+    release.set()

@@ -259,6 +259,9 @@ class Client:
         raise NoInstancesError(f"no live instance of {self.path}")
 
     async def close(self) -> None:
+        """Stop watching discovery. Streams already open go on."""
+        if self in self._runtime._clients:
+            self._runtime._clients.remove(self)
         if self._watch_task is not None:
             self._watch_task.cancel()
             await asyncio.gather(self._watch_task, return_exceptions=True)

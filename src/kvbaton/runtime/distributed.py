@@ -85,9 +85,9 @@ class DistributedRuntime:
         return self._lease_id
 
     async def _serving_setup(self) -> tuple[TcpRequestServer, int]:
-        if self._closed:
-            raise RuntimeError("the runtime is shut down")
-        async with self._setup_lock:
+        async with self._setup_lock:  # shutdown takes it too: no setup outlives a shutdown
+            if self._closed:
+                raise RuntimeError("the runtime is shut down")
             if self._server is None:
                 server = TcpRequestServer(self.settings)
                 await server.start()
@@ -137,14 +137,23 @@ class DistributedRuntime:
             return
         self._closed = True
         self._stopped.set()
-        for client in self._clients:
-            await client.close()
-        if self._lease_id is not None:
-            await self.discovery.revoke_lease(self._lease_id)
-        if self._server is not None:
-            await self._server.shutdown()
-        await self.request_client.close()
-        await self.discovery.close()
+        async with self._setup_lock:
+            await self._close_all()
+
+    async def _close_all(self) -> None:
+        try:
+            for client in list(self._clients):
+                await client.close()
+            if self._lease_id is not None:
+                try:
+                    await self.discovery.revoke_lease(self._lease_id)
+                except Exception as exc:  # keys then expire with the lease; go on closing
+                    log.error("could not revoke lease %x: %s", self._lease_id, exc)
+            if self._server is not None:
+                await self._server.shutdown()
+        finally:
+            await self.request_client.close()
+            await self.discovery.close()
 
 
 class Namespace:

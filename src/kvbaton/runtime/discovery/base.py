@@ -4,9 +4,10 @@ Invariants every backend keeps:
 - A key written with `put(key, value, lease_id)` lives as long as its lease. A lease lives while
   its owner keeps it alive (backends do so in the background from `grant_lease` on) and at most
   `ttl` seconds after the last keep-alive; then every key it owns vanishes for every reader.
-- `watch_prefix` returns the keys present now and, with no gap between the two, one
-  `WatchEvent` for each later change, in order, until the watch is closed. A key replaced by a
-  new value is a `put`.
+- `watch_prefix` returns the keys present now and, with no gap between the two, the later
+  changes as `WatchEvent`s, in order, until the watch is closed. A key replaced by a new value
+  is a `put`. A backend that polls (file) may fold changes that come and go between two looks
+  into none: watchers always converge on the current state.
 """
 
 from __future__ import annotations

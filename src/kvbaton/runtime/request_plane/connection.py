@@ -169,8 +169,15 @@ class FrameConnection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.abort()
 
-    def close(self) -> None:
-        """Close after writing what is queued."""
+    def close(self, abort_after: float | None = None) -> None:
+        """Close after writing what is queued; abort if still open `abort_after` seconds on
+        (a peer that stops reading must not keep the socket forever)."""
         self._flush()
         if self._transport is not None:
             self._transport.close()
+            if abort_after is not None:
+                self.loop.call_later(abort_after, self._abort_if_open)
+
+    def _abort_if_open(self) -> None:
+        if not self.closed:
+            self.abort("the peer did not take the last frames in time")

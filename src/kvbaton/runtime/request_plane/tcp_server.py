@@ -32,6 +32,7 @@ from kvbaton.runtime.settings import RuntimeSettings
 
 log = logging.getLogger(__name__)
 
+CANCEL_WAIT_S = 1.0  # how long shutdown waits for cancelled handlers and closing sockets
 YIELD_EVERY = 64  # responses a stream may send without letting other streams run
 
 Handler = Callable[[Any, Context], AsyncIterator[Any] | Awaitable[Any]]
@@ -234,9 +235,11 @@ class TcpRequestServer:
                 )
                 for task in pending:
                     task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
+                _, stuck = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
+                if stuck:  # a handler that swallows cancellation does not hold shutdown up
+                    log.error("%d handlers ignored cancellation; leaving them", len(stuck))
         for conn in list(self.connections):
-            conn.close()
+            conn.close(abort_after=CANCEL_WAIT_S)
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
