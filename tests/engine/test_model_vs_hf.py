@@ -25,8 +25,6 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 @cache
 def hf_greedy(model_dir: Path, prompt: tuple[int, ...], new_tokens: int = NEW_TOKENS) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
     model = _hf_model(model_dir)
     with torch.inference_mode():
         out = model.generate(
@@ -36,7 +34,6 @@ def hf_greedy(model_dir: Path, prompt: tuple[int, ...], new_tokens: int = NEW_TO
             min_new_tokens=new_tokens,
             pad_token_id=0,
         )
-    assert AutoModelForCausalLM  # imported for the cache's sake
     return out[0, len(prompt) :].tolist()
 
 
