@@ -459,3 +459,26 @@ async def test_shutdown_is_bounded_even_if_a_handler_ignores_cancellation(
     await server.shutdown()
     assert time.monotonic() - t0 < 5  # drain 0.2 s + cancel wait 1 s, not forever
     release.set()
+
+
+async def test_a_slow_reader_holds_the_handler_back_to_its_window(
+    make_runtime: RuntimeFactory,
+) -> None:
+    produced: list[int] = []
+
+    async def fast(n: int, ctx: Context) -> AsyncIterator[int]:
+        for i in range(n):
+            produced.append(i)
+            yield i
+
+    server = await make_runtime()
+    await serve(server, "ns.c.fast", fast)
+    caller = await make_runtime(stream_window=64)
+    client = await caller.endpoint("ns.c.fast").client()
+    await client.wait_for_instances()
+    stream = client.round_robin(5000)
+    got = [await stream.__anext__() for _ in range(5)]
+    await asyncio.sleep(0.3)  # the reader stalls; the handler must wait, not buffer 5000
+    assert 64 <= len(produced) <= 65
+    got += await collect(stream)
+    assert got == list(range(5000))

@@ -6,6 +6,6 @@ ignored on decode, so a newer peer can add fields without breaking an older one.
 """
 
 from kvbaton.protocols.discovery import Instance
-from kvbaton.protocols.frames import Cancel, Data, End, Error, ErrorKind, Frame, Request
+from kvbaton.protocols.frames import Cancel, Credit, Data, End, Error, ErrorKind, Frame, Request
 
-__all__ = ["Cancel", "Data", "End", "Error", "ErrorKind", "Frame", "Instance", "Request"]
+__all__ = ["Cancel", "Credit", "Data", "End", "Error", "ErrorKind", "Frame", "Instance", "Request"]

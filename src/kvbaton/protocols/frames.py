@@ -1,7 +1,9 @@
 """Frames of the request plane.
 
 A stream is opened by the client with `Request`, answered by zero or more `Data` frames and
-closed by exactly one `End` or `Error`; the client may send `Cancel` at any time. Stream ids are
+closed by exactly one `End` or `Error`; the client may send `Cancel` at any time. Flow control
+is per stream: a `Request` with a `window` of N lets the server send N responses, and each
+`Credit` from the client lets it send that many more (a window of 0: no limit). Stream ids are
 chosen by the client and are unique per connection. A `Data` frame carries one or more responses
 of its stream, in order (a sender may coalesce responses produced together). Payloads are msgpack
 documents carried as `msgspec.Raw`, so a frame is decoded without decoding what it carries.
@@ -32,6 +34,7 @@ class Request(msgspec.Struct, tag=0, array_like=True):
     request_id: str
     payload: msgspec.Raw
     deadline: float | None = None  # seconds since the epoch
+    window: int = 0  # responses the server may send before it waits for Credit; 0: no limit
 
 
 class Data(msgspec.Struct, tag=1, array_like=True):
@@ -54,4 +57,9 @@ class Cancel(msgspec.Struct, tag=4, array_like=True):
     stream_id: int
 
 
-Frame = Request | Data | End | Error | Cancel
+class Credit(msgspec.Struct, tag=5, array_like=True):
+    stream_id: int
+    responses: int  # the caller read this many more: the server may send as many more
+
+
+Frame = Request | Data | End | Error | Cancel | Credit

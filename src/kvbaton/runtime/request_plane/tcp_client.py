@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 import msgspec
 
-from kvbaton.protocols.frames import Cancel, Data, End, Error, ErrorKind, Frame, Request
+from kvbaton.protocols.frames import Cancel, Credit, Data, End, Error, ErrorKind, Frame, Request
 from kvbaton.runtime.errors import (
     BadRequestError,
     ConnectError,
@@ -61,9 +61,12 @@ class Stream:
         stream_id: int,
         decoder: msgspec.msgpack.Decoder[Any],
         deadline: float | None = None,
+        window: int = 0,
     ) -> None:
         self._conn = conn
         self._deadline = deadline
+        self._grant_every = max(1, window // 2) if window else 0
+        self._read = 0  # responses read since the last Credit
         self.stream_id = stream_id
         self._decoder = decoder
         # Responses not yet read, then possibly the end: End, Error or a StreamBrokenError.
@@ -104,6 +107,11 @@ class Stream:
                 self._waiter = None
         item = self._items.popleft()
         if type(item) is msgspec.Raw:
+            if self._grant_every:
+                self._read += 1
+                if self._read >= self._grant_every:
+                    self._conn.send(Credit(self.stream_id, self._read))
+                    self._read = 0
             return self._decoder.decode(item)
         self.done = True
         if isinstance(item, End):
@@ -149,13 +157,14 @@ class ClientConnection(FrameConnection):
     ) -> Stream:
         if self.closed:
             raise StreamBrokenError(f"connection to {self.address} lost")
-        stream = Stream(self, next(self._ids), decoder, deadline)
-        self.send(Request(stream.stream_id, endpoint, request_id, payload, deadline))
+        window = self.pool.settings.stream_window
+        stream = Stream(self, next(self._ids), decoder, deadline, window)
+        self.send(Request(stream.stream_id, endpoint, request_id, payload, deadline, window))
         self.streams[stream.stream_id] = stream
         return stream
 
     def frame_received(self, frame: Frame) -> None:
-        if isinstance(frame, Request | Cancel):
+        if isinstance(frame, Request | Cancel | Credit):
             raise FrameError(f"unexpected {type(frame).__name__} frame from a server")
         stream = self.streams.get(frame.stream_id)
         if stream is None:

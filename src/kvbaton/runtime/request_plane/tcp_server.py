@@ -3,7 +3,8 @@
 A stream's life on this side:
 1. `Request` arrives -> refused at once with `Error` if the server drains (SHUTTING_DOWN), the
    endpoint is unknown (NOT_FOUND) or the payload does not decode (BAD_REQUEST);
-2. running -> the handler's items go out as `Data`, in order, waiting while the socket is full;
+2. running -> the handler's items go out as `Data`, in order, waiting while the socket is full
+   or while the caller has not read enough of what it was sent (its window; see `Credit`);
 3. finished -> exactly one `End` (handler returned) or `Error` (handler raised, deadline passed).
 A `Cancel`, the connection's loss or the deadline stops the stream: the context turns stopped at
 once, nothing more is sent, and the handler's task is cancelled after the grace period unless it
@@ -23,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from kvbaton.protocols.frames import Cancel, End, Error, ErrorKind, Frame, Request
+from kvbaton.protocols.frames import Cancel, Credit, End, Error, ErrorKind, Frame, Request
 from kvbaton.runtime.context import Context
 from kvbaton.runtime.errors import FrameError
 from kvbaton.runtime.request_plane.connection import FrameConnection
@@ -51,6 +52,13 @@ class _Stream:
     task: asyncio.Task[None] | None = None
     finished: bool = False  # a terminal frame was sent, or the caller is gone
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
+    credit: int | None = None  # responses it may still send; None: no flow control
+    credit_waiter: asyncio.Future[None] | None = None
+
+    def wake(self) -> None:
+        waiter, self.credit_waiter = self.credit_waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class _ServerConnection(FrameConnection):
@@ -70,6 +78,11 @@ class _ServerConnection(FrameConnection):
             stream = self.streams.get(frame.stream_id)
             if stream is not None:
                 self.stop(stream)
+        elif isinstance(frame, Credit):
+            stream = self.streams.get(frame.stream_id)
+            if stream is not None and stream.credit is not None:
+                stream.credit += max(0, frame.responses)
+                stream.wake()
         else:
             raise FrameError(f"unexpected {type(frame).__name__} frame from a client")
 
@@ -96,7 +109,9 @@ class _ServerConnection(FrameConnection):
             request = route.decoder.decode(frame.payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self._refuse(frame, ErrorKind.BAD_REQUEST, f"bad request: {exc}")
-        stream = _Stream(frame.stream_id, Context(frame.request_id, frame.deadline))
+        stream = _Stream(
+            frame.stream_id, Context(frame.request_id, frame.deadline), credit=frame.window or None
+        )
         self.streams[frame.stream_id] = stream
         stream.task = asyncio.create_task(self._run(stream, route, request))
         server.tasks.add(stream.task)
@@ -140,6 +155,7 @@ class _ServerConnection(FrameConnection):
         """Stop a stream: nothing more is sent but `frame`; cancel its task after the grace."""
         self._finish(stream, frame)
         stream.context.stop_generating()
+        stream.wake()
         if stream.task is not None and not stream.task.done():
             loop = asyncio.get_running_loop()
             stream.timers.append(
@@ -161,6 +177,11 @@ class _ServerConnection(FrameConnection):
                             break
                         self.send_data(sid, item)
                         sent += 1
+                        if stream.credit is not None:
+                            stream.credit -= 1
+                            while stream.credit <= 0 and not stream.finished:
+                                stream.credit_waiter = asyncio.get_running_loop().create_future()
+                                await stream.credit_waiter  # the caller reads slower
                         if self._paused or self.closed:
                             await self.drain()
                         elif sent % YIELD_EVERY == 0:
