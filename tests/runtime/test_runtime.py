@@ -482,3 +482,23 @@ async def test_a_slow_reader_holds_the_handler_back_to_its_window(
     assert 64 <= len(produced) <= 65
     got += await collect(stream)
     assert got == list(range(5000))
+
+
+async def test_a_draining_instance_is_skipped_without_an_error(
+    make_runtime: RuntimeFactory,
+) -> None:
+    draining, live = await make_runtime(), await make_runtime()
+    await serve(draining, "ns.c.echo", echo)
+    await serve(live, "ns.c.echo", echo)
+    caller = await make_runtime()
+    client = await caller.endpoint("ns.c.echo").client()
+    await wait_until(lambda: len(client.instance_ids()) == 2, what="both instances seen")
+    draining._server.draining = True  # type: ignore[union-attr]  # as during a graceful stop
+    served_by = set()
+    for i in range(6):
+        stream = client.round_robin(i)
+        assert len(await collect(stream)) == 3
+        served_by.add(stream.instance_id)
+    assert served_by == {live.instance_id}
+    with pytest.raises(ShuttingDownError):  # direct names the instance: no one else may answer
+        await collect(client.direct(0, draining.instance_id))  # type: ignore[arg-type]

@@ -3,7 +3,8 @@
 Instances come and go with their discovery keys. An instance that cannot be connected to is
 quarantined at once (left out of routing) until its key goes, its key is written again, or the
 quarantine (one lease TTL) runs out. `round_robin` and `random` try the next instance when a
-connection fails, since nothing was sent; `direct` does not.
+connection fails or an instance refuses the request unrun (it is draining, or no longer serves
+the endpoint), since nothing ran; `direct` does not.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvbaton.protocols.discovery import Instance
 from kvbaton.runtime.discovery import PrefixWatch
-from kvbaton.runtime.errors import ConnectError, NoInstancesError
+from kvbaton.runtime.errors import (
+    ConnectError,
+    EndpointNotFoundError,
+    NoInstancesError,
+    ShuttingDownError,
+)
 from kvbaton.runtime.names import EndpointPath
 from kvbaton.runtime.request_plane.framing import encode_payload
 from kvbaton.runtime.request_plane.tcp_client import Stream
@@ -29,6 +35,8 @@ if TYPE_CHECKING:
     from kvbaton.runtime.distributed import DistributedRuntime
 
 log = logging.getLogger(__name__)
+
+RETRY_REFUSALS = 3  # instances a request may be refused by before the refusal is raised
 
 
 _ID_PREFIX = uuid.uuid4().hex[:12]
@@ -61,12 +69,19 @@ class ResponseStream:
         self._deadline = None if timeout is None else time.time() + timeout
         self._stream: Stream | None = None
         self._closed = False
+        self._started = False  # the first response (or end) was read
+        self._refused: set[int] = set()  # instances that refused this request unrun
         self.instance_id: int | None = None
 
     async def open(self) -> ResponseStream:
         if self._stream is None and not self._closed:
             self.instance_id, self._stream = await self._client._send(
-                self._request, self._mode, self._target, self.request_id, self._deadline
+                self._request,
+                self._mode,
+                self._target,
+                self.request_id,
+                self._deadline,
+                self._refused,
             )
         return self
 
@@ -77,16 +92,42 @@ class ResponseStream:
         return self
 
     def __anext__(self) -> Awaitable[Any]:
-        if self._stream is not None:  # the common case: no extra coroutine per response
+        if self._started:  # the common case: no extra coroutine per response
+            assert self._stream is not None
             return self._stream.__anext__()
-        return self._open_then_next()
+        return self._first()
 
-    async def _open_then_next(self) -> Any:
-        if self._closed:
-            raise StopAsyncIteration
-        await self.open()
-        assert self._stream is not None
-        return await self._stream.__anext__()
+    async def _first(self) -> Any:
+        """The first response. An instance that refuses a request it never ran (draining, or
+        no longer serving the endpoint) is skipped for the next one, except with `direct`."""
+        refusal: Exception | None = None
+        while True:
+            if self._closed:
+                raise StopAsyncIteration
+            try:
+                await self.open()
+            except NoInstancesError:
+                if refusal is not None:
+                    raise refusal from None
+                raise
+            assert self._stream is not None and self.instance_id is not None
+            try:
+                item = await self._stream.__anext__()
+            except (ShuttingDownError, EndpointNotFoundError) as exc:
+                if self._mode == "direct" or len(self._refused) >= RETRY_REFUSALS:
+                    raise
+                log.info(
+                    "instance %x refused %s (%s); trying another",
+                    self.instance_id,
+                    self.request_id,
+                    exc,
+                )
+                refusal = exc
+                self._refused.add(self.instance_id)
+                self._stream = None
+                continue
+            self._started = True
+            return item
 
     async def aclose(self) -> None:
         self._closed = True
@@ -231,11 +272,20 @@ class Client:
         return ids[start:] + ids[:start]
 
     async def _send(
-        self, request: Any, mode: str, target: int | None, request_id: str, deadline: float | None
+        self,
+        request: Any,
+        mode: str,
+        target: int | None,
+        request_id: str,
+        deadline: float | None,
+        exclude: set[int],
     ) -> tuple[int, Stream]:
         payload = encode_payload(request)
         last_error: ConnectError | None = None
-        for instance_id in self._order(mode, target):
+        order = [i for i in self._order(mode, target) if i not in exclude]
+        if not order:
+            raise NoInstancesError(f"every live instance of {self.path} refused the request")
+        for instance_id in order:
             instance = self._instances.get(instance_id)
             if instance is None:
                 continue
