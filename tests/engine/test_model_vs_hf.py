@@ -102,6 +102,7 @@ def test_preemption_by_recompute_gives_the_same_tokens(tiny_models: dict[str, Pa
     expected = [hf_greedy(model_dir, tuple(p), 30) for p in batch]
     eng = engine(model_dir, num_kv_blocks=16, block_size=8, enable_prefix_caching=False)
     assert run(eng, batch, new_tokens=30) == expected
+    assert eng.scheduler.num_preemptions > 0  # the path under test was taken
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(
@@ -196,3 +197,23 @@ def test_blocks_move_between_caches_by_id(tiny_models: dict[str, Path]) -> None:
     target = [7, 3, 11, 0, 5]
     second.runner.write_blocks(target, data)
     assert torch.equal(second.runner.read_blocks(target), data)
+
+
+def test_a_failed_step_leaves_no_prefix_that_was_never_computed(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks are registered when scheduled; if the forward pass then fails, none of them may
+    be served as a prefix hit later."""
+    eng = engine(tiny_models["llama-tied"])
+    eng.add_request("doomed", prompts()[4], SamplingParams(max_tokens=4, temperature=0))
+
+    def broken(output: object) -> dict[str, int]:
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(eng.runner, "execute", broken)
+    with pytest.raises(RuntimeError, match="fell over"):
+        eng.step()
+    assert eng.blocks.stats().cached == 0
+    monkeypatch.undo()
+    eng.abort_request("doomed")
+    assert run(eng, [prompts()[4]]) == [hf_greedy(tiny_models["llama-tied"], tuple(prompts()[4]))]

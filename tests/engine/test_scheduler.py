@@ -59,10 +59,10 @@ def test_stop_token_respects_min_tokens() -> None:
         "a", [1, 2, 3], SamplingParams(max_tokens=10, min_tokens=2), stop_token_ids=frozenset({7})
     )
     sched.add(s)
-    for token in (7, 7):  # the first 7 comes before min_tokens is met (a sampler would mask it)
+    for token in (7, 7, 7):  # the first two come before min_tokens is met (a sampler masks them)
         out = sched.schedule()
         sched.update(out, {"a": token})
-    assert s.finish_reason == "stop" and s.output_token_ids == [7, 7]
+    assert s.finish_reason == "stop" and s.output_token_ids == [7, 7, 7]
 
 
 def test_preemption_recomputes_and_frees() -> None:
@@ -79,6 +79,30 @@ def test_preemption_recomputes_and_frees() -> None:
     assert preempted > 0
     assert all(s.num_output_tokens == 12 for s in seqs)
     assert sched.blocks.num_free_blocks == 6
+
+
+def test_a_preempted_sequence_longer_than_the_budget_still_runs_without_chunking() -> None:
+    """Without chunked prefill a prompt must fit the budget, but a preempted sequence comes back
+    with its output too, which may not: its recompute is chunked, or it would wait forever."""
+    for trial in range(300):
+        rng = random.Random(trial)
+        num_blocks, budget = rng.randrange(4, 12), rng.randrange(8, 20)
+        sched = Scheduler(BlockManager(num_blocks, 4, rng.random() < 0.5), 8, budget, False, 1024)
+        for i in range(3):
+            n = rng.randrange(1, min(budget, num_blocks * 4 - 1) + 1)
+            sched.add(
+                Sequence(
+                    f"s{i}",
+                    [rng.randrange(30) for _ in range(n)],
+                    SamplingParams(max_tokens=rng.randrange(1, num_blocks * 4 - n + 1)),
+                )
+            )
+        for _ in range(500):
+            out = step(sched, rng, vocab=30)
+            assert out.scheduled or not sched.has_unfinished(), f"stuck in trial {trial}"
+            if not sched.has_unfinished():
+                break
+        assert not sched.has_unfinished()
 
 
 @settings(max_examples=60, deadline=None)

@@ -38,6 +38,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    outputs: object = None  # the stream that asked; None: whatever runs under the id
 
 
 class AsyncEngine:
@@ -71,15 +72,15 @@ class AsyncEngine:
     ) -> AsyncIterator[EngineOutput]:
         """Outputs of one request, the last with a finish reason. Raises ValueError at once for
         a request that could never run; closing the iterator early aborts the request."""
-        if self._stopped:
-            raise RuntimeError("the engine is shut down")
         self.engine.check_request(prompt_token_ids, params)
         outputs: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
-        with self._lock:
+        with self._lock:  # shutdown takes it too: a request is either failed by it or refused
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, lora_name, cache_salt))
+            self._inbox.put(_Add(request_id, list(prompt_token_ids), params, lora_name, cache_salt))
         return self._stream(request_id, outputs)
 
     async def _stream(
@@ -96,8 +97,8 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if not finished:
-                self.abort(request_id)
+            if not finished:  # only this stream's request, not a later one with its id
+                self._inbox.put(_Abort(request_id, outputs))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the next step. Idempotent."""
@@ -107,8 +108,9 @@ class AsyncEngine:
         return self.engine.stats()
 
     async def shutdown(self) -> None:
-        self._stopped = True
-        self._inbox.put(None)
+        with self._lock:
+            self._stopped = True
+            self._inbox.put(None)
         await asyncio.to_thread(self._thread.join, 30)
 
     # -- the step thread ---------------------------------------------------------------------
@@ -125,6 +127,11 @@ class AsyncEngine:
 
     def _apply(self, message: _Add | _Abort) -> None:
         if isinstance(message, _Abort):
+            if message.outputs is not None:
+                with self._lock:
+                    entry = self._streams.get(message.request_id)
+                if entry is not None and entry[1] is not message.outputs:
+                    return  # that stream ended; the id now names another request
             final = self.engine.abort_request(message.request_id)
             if final is not None:
                 self._deliver(message.request_id, final)

@@ -79,9 +79,13 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += seq.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits
+
+    def note_prefix_lookup(self, num_tokens: int, num_cached: int) -> None:
+        """Count an admitted sequence's lookup in the hit rate (once, however often its
+        admission was tried)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_cached
 
     def can_allocate(
         self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int] = ()

@@ -141,7 +141,13 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduled)
+        try:
+            sampled = self.runner.execute(scheduled)
+        except BaseException:
+            # Blocks of this step were registered before their KV was written: forget every
+            # cached prefix rather than serve a wrong one.
+            self.clear_kv_blocks()
+            raise
         finished = {s.request_id for s in self.scheduler.update(scheduled, sampled)}
         outputs = []
         for item in scheduled.scheduled:

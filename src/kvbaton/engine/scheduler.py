@@ -53,6 +53,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -77,7 +78,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:
                 i += 1
                 continue
@@ -98,10 +99,11 @@ class Scheduler:
             seq = self.waiting[0]
             hits = self.blocks.match_prefix(seq) if not seq.block_table else []
             cached = len(hits) * self.blocks.block_size
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens - cached, budget)
+            n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens - cached, budget)
             if n == 0 or not self.blocks.allocate(seq, n, hits):
                 break
             self.waiting.popleft()
+            self.blocks.note_prefix_lookup(seq.num_tokens, cached)
             seq.num_computed_tokens += cached
             if seq.num_cached_tokens == 0:
                 seq.num_cached_tokens = cached
@@ -130,16 +132,19 @@ class Scheduler:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
-        if token in seq.stop_token_ids and seq.num_output_tokens >= params.min_tokens:
+        if token in seq.stop_token_ids and seq.num_output_tokens > params.min_tokens:
             return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _chunk(self, remaining: int, budget: int) -> int:
+    def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
+        """Tokens to compute this step. Without chunked prefill a prompt waits for a budget
+        that holds it whole; a preempted sequence's recompute (prompt and output, possibly
+        longer than any budget) is chunked regardless, or it could never run again."""
         if remaining <= budget:
             return remaining
-        return budget if self.enable_chunked_prefill else 0
+        return budget if self.enable_chunked_prefill or seq.num_output_tokens else 0
 
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         return ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens)
@@ -147,6 +152,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; its known tokens are recomputed when it runs again."""
         self.blocks.deallocate(seq)
+        self.num_preemptions += 1
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
