@@ -4,6 +4,7 @@ any number of concurrent streams multiplexed by stream id."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -214,13 +215,11 @@ class TcpRequestClient:
         if task is None:
             task = asyncio.create_task(self._dial(address))
             self._connecting[address] = task
-            task.add_done_callback(self._dialed)
+            task.add_done_callback(functools.partial(self._dialed, address))
         return await asyncio.shield(task)
 
-    def _dialed(self, task: asyncio.Task[ClientConnection]) -> None:
-        for address, pending in list(self._connecting.items()):
-            if pending is task:
-                del self._connecting[address]
+    def _dialed(self, address: str, task: asyncio.Task[ClientConnection]) -> None:
+        del self._connecting[address]
         if not task.cancelled():
             task.exception()  # retrieved here: every caller may have been cancelled meanwhile
 

@@ -132,24 +132,14 @@ class _ServerConnection(FrameConnection):
                 self.send(frame)
 
     def _finish_with_error(self, stream: _Stream, message: str, error_type: str) -> None:
-        """Send a handler's error; a message too long for a frame is cut, never dropped."""
+        """Send a handler's error; a message too long for a frame is cut (to half the frame
+        limit in UTF-8 bytes, so the frame always fits), never dropped."""
         limit = self.max_frame_bytes // 2
-        if len(message) > limit:
-            message = message[:limit] + f"... [{len(message) - limit} more characters]"
-        frame = Error(stream.stream_id, ErrorKind.HANDLER, message, error_type[:200])
-        try:
-            self._finish(stream, frame)
-        except FrameError:
-            stream.finished = False
-            self._finish(
-                stream,
-                Error(
-                    stream.stream_id,
-                    ErrorKind.HANDLER,
-                    "handler error too large to send",
-                    error_type[:200],
-                ),
-            )
+        encoded = message.encode("utf-8", "replace")
+        if len(encoded) > limit:
+            cut = encoded[:limit].decode("utf-8", "ignore")
+            message = f"{cut}... [{len(message) - len(cut)} more characters]"
+        self._finish(stream, Error(stream.stream_id, ErrorKind.HANDLER, message, error_type[:200]))
 
     def stop(self, stream: _Stream, frame: Frame | None = None) -> None:
         """Stop a stream: nothing more is sent but `frame`; cancel its task after the grace."""
