@@ -22,10 +22,12 @@ def discovery_url(tmp_path: Path) -> str:
 
 @pytest.fixture
 def spawn_worker(tmp_path: Path, discovery_url: str) -> Iterator[WorkerFactory]:
-    """Start `kvbaton worker --engine echo` processes on the test's discovery directory."""
+    """Start `kvbaton worker` processes (echo by default) on the test's discovery directory."""
     procs: list[subprocess.Popen[bytes]] = []
 
-    def spawn(*extra: str, lease_ttl: float = 2.0, namespace: str = "t") -> subprocess.Popen[bytes]:
+    def spawn(
+        *extra: str, lease_ttl: float = 2.0, namespace: str = "t", engine: str = "echo"
+    ) -> subprocess.Popen[bytes]:
         log = open(tmp_path / f"worker-{len(procs)}.log", "wb")  # noqa: SIM115 (closed below)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
         proc = subprocess.Popen(
@@ -35,7 +37,7 @@ def spawn_worker(tmp_path: Path, discovery_url: str) -> Iterator[WorkerFactory]:
                 "kvbaton",
                 "worker",
                 "--engine",
-                "echo",
+                engine,
                 "--discovery",
                 discovery_url,
                 "--lease-ttl",

@@ -281,36 +281,3 @@ async def test_status_lists_instances_as_a_table(
     await wait_until(lambda: not generate.instance_ids(), TTL + 3)
     out = (await asyncio.to_thread(_kvbaton, "status", "--discovery", discovery_url)).stdout
     assert out.splitlines()[1] == "no instances"
-
-
-async def test_serve_runs_workers_and_stops_them_on_sigint(
-    runtime: DistributedRuntime, discovery_url: str
-) -> None:
-    proc = subprocess.Popen(  # noqa: ASYNC220 (a fork-exec; the test then waits in a thread)
-        [
-            sys.executable,
-            "-m",
-            "kvbaton",
-            "serve",
-            "--discovery",
-            discovery_url,
-            "--workers",
-            "2",
-            "--namespace",
-            "t",
-        ],
-        env=_clean_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        generate = await runtime.endpoint("t.backend.generate").client()
-        await wait_until(lambda: len(generate.instance_ids()) == 2, STARTUP_S)
-        assert len(await collect(generate.round_robin({"n": 2}))) == 2
-        proc.send_signal(signal.SIGINT)
-        assert await asyncio.to_thread(proc.wait, 30) == 0
-        await wait_until(lambda: not generate.instance_ids(), 2.0, "workers deregistered")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvbaton import __version__
+from kvbaton.cli.worker import add_worker_flags
 from kvbaton.runtime import DistributedRuntime, RuntimeSettings
 
 log = logging.getLogger("kvbaton")
@@ -22,7 +23,7 @@ def _runtime_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--discovery", help="file:///dir (default: a per-user dir) or mem://name")
     group.add_argument("--request-plane", help="tcp (default)")
     group.add_argument("--host", help="address to bind and advertise (default 127.0.0.1)")
-    group.add_argument("--port", type=int, help="request-plane port (default: any free port)")
+    group.add_argument("--request-plane-port", dest="port", type=int, help="default: any free port")
     group.add_argument("--lease-ttl", type=float, help="seconds (default 10)")
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -72,14 +73,38 @@ def run_until_signal(
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from kvbaton.workers.echo import EchoWorker
+    from kvbaton.cli.worker import run_worker
 
     runtime = DistributedRuntime(settings=runtime_settings(args))
 
     async def main() -> None:
-        await EchoWorker(runtime, args.namespace, args.component).serve()
+        try:
+            await run_worker(args, runtime)
+        finally:
+            await runtime.shutdown()
 
     run_until_signal(main, runtime.shutdown)
+    return 0
+
+
+def cmd_frontend(args: argparse.Namespace) -> int:
+    from kvbaton.frontend.server import FrontendServer
+
+    runtime = DistributedRuntime(settings=runtime_settings(args))
+    server = FrontendServer(
+        runtime, namespace=args.namespace, host=args.http_host, port=args.http_port
+    )
+
+    async def main() -> None:
+        try:
+            await server.serve(lambda url: log.info("frontend: OpenAI API at %s/v1", url))
+        finally:
+            await runtime.shutdown()
+
+    async def stop() -> None:
+        server.stop()
+
+    run_until_signal(main, stop)
     return 0
 
 
@@ -126,13 +151,33 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run a whole deployment on this machine")
     serve.add_argument("--namespace", default="kvbaton")
     serve.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    serve.add_argument("--http-host", "--http_host", default="127.0.0.1")
+    serve.add_argument("--http-port", "--port", type=int, default=8000, help="0: any free port")
+    serve.add_argument("--engine", choices=["torch", "fixed"], default="torch")
+    serve.add_argument("--fixed-tokens", default="1,2,3")
+    add_worker_flags(serve)
     _runtime_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
+    frontend = sub.add_parser("frontend", help="run the OpenAI-compatible HTTP frontend")
+    frontend.add_argument("--namespace", default="kvbaton")
+    frontend.add_argument("--http-host", default="127.0.0.1")
+    frontend.add_argument("--http-port", type=int, default=8000, help="0: any free port")
+    _runtime_flags(frontend)
+    frontend.set_defaults(func=cmd_frontend)
+
     worker = sub.add_parser("worker", help="run one worker process")
-    worker.add_argument("--engine", choices=["echo"], default="echo")
+    worker.add_argument("--role", choices=["agg"], default="agg", help="agg: prefill and decode")
+    worker.add_argument(
+        "--engine",
+        choices=["torch", "fixed", "echo"],
+        default="torch",
+        help="torch: the built-in engine; fixed: fixed tokens at no cost; echo: no LLM at all",
+    )
+    worker.add_argument("--fixed-tokens", default="1,2,3", help="the fixed engine's token ids")
     worker.add_argument("--namespace", default="kvbaton")
     worker.add_argument("--component", default="backend")
+    add_worker_flags(worker)
     _runtime_flags(worker)
     worker.set_defaults(func=cmd_worker)
 
@@ -165,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     _setup_logging(args.log_level)
     try:
         code = args.func(args)
-    except (ValueError, FileNotFoundError) as exc:  # bad input: say what, not a traceback
+    except (ValueError, OSError) as exc:  # bad input, busy port: say what, not a traceback
         print(f"kvbaton: error: {exc}", file=sys.stderr)
         code = 2
     with contextlib.suppress(Exception):

@@ -1,59 +1,133 @@
-"""`kvbaton serve`: a whole deployment on one machine, each component in its own process.
+"""`kvbaton serve`: a whole deployment on one machine, a frontend and N workers, each in its own
+process, found through file discovery in a private temporary directory (unless `--discovery`
+names one).
 
-The supervisor starts the components, forwards SIGINT/SIGTERM to them, and stops them all when
-one exits. Until the LLM engine and frontend land, the deployment is one or more echo workers.
-"""
+The supervisor pulls the default model if needed, starts the components, streams their logs
+with a prefix, prints where to connect once the frontend serves the model, forwards SIGINT and
+SIGTERM, and stops them all when one exits."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import urllib.error
+import urllib.request
 
+from kvbaton.cli.worker import WORKER_FLAGS, served_name
 from kvbaton.runtime.settings import RuntimeSettings
 
 log = logging.getLogger("kvbaton.serve")
 
 STOP_TIMEOUT_S = 15.0
+READY_TIMEOUT_S = 600.0  # a cold model load on a busy machine
+_URL = re.compile(r"OpenAI API at (http://\S+)/v1")
 
 
-def _component_commands(args: argparse.Namespace) -> list[list[str]]:
+def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     base = [sys.executable, "-m", "kvbaton"]
-    return [
-        [
-            *base,
-            "worker",
-            "--engine",
-            "echo",
-            "--namespace",
-            args.namespace,
-            "--log-level",
-            args.log_level,
-        ]
-        for _ in range(args.workers)
+    common = ["--namespace", args.namespace, "--log-level", args.log_level]
+    frontend = [
+        *base,
+        "frontend",
+        *common,
+        "--http-host",
+        args.http_host,
+        "--http-port",
+        str(args.http_port),
     ]
+    worker = [
+        *base,
+        "worker",
+        "--role",
+        "agg",
+        "--engine",
+        args.engine,
+        "--fixed-tokens",
+        args.fixed_tokens,
+        *common,
+        *_flags(args, WORKER_FLAGS),
+    ]
+    return [("frontend", frontend)] + [(f"worker-{i}", worker) for i in range(args.workers)]
+
+
+def _pump(name: str, stream: object, found_url: list[str]) -> None:
+    """Copy a child's output to ours, each line prefixed with the child's name."""
+    for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
+        line = raw.decode(errors="replace").rstrip("\n")
+        if not found_url and (m := _URL.search(line)):
+            found_url.append(m.group(1))
+        sys.stderr.write(f"[{name}] {line}\n")
+        sys.stderr.flush()
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _pull_if_needed(args: argparse.Namespace) -> None:
+    from kvbaton.llm.model_files import KNOWN_MODELS, models_dir, pull
+
+    if args.model in KNOWN_MODELS and not (models_dir() / args.model / "config.json").is_file():
+        log.info("model %s is not pulled yet: pulling it once", args.model)
+        pull(args.model, progress=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
+    if args.workers < 1:
+        raise ValueError("--workers must be at least 1")
+    _pull_if_needed(args)
+    if args.num_threads is None and args.engine == "torch" and args.workers > 1:
+        args.num_threads = max(1, (os.cpu_count() or 1) // args.workers)
+    private_dir = None
+    discovery = settings.discovery
+    if not (args.discovery or os.environ.get("KVBATON_DISCOVERY")):
+        private_dir = tempfile.mkdtemp(prefix="kvbaton-serve-")
+        discovery = f"file://{private_dir}"
     env = dict(os.environ)
     env.update(
         {
-            "KVBATON_DISCOVERY": settings.discovery,
+            "KVBATON_DISCOVERY": discovery,
             "KVBATON_REQUEST_PLANE": settings.request_plane,
             "KVBATON_HOST": settings.host,
             "KVBATON_LEASE_TTL": str(settings.lease_ttl),
         }
     )
-    children = [subprocess.Popen(cmd, env=env) for cmd in _component_commands(args)]
-    log.info(
-        "kvbaton serving with %d worker(s); discovery %s; `kvbaton status` lists them",
-        len(children),
-        settings.discovery,
-    )
+    try:
+        return _supervise(args, env)
+    finally:
+        if private_dir is not None:
+            shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def _supervise(args: argparse.Namespace, env: dict[str, str]) -> int:
+    found_url: list[str] = []
+    children: list[subprocess.Popen[bytes]] = []
+    for name, cmd in _commands(args):
+        child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        children.append(child)
+        threading.Thread(target=_pump, args=(name, child.stdout, found_url), daemon=True).start()
     stopping = False
 
     def stop(signum: int, _frame: object) -> None:
@@ -65,8 +139,18 @@ def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    model = args.served_model_name or served_name(args.model)
+    started = time.monotonic()
+    ready = False
     code = 0
     while all(c.poll() is None for c in children) and not stopping:
+        if not ready and found_url and _ready(found_url[0]):
+            ready = True
+            print(f"kvbaton serve: model {model} ready at {found_url[0]}/v1", flush=True)
+        if not ready and time.monotonic() - started > READY_TIMEOUT_S:
+            log.error("not ready after %.0fs; stopping", READY_TIMEOUT_S)
+            code = 1
+            stop(signal.SIGTERM, None)
         time.sleep(0.2)
     if not stopping:
         code = next(c.returncode for c in children if c.returncode is not None) or 1

@@ -17,6 +17,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.engine import EngineStats, LLMEngine
@@ -36,6 +37,15 @@ class _Add:
 
 
 @dataclass
+class _Call:
+    """Run `fn` on the step thread between steps; its result resolves `future`."""
+
+    fn: Callable[[], object]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[object]
+
+
+@dataclass
 class _Abort:
     request_id: str
     outputs: object = None  # the stream that asked; None: whatever runs under the id
@@ -44,7 +54,7 @@ class _Abort:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._streams: dict[
             str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[EngineOutput | BaseException]]
         ] = {}
@@ -107,6 +117,30 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.config.block_size
+
+    @property
+    def model_dir(self) -> Path:
+        return self.engine.model_dir
+
+    async def clear_kv_blocks(self) -> int:
+        """Drop every cached block no request holds (between two steps); how many went."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[object] = loop.create_future()
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
+            self._inbox.put(_Call(self.engine.clear_kv_blocks, loop, future))
+        cleared = await future
+        assert isinstance(cleared, int)
+        return cleared
+
     async def shutdown(self) -> None:
         with self._lock:
             self._stopped = True
@@ -125,7 +159,17 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
                 loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-    def _apply(self, message: _Add | _Abort) -> None:
+    def _apply(self, message: _Add | _Abort | _Call) -> None:
+        if isinstance(message, _Call):
+            result: object = None
+            error: Exception | None = None
+            try:
+                result = message.fn()
+            except Exception as exc:
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the caller's loop closed
+                message.loop.call_soon_threadsafe(_settle, message.future, result, error)
+            return
         if isinstance(message, _Abort):
             if message.outputs is not None:
                 with self._lock:
@@ -176,3 +220,12 @@ class AsyncEngine:
         for request_id in ids:
             self.engine.abort_request(request_id)
             self._deliver(request_id, exc)
+
+
+def _settle(future: asyncio.Future[object], result: object, exc: BaseException | None) -> None:
+    if future.done():  # the caller gave up waiting
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -11,10 +11,16 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         self.hf: Any = AutoTokenizer.from_pretrained(str(model_dir))
+        self.backend: Any = self.hf.backend_tokenizer  # the Rust tokenizer: encodes 2x faster
         self.eos_token_id: int | None = self.hf.eos_token_id
+        self.vocab_size: int = len(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        encodings = self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [list(e.ids) for e in encodings]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))

@@ -77,3 +77,51 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     usage: Usage | None = None
     # One entry per new token: the chosen token's logprob, then the top alternatives.
     logprobs: list[list[TokenLogprob]] | None = None
+
+
+class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a frontend sends to a worker's `generate` endpoint (step S2): the prompt already
+    templated and tokenized, and the sampling options validated. Stop strings stay with the
+    frontend (they are matched on text); the worker stops on token ids only."""
+
+    model: str
+    token_ids: list[int]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    version: int = 1
+
+
+class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A served model, as a worker registers it at `/models/{namespace}/{name}/{instance_id:x}`
+    (owned by the worker's lease). The frontend serves a model while at least one card of it
+    lives, and sends its requests to `endpoint` on the instance that registered the card."""
+
+    name: str
+    endpoint: str  # "namespace.component.generate"
+    instance_id: int
+    context_length: int
+    kv_block_size: int
+    model_path: str = ""  # the worker's directory; a frontend on the same machine reads it
+    tokenizer_files: list[str] = msgspec.field(default_factory=list)  # else fetched from it
+    created: int = 0  # seconds since the epoch
+    version: int = 1
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> ModelCard:
+        return msgspec.json.decode(data, type=cls)
+
+
+class WorkerLoad(msgspec.Struct, kw_only=True):
+    """A worker's `load_metrics` answer."""
+
+    instance_id: int
+    waiting: int
+    running: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    prefix_cache_hit_rate: float

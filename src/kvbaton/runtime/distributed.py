@@ -122,6 +122,22 @@ class DistributedRuntime:
         log.info("serving %s as instance %x at %s", path, lease_id, server.address)
         return key
 
+    async def ensure_instance_id(self) -> int:
+        """This process's instance id (its lease), granting the lease and starting the
+        request-plane server if nothing is served yet."""
+        _, lease_id = await self._serving_setup()
+        return lease_id
+
+    async def publish(self, key: str, value: bytes) -> None:
+        """Store `key` in discovery, owned by this process's lease: it lives while the process
+        does and vanishes with it (used for records beside endpoints, e.g. model cards)."""
+        _, lease_id = await self._serving_setup()
+        await self.discovery.put(key, value, lease_id)
+
+    async def unpublish(self, key: str) -> None:
+        if not self._closed:
+            await self.discovery.delete(key)
+
     async def _deregister(self, path: EndpointPath, key: str) -> None:
         if not self._closed:
             await self.discovery.delete(key)

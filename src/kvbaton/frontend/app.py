@@ -1,0 +1,472 @@
+"""The OpenAI-compatible routes (step S1 in, S9 out).
+
+Invariants: every error reaches the client in OpenAI's shape with its status, before streaming
+starts, or as one error event after it started (then the stream closes without `[DONE]`); a
+request whose client goes away (mid-stream or while a non-streaming answer is being built) is
+cancelled at the worker; every request is counted once in the metrics with its final status."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from kvbaton.frontend.errors import OpenAIError, bad_request, model_not_found, no_workers
+from kvbaton.frontend.metrics import FrontendMetrics
+from kvbaton.frontend.models import ModelManager, ServedModel
+from kvbaton.frontend.openai_types import ChatCompletionRequest, CompletionRequest, _Common
+from kvbaton.frontend.postprocess import ChoiceState, Delta
+from kvbaton.frontend.preprocess import build_requests, chat_prompt, completion_prompts
+from kvbaton.protocols.llm import PreprocessedRequest
+from kvbaton.runtime import HandlerError, NoInstancesError, RuntimeServiceError
+
+log = logging.getLogger(__name__)
+
+_encode = msgspec.json.Encoder().encode
+Event = tuple[int, ChoiceState, Delta]  # (choice index, its state, its new delta)
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(_encode(body), status_code=status, media_type="application/json")
+
+
+def _error_response(error: OpenAIError) -> Response:
+    return Response(error.json(), status_code=error.status, media_type="application/json")
+
+
+def as_openai_error(exc: BaseException, model: str) -> OpenAIError:
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, NoInstancesError):
+        return no_workers(model)
+    if isinstance(exc, HandlerError) and exc.error_type == "ValueError":
+        return bad_request(str(exc))  # the worker refused the request as it stands
+    if isinstance(exc, RuntimeServiceError):
+        return OpenAIError(503, f"the worker failed: {exc}", code="worker_error")
+    return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class RequestRecord:
+    """One request's metrics: TTFT, inter-token latency, tokens, duration, final status."""
+
+    def __init__(self, metrics: FrontendMetrics, model: str, route: str) -> None:
+        self.metrics = metrics
+        self.model = model
+        self.route = route
+        self.started = self.last_token = time.monotonic()
+        self.first = True
+        metrics.in_flight.labels(model).inc()
+
+    def tokens(self, n: int) -> None:
+        if n == 0:
+            return
+        now = time.monotonic()
+        self.metrics.output_tokens.labels(self.model).inc(n)
+        gaps = n
+        if self.first:
+            self.metrics.ttft.labels(self.model).observe(now - self.started)
+            self.first = False
+            gaps -= 1
+        if gaps > 0:
+            gap = (now - self.last_token) / gaps
+            itl = self.metrics.itl.labels(self.model)
+            for _ in range(gaps):
+                itl.observe(gap)
+        self.last_token = now
+
+    def done(self, status: int, prompt_tokens: int) -> None:
+        m = self.metrics
+        m.in_flight.labels(self.model).dec()
+        m.requests.labels(self.model, self.route, str(status)).inc()
+        m.input_tokens.labels(self.model).inc(prompt_tokens)
+        m.duration.labels(self.model).observe(time.monotonic() - self.started)
+
+
+class Frontend:
+    def __init__(self, models: ModelManager, *, max_body_bytes: int = 8 << 20) -> None:
+        self.models = models
+        self.metrics = FrontendMetrics()
+        self.max_body_bytes = max_body_bytes
+        self.app = self._build()
+
+    # -- the request's path ----------------------------------------------------------------------
+    def _served(self, name: str) -> ServedModel:
+        served = self.models.get(name)
+        if served is None:
+            raise model_not_found(name)
+        return served
+
+    async def _choice(
+        self, served: ServedModel, index: int, pre: PreprocessedRequest, rid: str, stops: list[str]
+    ) -> AsyncGenerator[Event, None]:
+        state = ChoiceState(served.tokenizer, pre.token_ids, stops)
+        outputs = served.generate(pre, rid if index == 0 else f"{rid}-{index}")
+        try:
+            async for out in outputs:
+                yield index, state, state.update(out)
+                if state.finished:
+                    return
+        finally:
+            await outputs.aclose()  # a stop string matched, or the client left: stop the worker
+
+    def _events(
+        self, served: ServedModel, pres: list[PreprocessedRequest], rid: str, stops: list[str]
+    ) -> AsyncGenerator[Event, None]:
+        streams = [self._choice(served, i, pre, rid, stops) for i, pre in enumerate(pres)]
+        return streams[0] if len(streams) == 1 else _merge(streams)
+
+    async def _handle(self, request: Request, body: _Common, route: str) -> Response:
+        rid: str = request.state.request_id
+        record: RequestRecord | None = None
+        prompt_tokens = 0
+        try:
+            served = self._served(body.model)
+            if isinstance(body, ChatCompletionRequest):
+                prompts = [chat_prompt(served.tokenizer, body)]
+            else:
+                assert isinstance(body, CompletionRequest)
+                prompts = completion_prompts(served.tokenizer, body)
+            prompt_tokens = sum(len(p) for p in prompts)
+            pres = build_requests(
+                body,
+                prompts,
+                context_length=served.card.context_length,
+                vocab_size=served.tokenizer.vocab_size,
+            )
+            record = RequestRecord(self.metrics, body.model, route)
+            events = self._events(served, pres, rid, body.stop_strings())
+            try:
+                first = await anext(events)  # errors before any output get their own status
+            except BaseException:
+                await events.aclose()
+                raise
+        except Exception as exc:
+            error = as_openai_error(exc, body.model)
+            if error.status >= 500:
+                log.warning("request %s failed: %s", rid, error.message)
+            if record is not None:
+                record.done(error.status, prompt_tokens)
+            return _error_response(error)
+        chat = isinstance(body, ChatCompletionRequest)
+        shape = _ResponseShape(rid, body.model, chat, len(pres))
+        if body.stream:
+            return StreamingResponse(
+                self._sse(shape, first, events, record, prompt_tokens, body.include_usage),
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache"},
+            )
+        collect = asyncio.ensure_future(self._collect(shape, first, events, record))
+        disconnect = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not collect.done():  # the client left: stop the workers
+                collect.cancel()
+                with contextlib.suppress(BaseException):
+                    await collect
+                record.done(499, prompt_tokens)
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)
+        try:
+            result = collect.result()
+        except Exception as exc:
+            error = as_openai_error(exc, body.model)
+            record.done(error.status, prompt_tokens)
+            return _error_response(error)
+        record.done(200, prompt_tokens)
+        return _json(result)
+
+    async def _collect(
+        self,
+        shape: _ResponseShape,
+        first: Event,
+        events: AsyncGenerator[Event, None],
+        record: RequestRecord,
+    ) -> dict[str, Any]:
+        texts: list[list[str]] = [[] for _ in range(shape.n)]
+        logprobs: list[list[Any]] = [[] for _ in range(shape.n)]
+        states: dict[int, ChoiceState] = {}
+        try:
+            event: Event | None = first
+            while event is not None:
+                index, state, delta = event
+                states[index] = state
+                record.tokens(delta.tokens)
+                texts[index].append(delta.text)
+                lp = shape.logprobs(state, delta)
+                if lp is not None:
+                    logprobs[index].append(lp)
+                event = await anext(events, None)
+        finally:
+            await events.aclose()
+        return shape.full(states, ["".join(t) for t in texts], logprobs)
+
+    async def _sse(
+        self,
+        shape: _ResponseShape,
+        first: Event,
+        events: AsyncGenerator[Event, None],
+        record: RequestRecord,
+        prompt_tokens: int,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        status = 499  # unless it ends one way or the other below
+        states: dict[int, ChoiceState] = {}
+        try:
+            if shape.chat:
+                for i in range(shape.n):
+                    yield shape.sse(shape.role_chunk(i, include_usage))
+            event: Event | None = first
+            while event is not None:
+                index, state, delta = event
+                states[index] = state
+                record.tokens(delta.tokens)
+                if delta.text or delta.finish_reason or delta.logprobs:
+                    yield shape.sse(shape.chunk(state, index, delta, include_usage))
+                event = await anext(events, None)
+            if include_usage:
+                yield shape.sse(shape.usage_chunk(states))
+            yield b"data: [DONE]\n\n"
+            status = 200
+        except Exception as exc:
+            error = as_openai_error(exc, shape.model)
+            status = error.status
+            log.warning("request %s failed mid-stream: %s", shape.rid, error.message)
+            yield shape.sse(error.body())
+        finally:
+            await events.aclose()
+            record.done(status, prompt_tokens)
+
+    # -- the app -------------------------------------------------------------------------------
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="kvbaton", summary="OpenAI-compatible LLM serving")
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(request: Request, exc: RequestValidationError) -> Response:
+            return _error_response(_validation_error(exc))
+
+        @app.exception_handler(HTTPException)
+        async def http_error(request: Request, exc: HTTPException) -> Response:
+            return _error_response(OpenAIError(exc.status_code, str(exc.detail)))
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+            return await self._handle(request, body, "chat_completions")
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request) -> Response:
+            return await self._handle(request, body, "completions")
+
+        @app.get("/v1/models")
+        async def list_models() -> Response:
+            return _json({"object": "list", "data": [_model_entry(m) for m in self._sorted()]})
+
+        @app.get("/v1/models/{model_id:path}")
+        async def get_model(model_id: str) -> Response:
+            served = self.models.get(model_id)
+            if served is None:
+                return _error_response(model_not_found(model_id))
+            return _json(_model_entry(served))
+
+        @app.get("/health")
+        async def health() -> Response:
+            models = {m.name: [f"{i:x}" for i in m.instance_ids()] for m in self._sorted()}
+            ready = any(models.values())
+            body = {"status": "healthy" if ready else "unhealthy", "models": models}
+            return _json(body, 200 if ready else 503)
+
+        @app.get("/live")
+        async def live() -> Response:
+            return _json({"status": "live"})
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        return app
+
+    def _sorted(self) -> list[ServedModel]:
+        return [self.models.models[n] for n in sorted(self.models.models)]
+
+
+class _ResponseShape:
+    """OpenAI's response bodies for one request: chat or text completion, whole or chunked."""
+
+    def __init__(self, rid: str, model: str, chat: bool, n: int) -> None:
+        self.rid = rid
+        self.model = model
+        self.chat = chat
+        self.n = n
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
+        self.created = int(time.time())
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": f"{kind}.chunk" if chunk and self.chat else kind,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    @staticmethod
+    def sse(body: dict[str, Any]) -> bytes:
+        return b"data: " + _encode(body) + b"\n\n"
+
+    def logprobs(self, state: ChoiceState, delta: Delta) -> Any:
+        return state.chat_logprobs(delta) if self.chat else state.completion_logprobs(delta)
+
+    def role_chunk(self, index: int, include_usage: bool) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return self._head(True) | {"choices": [choice]} | _null_usage(include_usage)
+
+    def chunk(
+        self, state: ChoiceState, index: int, delta: Delta, include_usage: bool
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            choice["delta"] = {"content": delta.text} if delta.text else {}
+        else:
+            choice["text"] = delta.text
+        choice["logprobs"] = self.logprobs(state, delta)
+        choice["finish_reason"] = delta.finish_reason
+        return self._head(True) | {"choices": [choice]} | _null_usage(include_usage)
+
+    def usage_chunk(self, states: dict[int, ChoiceState]) -> dict[str, Any]:
+        return self._head(True) | {"choices": [], "usage": _usage(states)}
+
+    def full(
+        self, states: dict[int, ChoiceState], texts: list[str], logprobs: list[list[Any]]
+    ) -> dict[str, Any]:
+        choices = []
+        for i in range(self.n):
+            choice: dict[str, Any] = {"index": i}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": texts[i]}
+                lps = [e for part in logprobs[i] for e in part["content"]]
+                choice["logprobs"] = {"content": lps} if logprobs[i] else None
+            else:
+                choice["text"] = texts[i]
+                choice["logprobs"] = _join_completion_logprobs(logprobs[i])
+            choice["finish_reason"] = states[i].finish_reason if i in states else None
+            choices.append(choice)
+        return self._head(False) | {"choices": choices, "usage": _usage(states)}
+
+
+def _null_usage(include_usage: bool) -> dict[str, Any]:
+    return {"usage": None} if include_usage else {}
+
+
+def _usage(states: dict[int, ChoiceState]) -> dict[str, Any]:
+    prompt = sum(s.prompt_tokens for s in states.values())
+    completion = sum(s.completion_tokens for s in states.values())
+    cached = sum(s.cached_tokens for s in states.values())
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def _join_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not parts:
+        return None
+    return {key: [v for part in parts for v in part[key]] for key in parts[0]}
+
+
+def _model_entry(served: ServedModel) -> dict[str, Any]:
+    return {
+        "id": served.name,
+        "object": "model",
+        "created": served.card.created,
+        "owned_by": "kvbaton",
+        "max_model_len": served.card.context_length,
+    }
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list"}
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """The parameter an error is about, without pydantic's union-member tags."""
+    parts = [
+        str(p)
+        for p in loc
+        if p != "body" and (isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS))
+    ]
+    return ".".join(parts) or None
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = list(exc.errors())
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    param = _param(tuple(first.get("loc", ())))
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+    if param is None and kind in ("missing", "model_attributes_type", "dict_type"):
+        return bad_request("the body must be a JSON object")
+    if kind == "extra_forbidden":
+        return bad_request(f"unrecognized request argument supplied: {param}", param)
+    # A union (e.g. `prompt`) fails once per member: the member that got furthest speaks.
+    same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
+    best = next((e for e in same if not str(e.get("type", "")).endswith("_type")), first)
+    message = str(best.get("msg", "invalid value")).removeprefix("Value error, ")
+    return bad_request(f"{param}: {message}" if param else message, param)
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _merge(streams: list[AsyncGenerator[Event, None]]) -> AsyncGenerator[Event, None]:
+    """Events of several choices as they come; the first error stops them all."""
+    queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncGenerator[Event, None]) -> None:
+        try:
+            async for event in stream:
+                await queue.put(event)
+            await queue.put(None)
+        except Exception as exc:
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

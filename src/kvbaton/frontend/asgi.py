@@ -1,0 +1,88 @@
+"""A thin ASGI layer in front of the app: the request id (`x-request-id`, echoed on every
+response) and the body size limit (413 before the app reads a byte too many)."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from kvbaton.frontend.errors import OpenAIError
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_GOOD_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces
+
+
+class RequestIdAndLimits:
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = content_length = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                given = value.decode("latin-1")
+            elif name == b"content-length":
+                content_length = value
+        request_id = given if given and _GOOD_ID.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        id_header = (b"x-request-id", request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), id_header]
+            await send(message)
+
+        if content_length is not None:
+            if not content_length.isdigit() or int(content_length) > self.max_body_bytes:
+                return await self._too_large(send_with_id)
+        elif scope["method"] in ("POST", "PUT", "PATCH"):  # chunked: read it all, bounded
+            body = bytearray()
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+                if len(body) > self.max_body_bytes:
+                    return await self._too_large(send_with_id)
+            receive = _replay(bytes(body), receive)
+        return await self.app(scope, receive, send_with_id)
+
+    async def _too_large(self, send: Send) -> None:
+        error = OpenAIError(
+            413,
+            f"the request body is over the limit of {self.max_body_bytes} bytes",
+            code="request_too_large",
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
+            }
+        )
+        await send({"type": "http.response.body", "body": error.json()})
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

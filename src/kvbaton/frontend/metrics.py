@@ -1,0 +1,53 @@
+"""The frontend's Prometheus metrics (one registry per frontend, served at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
+)  # fmt: skip
+_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class FrontendMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        prefix = "kvbaton_frontend"
+        self.requests = Counter(
+            f"{prefix}_requests",
+            "HTTP requests to the model routes, by final status",
+            ["model", "route", "status"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            f"{prefix}_inflight_requests", "Requests being served", ["model"], registry=r
+        )
+        self.ttft = Histogram(
+            f"{prefix}_time_to_first_token_seconds",
+            "From request arrival to the first output token",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{prefix}_inter_token_latency_seconds",
+            "Between two output tokens of one request (averaged over a burst of tokens)",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.input_tokens = Counter(
+            f"{prefix}_input_tokens", "Prompt tokens", ["model"], registry=r
+        )
+        self.output_tokens = Counter(
+            f"{prefix}_output_tokens", "Generated tokens", ["model"], registry=r
+        )
+        self.duration = Histogram(
+            f"{prefix}_request_duration_seconds",
+            "From request arrival to its last byte",
+            ["model"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )

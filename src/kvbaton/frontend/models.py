@@ -1,0 +1,221 @@
+"""The models a frontend serves, followed from the workers' model cards in discovery.
+
+Invariants: a model is listed from the moment its tokenizer is loaded and at least one of its
+cards lives, until its last card vanishes (the worker stopped or died: the card dies with the
+worker's lease). A request goes to a live instance that registered a card of its model; the
+tokenizer comes from the worker's directory when this machine can read it, else from the
+worker's `tokenizer_files` endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import shutil
+import tempfile
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+from kvbaton.llm.tokenizer import Tokenizer
+from kvbaton.protocols.llm import EngineOutput, ModelCard, PreprocessedRequest
+from kvbaton.runtime import (
+    Client,
+    ConnectError,
+    DistributedRuntime,
+    EndpointNotFoundError,
+    NoInstancesError,
+    ResponseStream,
+    ShuttingDownError,
+)
+from kvbaton.runtime.discovery.base import PrefixWatch
+
+log = logging.getLogger(__name__)
+
+MODELS_ROOT = "/models/"
+TOKENIZER_FETCH_TIMEOUT_S = 30.0
+# Errors that show an instance never ran the request: the next instance may.
+_REFUSALS = (ConnectError, ShuttingDownError, EndpointNotFoundError, NoInstancesError)
+
+
+class ServedModel:
+    def __init__(self, card: ModelCard, tokenizer: Tokenizer, client: Client) -> None:
+        self.name = card.name
+        self.card = card  # the first one seen: context length and block size
+        self.tokenizer = tokenizer
+        self.client = client
+        self.cards: dict[int, ModelCard] = {card.instance_id: card}
+        self.in_flight: dict[int, int] = {}
+        self._rotation = itertools.count()
+
+    def instance_ids(self) -> list[int]:
+        """Live instances with a card of this model, least loaded (by this frontend) first."""
+        live = set(self.client.instance_ids())
+        ids = [i for i in self.cards if i in live]
+        if len(ids) > 1:  # rotate before the stable sort so that ties take turns
+            start = next(self._rotation) % len(ids)
+            ids = ids[start:] + ids[:start]
+            ids.sort(key=lambda i: self.in_flight.get(i, 0))
+        return ids
+
+    async def generate(
+        self, request: PreprocessedRequest, request_id: str
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """The worker's outputs. An instance that refuses before the first output (gone,
+        draining) is skipped for the next; with none left, NoInstancesError."""
+        stream, first, instance_id = await self._open(request, request_id)
+        self.in_flight[instance_id] = self.in_flight.get(instance_id, 0) + 1
+        try:
+            yield first
+            async for out in stream:
+                yield out
+        finally:
+            self.in_flight[instance_id] -= 1
+            await stream.aclose()
+
+    async def _open(
+        self, request: PreprocessedRequest, request_id: str
+    ) -> tuple[ResponseStream, EngineOutput, int]:
+        refusal: Exception | None = None
+        for instance_id in self.instance_ids():
+            stream = self.client.direct(request, instance_id, request_id=request_id)
+            try:
+                first: EngineOutput = await stream.__anext__()
+            except _REFUSALS as exc:
+                log.info("instance %x refused %s: %s", instance_id, request_id, exc)
+                refusal = exc
+                await stream.aclose()
+                continue
+            except BaseException:
+                await stream.aclose()
+                raise
+            return stream, first, instance_id
+        raise NoInstancesError(
+            f"no live worker of model {self.name!r}" + (f" ({refusal})" if refusal else "")
+        )
+
+
+class ModelManager:
+    def __init__(self, runtime: DistributedRuntime, namespace: str) -> None:
+        self.runtime = runtime
+        self.namespace = namespace
+        self.models: dict[str, ServedModel] = {}
+        self._clients: dict[str, Client] = {}
+        self._loading: dict[str, asyncio.Task[None]] = {}
+        self._pending: dict[str, dict[int, ModelCard]] = {}  # cards of models still loading
+        self._watch: PrefixWatch | None = None
+        self._follow: asyncio.Task[None] | None = None
+        self._files_dir = Path(tempfile.mkdtemp(prefix="kvbaton-frontend-"))
+
+    @property
+    def prefix(self) -> str:
+        return f"{MODELS_ROOT}{self.namespace}/"
+
+    async def start(self) -> None:
+        self._watch = await self.runtime.discovery.watch_prefix(self.prefix)
+        for key, value in self._watch.snapshot.items():
+            self._apply("put", key, value)
+        self._follow = asyncio.create_task(self._follow_watch(self._watch))
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+        for task in [self._follow, *self._loading.values()]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(
+            *(t for t in [self._follow, *self._loading.values()] if t), return_exceptions=True
+        )
+        shutil.rmtree(self._files_dir, ignore_errors=True)
+
+    def get(self, name: str) -> ServedModel | None:
+        return self.models.get(name)
+
+    # -- following discovery -----------------------------------------------------------------
+    async def _follow_watch(self, watch: PrefixWatch) -> None:
+        async for event in watch:
+            self._apply(event.kind, event.key, event.value)
+
+    def _parse_key(self, key: str) -> tuple[str, int] | None:
+        name, _, lease = key[len(self.prefix) :].rpartition("/")
+        try:
+            return name, int(lease, 16)
+        except ValueError:
+            return None
+
+    def _apply(self, kind: str, key: str, value: bytes | None) -> None:
+        parsed = self._parse_key(key)
+        if parsed is None:
+            return
+        name, instance_id = parsed
+        if kind == "delete":
+            self._pending.get(name, {}).pop(instance_id, None)
+            model = self.models.get(name)
+            if model is not None:
+                model.cards.pop(instance_id, None)
+                if not model.cards:
+                    log.info("model %s: no worker left; no longer served", name)
+                    del self.models[name]
+            return
+        assert value is not None
+        try:
+            card = ModelCard.from_json(value)
+        except Exception as exc:
+            log.warning("ignoring a bad model card at %s: %s", key, exc)
+            return
+        if name in self.models:
+            self.models[name].cards[instance_id] = card
+            return
+        self._pending.setdefault(name, {})[instance_id] = card
+        if name not in self._loading:
+            self._loading[name] = asyncio.create_task(self._load(name, card))
+
+    async def _load(self, name: str, card: ModelCard) -> None:
+        try:
+            client = await self._client(card.endpoint)
+            tokenizer = await self._tokenizer(card)
+        except Exception as exc:
+            log.error("model %s: could not load its tokenizer: %s", name, exc)
+            return
+        finally:
+            self._loading.pop(name, None)
+        cards = self._pending.pop(name, {})
+        if not cards:
+            return  # every worker of it went while it loaded
+        model = ServedModel(card, tokenizer, client)
+        model.cards = cards
+        self.models[name] = model
+        log.info("model %s: served (%d worker(s))", name, len(cards))
+
+    async def _client(self, endpoint: str) -> Client:
+        if endpoint not in self._clients:
+            self._clients[endpoint] = await self.runtime.endpoint(endpoint).client(
+                response_type=EngineOutput
+            )
+        return self._clients[endpoint]
+
+    async def _tokenizer(self, card: ModelCard) -> Tokenizer:
+        local = Path(card.model_path)
+        if card.model_path and all((local / f).is_file() for f in card.tokenizer_files):
+            return await asyncio.to_thread(Tokenizer, local)
+        return await asyncio.to_thread(Tokenizer, await self.fetch_tokenizer_files(card))
+
+    async def fetch_tokenizer_files(self, card: ModelCard) -> Path:
+        """Copy the model's tokenizer files from the worker that registered `card`."""
+        namespace, component, _ = card.endpoint.split(".")
+        client = await self.runtime.endpoint(f"{namespace}.{component}.tokenizer_files").client()
+        try:
+            await client.wait_for_instances(TOKENIZER_FETCH_TIMEOUT_S)
+            files: dict[str, Any] = await client.direct(
+                None, card.instance_id, timeout=TOKENIZER_FETCH_TIMEOUT_S
+            ).__anext__()
+        finally:
+            await client.close()
+        target = self._files_dir / f"{card.instance_id:x}"
+        target.mkdir(parents=True, exist_ok=True)
+        for file_name, data in files.items():
+            if "/" in file_name or file_name.startswith("."):
+                raise ValueError(f"bad tokenizer file name {file_name!r}")
+            (target / file_name).write_bytes(data)
+        log.info("model %s: fetched %d tokenizer files from its worker", card.name, len(files))
+        return target

@@ -1,0 +1,177 @@
+"""The request bodies of the OpenAI API that the frontend accepts (pydantic: FastAPI validates
+them and /openapi.json describes them).
+
+Invariant: a field that is recognised but not supported is refused with a 400 naming it; a field
+that is not recognised at all is refused too (as OpenAI does), except the few harmless ones in
+`_IGNORED`. Nothing a client asks for is silently dropped."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_IGNORED = ("user", "store", "metadata", "parallel_tool_calls", "service_tier")
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(BaseModel):
+    """Sampling and stopping, shared by both routes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    seed: int | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: PositiveInt = 1
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_harmless(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if k not in _IGNORED}
+        return data
+
+    @model_validator(mode="after")
+    def _check_common(self) -> _Common:
+        if self.n != 1:
+            raise ValueError("n > 1 is not supported: ask once per choice")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server yet")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token (0: only the chosen token's), None: no logprobs."""
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Recognised, not supported yet: refused when given a value that would need them.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        unsupported = [
+            name
+            for name in ("tools", "functions", "function_call", "audio", "prediction")
+            if getattr(self, name)
+        ]
+        if self.tool_choice not in (None, "none"):
+            unsupported.append("tool_choice")
+        if self.response_format not in (None, {"type": "text"}):
+            unsupported.append("response_format")
+        if self.modalities not in (None, ["text"]):
+            unsupported.append("modalities")
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)}: not supported by this server yet")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Common):
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[list[int]], Field(min_length=1)]
+    )
+    max_tokens: PositiveInt | None = 16  # OpenAI's default for completions
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    best_of: PositiveInt | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of > 1 is not supported")
+        if self.echo:
+            raise ValueError("echo is not supported by this server yet")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server yet")
+        return self
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs

@@ -1,0 +1,105 @@
+"""Step S9 for one choice: engine outputs to text deltas (incremental detokenization, stop
+strings held back across tokens, logprobs) and the finish reason.
+
+Invariant: the text sent for a choice is exactly the detokenized output up to (not including)
+the first stop string; `finish_reason` is set once, on the last delta."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbaton.llm.detokenizer import IncrementalDetokenizer
+from kvbaton.llm.stop_strings import StopStringMatcher
+from kvbaton.llm.tokenizer import Tokenizer
+from kvbaton.protocols.llm import EngineOutput, TokenLogprob
+
+
+@dataclass
+class Delta:
+    text: str
+    tokens: int  # new tokens in this delta (the text may lag behind them)
+    finish_reason: str | None = None
+    # One entry per new token: (token id, logprob, top alternatives as (id, logprob)).
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+
+
+class ChoiceState:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stops: list[str]):
+        self.tokenizer = tokenizer
+        self.prompt_tokens = len(prompt_token_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._stops = StopStringMatcher(stops)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, out: EngineOutput) -> Delta:
+        """The delta for one engine output. After a stop string matched, the choice is finished
+        (finish reason "stop") and the caller should stop the request at the worker."""
+        self.completion_tokens += len(out.token_ids)
+        if out.usage is not None:
+            self.cached_tokens = out.usage.cached_tokens
+        text = self._stops.feed(self._detok.add(out.token_ids))
+        if self._stops.matched is not None:
+            self.finish_reason = "stop"
+        elif out.finish_reason is not None:
+            if out.finish_reason == "abort":
+                raise RuntimeError("the worker aborted the request")
+            text += self._stops.flush()
+            self.finish_reason = out.finish_reason
+        return Delta(text, len(out.token_ids), self.finish_reason, _logprobs(out.logprobs))
+
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+        if self.cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
+
+    # -- logprobs in OpenAI's two shapes ---------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.backend.decode([token_id], skip_special_tokens=False))
+
+    def chat_logprobs(self, delta: Delta) -> dict[str, Any] | None:
+        if not delta.logprobs:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                entry(t, lp) | {"top_logprobs": [entry(a, alp) for a, alp in top]}
+                for t, lp, top in delta.logprobs
+            ]
+        }
+
+    def completion_logprobs(self, delta: Delta) -> dict[str, Any] | None:
+        if not delta.logprobs:
+            return None
+        return {
+            "tokens": [self.token_text(t) for t, _, _ in delta.logprobs],
+            "token_logprobs": [lp for _, lp, _ in delta.logprobs],
+            "top_logprobs": [
+                {self.token_text(a): alp for a, alp in top} for _, _, top in delta.logprobs
+            ],
+        }
+
+
+def _logprobs(
+    entries: list[list[TokenLogprob]] | None,
+) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    if not entries:
+        return []
+    return [
+        (e[0].token_id, e[0].logprob, [(a.token_id, a.logprob) for a in e[1:]]) for e in entries
+    ]

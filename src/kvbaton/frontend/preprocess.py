@@ -1,0 +1,99 @@
+"""Step S2: an OpenAI request to the `PreprocessedRequest`s a worker runs (chat template,
+tokenization, validation against the model's context).
+
+Invariant: every request that leaves here fits the model's context with its output limit, and
+its sampling options are valid; anything else is an `OpenAIError` (400) naming the parameter."""
+
+from __future__ import annotations
+
+from kvbaton.frontend.errors import OpenAIError, bad_request
+from kvbaton.frontend.openai_types import ChatCompletionRequest, CompletionRequest, _Common
+from kvbaton.llm.tokenizer import Tokenizer
+from kvbaton.protocols.llm import PreprocessedRequest, SamplingParams
+
+
+def chat_prompt(tokenizer: Tokenizer, request: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as exc:  # no template
+        raise bad_request(str(exc), "messages") from None
+    except Exception as exc:  # the template itself refused (e.g. raise_exception on roles)
+        raise bad_request(f"the chat template refused these messages: {exc}", "messages") from None
+
+
+def completion_prompts(tokenizer: Tokenizer, request: CompletionRequest) -> list[list[int]]:
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if all(isinstance(p, str) for p in prompt):
+        return tokenizer.encode_batch(list(prompt))  # type: ignore[arg-type]
+    return [list(p) for p in prompt]  # type: ignore[arg-type]
+
+
+def build_requests(
+    request: _Common,
+    prompts: list[list[int]],
+    *,
+    context_length: int,
+    vocab_size: int,
+) -> list[PreprocessedRequest]:
+    out = []
+    for token_ids in prompts:
+        n = len(token_ids)
+        if n == 0:
+            raise bad_request("the prompt is empty", "prompt")
+        if any(t < 0 or t >= vocab_size for t in token_ids):
+            raise bad_request(f"token ids must be in [0, {vocab_size})", "prompt")
+        if n >= context_length:
+            raise bad_request(
+                f"This model's maximum context length is {context_length} tokens; the prompt "
+                f"has {n} tokens (and at least one output token must fit).",
+                "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+            )
+        limit = request.output_limit
+        if limit is not None and n + limit > context_length:
+            raise bad_request(
+                f"This model's maximum context length is {context_length} tokens; the prompt "
+                f"has {n} tokens and {limit} more were asked for. Lower max_tokens.",
+                "max_tokens",
+            )
+        out.append(
+            PreprocessedRequest(
+                model=request.model,
+                token_ids=token_ids,
+                sampling=sampling_params(request, limit or context_length - n),
+            )
+        )
+    return out
+
+
+def sampling_params(request: _Common, max_tokens: int) -> SamplingParams:
+    given = {
+        name: value
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+        )
+        if (value := getattr(request, name)) is not None
+    }
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        ignore_eos=request.ignore_eos,
+        stop_token_ids=list(request.stop_token_ids or []),
+        logprobs=request.num_logprobs,
+        **given,
+    )
+    try:
+        return params.validate()
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None

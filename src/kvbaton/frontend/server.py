@@ -1,0 +1,80 @@
+"""The frontend process: the runtime (to find workers and call them), the model manager and an
+HTTP server (uvicorn with httptools) on one event loop.
+
+Every accepted connection has TCP_NODELAY set (the asyncio and uvloop transports set it), so
+each SSE event leaves as soon as it is written."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Callable, Generator
+
+import uvicorn
+
+from kvbaton.frontend.app import Frontend
+from kvbaton.frontend.asgi import RequestIdAndLimits
+from kvbaton.frontend.models import ModelManager
+from kvbaton.runtime import DistributedRuntime
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield  # the process's own signal handling stops the server (`should_exit`)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+class FrontendServer:
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        *,
+        namespace: str,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        max_body_bytes: int = 8 << 20,
+    ) -> None:
+        self.runtime = runtime
+        self.models = ModelManager(runtime, namespace)
+        self.frontend = Frontend(self.models, max_body_bytes=max_body_bytes)
+        self.sock = listen(host, port)
+        host, port = self.sock.getsockname()[:2]
+        self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        config = uvicorn.Config(
+            RequestIdAndLimits(self.frontend.app, max_body_bytes),
+            http="httptools",
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=10,
+        )
+        self.server = _Server(config)
+
+    async def serve(self, on_ready: Callable[[str], None] | None = None) -> None:
+        """Serve until `stop()`; then close the model manager (the runtime is the caller's)."""
+        await self.models.start()
+        try:
+            if on_ready is not None:
+                on_ready(self.url)
+            await self.server.serve(sockets=[self.sock])
+        finally:
+            await self.models.close()
+            self.sock.close()
+
+    def stop(self) -> None:
+        self.server.should_exit = True

@@ -1,0 +1,55 @@
+"""A zero-cost stand-in for the engine: every request gets the same fixed tokens at once.
+
+It measures what surrounds the engine (frontend, request plane, worker) with the engine's cost
+taken out. It needs a model directory only for the tokenizer files that frontends fetch."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from kvbaton.engine.engine import EngineStats
+from kvbaton.llm.model_files import resolve_model
+from kvbaton.protocols.llm import EngineOutput, SamplingParams, Usage
+
+
+class FixedTokensEngine:
+    def __init__(self, model: str, token_ids: list[int], *, max_model_len: int = 4096) -> None:
+        if not token_ids:
+            raise ValueError("the fixed engine needs at least one token id")
+        self.model_dir: Path = resolve_model(model)
+        self.token_ids = token_ids
+        self.max_model_len = max_model_len
+        self.block_size = 16
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[EngineOutput]:
+        params.validate()
+        return self._outputs(request_id, len(prompt_token_ids), params.max_tokens)
+
+    async def _outputs(
+        self, request_id: str, prompt_tokens: int, max_tokens: int
+    ) -> AsyncIterator[EngineOutput]:
+        tokens = (self.token_ids * (max_tokens // len(self.token_ids) + 1))[:max_tokens]
+        yield EngineOutput(
+            request_id=request_id,
+            token_ids=tokens,
+            finish_reason="length",
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(tokens)),
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0, 0, 0, 0.0)
+
+    async def clear_kv_blocks(self) -> int:
+        return 0
+
+    async def shutdown(self) -> None:
+        return None

@@ -1,0 +1,182 @@
+"""The aggregated LLM worker: one engine behind the endpoints `generate`, `clear_kv_blocks`,
+`load_metrics` and `tokenizer_files`, and a model card in discovery.
+
+Invariants: a request's engine id is unique in this worker even when callers reuse a request
+id; a caller that goes away (cancel, disconnect, deadline) aborts its request in the engine, so
+its KV blocks are free before the engine's next step."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvbaton.engine.engine import EngineStats
+from kvbaton.protocols.llm import (
+    EngineOutput,
+    ModelCard,
+    PreprocessedRequest,
+    SamplingParams,
+    WorkerLoad,
+)
+from kvbaton.runtime import Context, DistributedRuntime
+
+log = logging.getLogger(__name__)
+
+MODELS_ROOT = "/models/"
+# The files a frontend needs to tokenize and template for a model.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "config.json",
+)
+
+
+def model_card_key(namespace: str, name: str, instance_id: int) -> str:
+    return f"{MODELS_ROOT}{namespace}/{name}/{instance_id:x}"
+
+
+class ServingEngine(Protocol):
+    """What a worker needs of an engine (the built-in AsyncEngine, or a stand-in)."""
+
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def model_dir(self) -> Path: ...
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[EngineOutput]: ...
+
+    def stats(self) -> EngineStats: ...
+    async def clear_kv_blocks(self) -> int: ...
+    async def shutdown(self) -> None: ...
+
+
+class LLMWorker:
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        engine: ServingEngine,
+        *,
+        served_name: str,
+        namespace: str,
+        component: str = "backend",
+    ) -> None:
+        self.runtime = runtime
+        self.engine = engine
+        self.served_name = served_name
+        self.namespace = namespace
+        self.component = runtime.namespace(namespace).component(component)
+        self._ids = itertools.count()
+
+    async def generate(
+        self, request: PreprocessedRequest, context: Context
+    ) -> AsyncIterator[EngineOutput]:
+        if request.model != self.served_name:
+            raise ValueError(f"this worker serves {self.served_name!r}, not {request.model!r}")
+        engine_id = f"{context.id}#{next(self._ids)}"
+        started = time.monotonic()
+        outputs = await self.engine.add_request(
+            engine_id,
+            request.token_ids,
+            request.sampling,
+            lora_name=request.lora_name,
+            cache_salt=request.cache_salt,
+        )
+        generated = 0
+        finish: str | None = "cancelled"
+        try:
+            async for out in outputs:
+                generated += len(out.token_ids)
+                yield out
+                if out.finish_reason is not None:
+                    finish = out.finish_reason
+                elif context.is_stopped():
+                    break
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]  # aborts an unfinished request
+            log.info(
+                "request %s: %d prompt tokens, %d generated, %s, %.3fs",
+                context.id,
+                len(request.token_ids),
+                generated,
+                finish,
+                time.monotonic() - started,
+            )
+
+    async def load_metrics(self, request: Any, context: Context) -> WorkerLoad:
+        s = self.engine.stats()
+        return WorkerLoad(
+            instance_id=self.runtime.instance_id or 0,
+            waiting=s.waiting,
+            running=s.running,
+            kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_free=s.kv_blocks_free,
+            prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+        )
+
+    async def clear_kv_blocks(self, request: Any, context: Context) -> dict[str, int]:
+        return {"cleared": await self.engine.clear_kv_blocks()}
+
+    async def tokenizer_files(self, request: Any, context: Context) -> dict[str, bytes]:
+        """The model's tokenizer and config files, for a frontend without the directory."""
+        model_dir = self.engine.model_dir
+
+        def read() -> dict[str, bytes]:
+            return {
+                name: (model_dir / name).read_bytes()
+                for name in TOKENIZER_FILES
+                if (model_dir / name).is_file()
+            }
+
+        return await asyncio.to_thread(read)
+
+    def card(self, instance_id: int) -> ModelCard:
+        model_dir = self.engine.model_dir
+        path = self.component.endpoint("generate").path
+        return ModelCard(
+            name=self.served_name,
+            endpoint=str(path),
+            instance_id=instance_id,
+            context_length=self.engine.max_model_len,
+            kv_block_size=self.engine.block_size,
+            model_path=str(model_dir.resolve()),
+            tokenizer_files=[n for n in TOKENIZER_FILES if (model_dir / n).is_file()],
+            created=int(time.time()),
+        )
+
+    async def serve(self) -> None:
+        """Publish the model card, then serve until the runtime shuts down."""
+        try:
+            instance_id = await self.runtime.ensure_instance_id()
+            key = model_card_key(self.namespace, self.served_name, instance_id)
+            await self.runtime.publish(key, self.card(instance_id).to_json())
+            endpoint = self.component.endpoint
+            await asyncio.gather(
+                endpoint("generate").serve_endpoint(
+                    self.generate, request_type=PreprocessedRequest
+                ),
+                endpoint("load_metrics").serve_endpoint(self.load_metrics),
+                endpoint("clear_kv_blocks").serve_endpoint(self.clear_kv_blocks),
+                endpoint("tokenizer_files").serve_endpoint(self.tokenizer_files),
+            )
+        finally:
+            await self.engine.shutdown()

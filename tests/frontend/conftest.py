@@ -1,0 +1,135 @@
+"""A real `kvbaton serve` (frontend and worker processes) on a tiny random model with a
+byte-level tokenizer, started once per module and always stopped by PID."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.tiny_models import build_chat_model
+
+READY_S = 120.0  # two cold Python starts and a model load on a loaded 2-core machine
+NUM_KV_BLOCKS = 64
+_READY = re.compile(r"ready at (http://\S+)/v1")
+_LISTENING = re.compile(r"OpenAI API at (http://\S+)/v1")
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat")
+
+
+@dataclass
+class Deployment:
+    proc: subprocess.Popen[bytes]
+    url: str  # http://host:port (no /v1)
+    discovery: str
+    model: str
+    lines: list[str] = field(default_factory=list)  # everything the components logged
+
+    def log_text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
+
+
+def start_serve(model_dir: Path, discovery_dir: Path, *extra: str) -> Deployment:
+    """`kvbaton serve` on free ports; returns once it says it is ready."""
+    command = [
+        "serve",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        str(NUM_KV_BLOCKS),
+        *extra,
+    ]
+    return _start(command, _READY, discovery_dir, model_dir.name)
+
+
+def start_frontend(discovery_dir: Path, namespace: str) -> Deployment:
+    """`kvbaton frontend` alone on a free port; returns once it listens."""
+    command = ["frontend", "--namespace", namespace]
+    return _start(command, _LISTENING, discovery_dir, "")
+
+
+def _start(
+    command: list[str], ready_line: re.Pattern[str], discovery_dir: Path, model: str
+) -> Deployment:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvbaton",
+            *command,
+            "--http-port",
+            "0",
+            "--discovery",
+            f"file://{discovery_dir}",
+        ],
+        env=clean_env() | {"KVBATON_LEASE_TTL": "3"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    deployment = Deployment(proc, "", f"file://{discovery_dir}", model)
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            deployment.lines.append(line)
+            if not ready.is_set() and (m := ready_line.search(line)):
+                deployment.url = m.group(1)
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + READY_S
+    while not ready.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_serve(proc)
+            raise RuntimeError(f"kvbaton {command[0]} did not start:\n" + deployment.log_text())
+    return deployment
+
+
+def wait_for_health(url: str, model: str, instances: int) -> None:
+    """Until the frontend at `url` lists `instances` live instances of `model`."""
+    deadline = time.monotonic() + READY_S
+    while True:
+        models = httpx.get(f"{url}/health").json()["models"]
+        if len(models.get(model, [])) == instances:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{model} never had {instances} instances: {models}")
+        time.sleep(0.1)
+
+
+def stop_serve(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+@pytest.fixture(scope="module")
+def served(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    deployment = start_serve(chat_model, tmp_path_factory.mktemp("discovery"))
+    yield deployment
+    stop_serve(deployment.proc)

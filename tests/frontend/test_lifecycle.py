@@ -1,0 +1,142 @@
+"""Workers and clients coming and going around a real frontend: a client that leaves mid-stream
+frees its blocks at the worker, a dead worker gives 503, a worker that dies mid-stream gives an
+error event, `kvbaton serve` stops everything on SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvbaton.protocols.llm import WorkerLoad
+from kvbaton.runtime import DistributedRuntime
+from tests.conftest import WorkerFactory
+from tests.frontend.conftest import (
+    Deployment,
+    clean_env,
+    start_frontend,
+    start_serve,
+    stop_serve,
+    wait_for_health,
+)
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+STARTUP_S = 120.0
+
+
+async def load(runtime: DistributedRuntime, namespace: str = "kvbaton") -> WorkerLoad:
+    client = await runtime.endpoint(f"{namespace}.backend.load_metrics").client(
+        response_type=WorkerLoad
+    )
+    try:
+        await client.wait_for_instances(STARTUP_S)
+        loads: list[WorkerLoad] = [x async for x in client.round_robin(None)]
+        return loads[0]
+    finally:
+        await client.close()
+
+
+@pytest.fixture(scope="module")
+def served(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    deployment = start_serve(chat_model, tmp_path_factory.mktemp("discovery"), "--num-threads", "1")
+    yield deployment
+    assert stop_serve(deployment.proc) == 0
+
+
+async def test_client_leaving_mid_stream_frees_its_blocks(served: Deployment) -> None:
+    async with DistributedRuntime(served.discovery) as runtime:
+        before = await load(runtime)
+        assert before.kv_blocks_used == 0 and before.running == 0
+        async with (
+            httpx.AsyncClient(base_url=served.url) as http,
+            http.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={
+                    "model": served.model,
+                    "messages": [{"role": "user", "content": "Tell me a long story."}],
+                    "max_tokens": 200,
+                    "stream": True,
+                    "ignore_eos": True,
+                },
+                headers={"x-request-id": "leaves-early"},
+            ) as response,
+        ):
+            assert response.status_code == 200
+            lines = response.aiter_lines()
+            while not (await anext(lines)).startswith("data: {"):
+                pass
+            during = await load(runtime)
+        # The connection is closed here, long before 200 tokens.
+        await wait_until(lambda: _finished_line(served, "leaves-early") is not None, 30.0)
+        line = _finished_line(served, "leaves-early")
+        assert line is not None and "cancelled" in line and "200 generated" not in line
+        after = await load(runtime)
+    assert during.kv_blocks_used > 0
+    assert (after.kv_blocks_used, after.running, after.waiting) == (0, 0, 0)
+    assert after.kv_blocks_free == before.kv_blocks_free
+
+
+def _finished_line(served: Deployment, request_id: str) -> str | None:
+    return next((ln for ln in served.lines if f"request {request_id}:" in ln), None)
+
+
+async def test_dead_worker_gives_503_and_mid_stream_death_an_error_event(
+    chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path
+) -> None:
+    frontend = await asyncio.to_thread(start_frontend, tmp_path / "discovery", "t")
+    try:
+        worker = spawn_worker(
+            "--model", str(chat_model), "--dtype", "float32", engine="torch", lease_ttl=30.0
+        )
+        await asyncio.to_thread(wait_for_health, frontend.url, chat_model.name, 1)
+        client = openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="none", max_retries=0)
+        async with client, httpx.AsyncClient(base_url=frontend.url) as http:
+            stream = await client.completions.create(
+                model=chat_model.name,
+                prompt="Once upon a time",
+                max_tokens=200,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            with pytest.raises(openai.APIError, match="worker"):
+                async for _ in stream:
+                    if worker.poll() is None:
+                        worker.send_signal(signal.SIGKILL)
+                        await asyncio.to_thread(worker.wait)
+            # The card lives on with the lease (30 s), but the instance is gone: 503, at once.
+            r = await http.post("/v1/completions", json={"model": chat_model.name, "prompt": "Hi"})
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "no_workers"
+    finally:
+        assert await asyncio.to_thread(stop_serve, frontend.proc) == 0
+
+
+async def test_serve_with_two_workers_stops_them_all_on_sigint(
+    chat_model: Path, tmp_path: Path
+) -> None:
+    deployment = await asyncio.to_thread(
+        start_serve, chat_model, tmp_path / "discovery", "--workers", "2"
+    )
+    try:
+        await asyncio.to_thread(wait_for_health, deployment.url, deployment.model, 2)
+    finally:
+        assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
+    status = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "kvbaton", "status", "--discovery", deployment.discovery],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
+    assert status.stdout.splitlines()[1] == "no instances"

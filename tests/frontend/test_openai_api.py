@@ -1,0 +1,304 @@
+"""The OpenAI API of a real `kvbaton serve`, through the official `openai` client (sync and
+async, streaming and not) and raw HTTP where the client would hide what is checked."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvbaton.llm.tokenizer import Tokenizer
+from tests.frontend.conftest import Deployment
+
+pytestmark = pytest.mark.integration
+
+GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+@pytest.fixture(scope="module")
+def client(served: Deployment) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture
+def aclient(served: Deployment) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_model: Path) -> Tokenizer:
+    return Tokenizer(chat_model)
+
+
+def test_chat_sync_with_usage_from_the_tokenizer(
+    client: openai.OpenAI, served: Deployment, tokenizer: Tokenizer
+) -> None:
+    out = client.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=12, **GREEDY
+    )
+    assert out.object == "chat.completion"
+    assert out.choices[0].finish_reason == "length"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == len(tokenizer.apply_chat_template(MESSAGES))
+    assert out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+
+
+def test_chat_streaming_matches_the_whole_answer(client: openai.OpenAI, served: Deployment) -> None:
+    whole = client.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=20, **GREEDY
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=served.model,
+            messages=MESSAGES,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+async def test_async_client_streaming_and_not(
+    aclient: openai.AsyncOpenAI, served: Deployment
+) -> None:
+    async with aclient:
+        whole = await aclient.chat.completions.create(
+            model=served.model, messages=MESSAGES, max_tokens=10, **GREEDY
+        )
+        stream = await aclient.chat.completions.create(
+            model=served.model, messages=MESSAGES, max_tokens=10, stream=True, **GREEDY
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+    assert text == whole.choices[0].message.content
+    assert whole.usage is not None and whole.usage.completion_tokens == 10
+
+
+def test_completions_string_list_and_token_ids(
+    client: openai.OpenAI, served: Deployment, tokenizer: Tokenizer
+) -> None:
+    prompt = "The capital of France is"
+    ids = tokenizer.encode(prompt)
+    one = client.completions.create(model=served.model, prompt=prompt, max_tokens=8, **GREEDY)
+    assert one.object == "text_completion"
+    assert one.usage is not None and one.usage.prompt_tokens == len(ids)
+    assert one.usage.completion_tokens == 8
+    by_ids = client.completions.create(model=served.model, prompt=ids, max_tokens=8, **GREEDY)
+    assert by_ids.choices[0].text == one.choices[0].text
+    many = client.completions.create(
+        model=served.model, prompt=[prompt, "Once upon a time"], max_tokens=8, **GREEDY
+    )
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == one.choices[0].text
+    assert many.usage is not None and many.usage.completion_tokens == 16
+    streamed = client.completions.create(
+        model=served.model, prompt=prompt, max_tokens=8, stream=True, **GREEDY
+    )
+    assert "".join(c.choices[0].text for c in streamed) == one.choices[0].text
+
+
+def test_stop_string_that_spans_tokens_never_leaks(
+    client: openai.OpenAI, served: Deployment
+) -> None:
+    prompt = "Once upon a time"
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(
+            model=served.model, prompt=prompt, max_tokens=40, stream=True, **GREEDY
+        )
+    ]
+    text = "".join(pieces)
+    # A stop string made of the end of one token's text and the start of the next one's.
+    k = next(
+        i
+        for i in range(len(pieces) - 1)
+        if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2 and "\ufffd" not in pieces[i]
+    )
+    stop = pieces[k][-2:] + pieces[k + 1][:2]
+    expected = text[: text.find(stop)]
+    for stream in (False, True):
+        out = client.completions.create(
+            model=served.model, prompt=prompt, max_tokens=40, stop=[stop], stream=stream, **GREEDY
+        )
+        if stream:
+            chunks = list(out)  # type: ignore[arg-type]
+            got = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            got, finish = out.choices[0].text, out.choices[0].finish_reason  # type: ignore[union-attr]
+        assert got == expected
+        assert finish == "stop"
+
+
+def test_seed_makes_sampling_reproducible(client: openai.OpenAI, served: Deployment) -> None:
+    def sample(seed: int) -> str:
+        out = client.chat.completions.create(
+            model=served.model,
+            messages=MESSAGES,
+            max_tokens=16,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"ignore_eos": True},
+        )
+        return out.choices[0].message.content or ""
+
+    assert sample(7) == sample(7)
+    assert len({sample(1), sample(2), sample(3)}) > 1
+
+
+def test_logprobs_in_both_shapes(client: openai.OpenAI, served: Deployment) -> None:
+    chat = client.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=5, logprobs=True, top_logprobs=3, **GREEDY
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0 and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+    text = client.completions.create(
+        model=served.model, prompt="Hello", max_tokens=4, logprobs=2, **GREEDY
+    )
+    lp = text.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and len(lp.token_logprobs) == 4
+    assert lp.top_logprobs is not None and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_models_health_live_metrics_openapi(served: Deployment) -> None:
+    with httpx.Client(base_url=served.url) as http:
+        models = http.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == [served.model]
+        assert http.get(f"/v1/models/{served.model}").json()["id"] == served.model
+        missing = http.get("/v1/models/nope")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        health = http.get("/health").json()
+        assert health["status"] == "healthy" and len(health["models"][served.model]) == 1
+        assert http.get("/live").status_code == 200
+        assert "/v1/chat/completions" in http.get("/openapi.json").json()["paths"]
+        http.post("/v1/completions", json={"model": served.model, "prompt": "Hi", "max_tokens": 3})
+        metrics = http.get("/metrics").text
+    for name in (
+        "kvbaton_frontend_requests_total",
+        "kvbaton_frontend_inflight_requests",
+        "kvbaton_frontend_time_to_first_token_seconds_bucket",
+        "kvbaton_frontend_inter_token_latency_seconds_bucket",
+        "kvbaton_frontend_input_tokens_total",
+        "kvbaton_frontend_output_tokens_total",
+        "kvbaton_frontend_request_duration_seconds_bucket",
+    ):
+        assert f"{name}{{" in metrics, name
+    assert 'route="completions",status="200"' in metrics
+
+
+def test_request_id_is_echoed_and_reaches_the_worker_log(served: Deployment) -> None:
+    with httpx.Client(base_url=served.url) as http:
+        r = http.post(
+            "/v1/completions",
+            json={"model": served.model, "prompt": "Hi", "max_tokens": 2},
+            headers={"x-request-id": "trace-me-42"},
+        )
+        assert r.headers["x-request-id"] == "trace-me-42"
+        assert r.json()["id"] == "cmpl-trace-me-42"
+        generated = http.get("/live").headers["x-request-id"]
+        assert len(generated) == 32
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if any("[worker-0]" in line and "trace-me-42" in line for line in served.lines):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the worker never logged the request id:\n" + served.log_text())
+
+
+USER = [{"role": "user", "content": "x"}]
+IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    """A chat body for the served model ("M" stands for it) with `fields` on top."""
+    return {"model": "M", "messages": USER} | fields
+
+
+BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
+    # (route, body, status, param)
+    ("chat/completions", "{not json", 400, None),
+    ("chat/completions", [1, 2], 400, None),
+    ("chat/completions", {"messages": USER}, 400, "model"),
+    ("chat/completions", chat(model="nope"), 404, "model"),
+    ("chat/completions", chat(messages=[]), 400, "messages"),
+    ("chat/completions", chat(messages="hi"), 400, "messages"),
+    ("chat/completions", chat(messages=[{"role": "wiz", "content": "x"}]), 400, "messages.0.role"),
+    ("chat/completions", chat(messages=[{"role": "user", "content": [IMAGE]}]), 400, None),
+    ("chat/completions", chat(messages=[{"role": "user", "content": "x " * 400}]), 400, "messages"),
+    ("chat/completions", chat(temperature="hot"), 400, "temperature"),
+    ("chat/completions", chat(temperature=3), 400, "temperature"),
+    ("chat/completions", chat(top_p=0), 400, "top_p"),
+    ("chat/completions", chat(max_tokens=0), 400, "max_tokens"),
+    ("chat/completions", chat(max_tokens=100000), 400, "max_tokens"),
+    ("chat/completions", chat(n=2), 400, None),
+    ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, None),
+    ("chat/completions", chat(response_format={"type": "json_object"}), 400, None),
+    ("chat/completions", chat(top_logprobs=2), 400, None),
+    ("chat/completions", chat(min_tokens=9, max_tokens=3), 400, "min_tokens"),
+    ("chat/completions", chat(frobnicate=1), 400, "frobnicate"),
+    ("completions", {"model": "M", "prompt": "x", "echo": True}, 400, None),
+    ("completions", {"model": "M", "prompt": []}, 400, "prompt"),
+    ("completions", {"model": "M", "prompt": [999999]}, 400, "prompt"),
+    ("completions", {"model": "M", "prompt": "x", "logprobs": 99}, 400, "logprobs"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param"), BAD_REQUESTS)
+def test_bad_input_gets_its_4xx_in_openai_shape(
+    served: Deployment, route: str, body: Any, status: int, param: str | None
+) -> None:
+    if isinstance(body, dict) and body.get("model") == "M":
+        body = body | {"model": served.model}
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(
+        f"{served.url}/v1/{route}",
+        content=content,
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_body_over_the_limit_gets_413(served: Deployment) -> None:
+    big = {"model": served.model, "prompt": "x" * (9 << 20)}
+    r = httpx.post(f"{served.url}/v1/completions", json=big)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI, served: Deployment) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        client.chat.completions.create(
+            model=served.model,
+            messages=MESSAGES,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
