@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
@@ -60,36 +60,33 @@ class RequestRecord:
     """One request's metrics: TTFT, inter-token latency, tokens, duration, final status."""
 
     def __init__(self, metrics: FrontendMetrics, model: str, route: str) -> None:
-        self.metrics = metrics
-        self.model = model
+        self.m = metrics.of_model(model)
         self.route = route
         self.started = self.last_token = time.monotonic()
         self.first = True
-        metrics.in_flight.labels(model).inc()
+        self.m.in_flight.inc()
 
     def tokens(self, n: int) -> None:
         if n == 0:
             return
         now = time.monotonic()
-        self.metrics.output_tokens.labels(self.model).inc(n)
+        self.m.output_tokens.inc(n)
         gaps = n
         if self.first:
-            self.metrics.ttft.labels(self.model).observe(now - self.started)
+            self.m.ttft.observe(now - self.started)
             self.first = False
             gaps -= 1
         if gaps > 0:
             gap = (now - self.last_token) / gaps
-            itl = self.metrics.itl.labels(self.model)
             for _ in range(gaps):
-                itl.observe(gap)
+                self.m.itl.observe(gap)
         self.last_token = now
 
     def done(self, status: int, prompt_tokens: int) -> None:
-        m = self.metrics
-        m.in_flight.labels(self.model).dec()
-        m.requests.labels(self.model, self.route, str(status)).inc()
-        m.input_tokens.labels(self.model).inc(prompt_tokens)
-        m.duration.labels(self.model).observe(time.monotonic() - self.started)
+        self.m.in_flight.dec()
+        self.m.requests(self.route, status).inc()
+        self.m.input_tokens.inc(prompt_tokens)
+        self.m.duration.observe(time.monotonic() - self.started)
 
 
 class Frontend:
@@ -165,6 +162,10 @@ class Frontend:
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )
+        if len(pres) == 1 and first[1].finished:  # all there: nothing left to wait for
+            result = await self._collect(shape, first, events, record)
+            record.done(200, prompt_tokens)
+            return _json(result)
         collect = asyncio.ensure_future(self._collect(shape, first, events, record))
         disconnect = asyncio.ensure_future(_disconnected(request))
         try:
@@ -252,13 +253,13 @@ class Frontend:
     def _build(self) -> FastAPI:
         app = FastAPI(title="kvbaton", summary="OpenAI-compatible LLM serving")
 
-        @app.exception_handler(RequestValidationError)
-        async def invalid(request: Request, exc: RequestValidationError) -> Response:
-            return _error_response(_validation_error(exc))
-
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, exc: HTTPException) -> Response:
             return _error_response(OpenAIError(exc.status_code, str(exc.detail)))
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(request: Request, exc: RequestValidationError) -> Response:
+            return _error_response(_validation_error(exc.errors()))
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -416,8 +417,7 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def _validation_error(exc: RequestValidationError) -> OpenAIError:
-    errors = list(exc.errors())
+def _validation_error(errors: Sequence[Any]) -> OpenAIError:
     if not errors:
         return bad_request("invalid request")
     first = errors[0]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from functools import cache
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (
@@ -13,6 +16,7 @@ _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
 class FrontendMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._models: dict[str, ModelMetrics] = {}
         r = self.registry
         prefix = "kvbaton_frontend"
         self.requests = Counter(
@@ -51,3 +55,25 @@ class FrontendMetrics:
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
+
+    def of_model(self, model: str) -> ModelMetrics:
+        """The metrics of one model, labelled once (labelling costs more than observing)."""
+        if model not in self._models:
+            self._models[model] = ModelMetrics(self, model)
+        return self._models[model]
+
+
+class ModelMetrics:
+    def __init__(self, metrics: FrontendMetrics, model: str) -> None:
+        self._requests = metrics.requests
+        self.model = model
+        self.in_flight = metrics.in_flight.labels(model)
+        self.ttft = metrics.ttft.labels(model)
+        self.itl = metrics.itl.labels(model)
+        self.input_tokens = metrics.input_tokens.labels(model)
+        self.output_tokens = metrics.output_tokens.labels(model)
+        self.duration = metrics.duration.labels(model)
+
+    @cache  # noqa: B019 (one per model, kept for the frontend's life)
+    def requests(self, route: str, status: int) -> Any:
+        return self._requests.labels(self.model, route, str(status))
