@@ -5,6 +5,7 @@ error event, `kvbaton serve` stops everything on SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -81,6 +82,13 @@ async def test_client_leaving_mid_stream_frees_its_blocks(served: Deployment) ->
         line = _finished_line(served, "leaves-early")
         assert line is not None and "cancelled" in line and "200 generated" not in line
         after = await load(runtime)
+        # The prompt's full blocks stay cached (free, reusable) until cleared.
+        clear = await runtime.endpoint("kvbaton.backend.clear_kv_blocks").client()
+        await clear.wait_for_instances(STARTUP_S)
+        first = [x async for x in clear.round_robin(None)]
+        again = [x async for x in clear.round_robin(None)]
+        await clear.close()
+    assert first[0]["cleared"] > 0 and again[0]["cleared"] == 0
     assert during.kv_blocks_used > 0
     assert (after.kv_blocks_used, after.running, after.waiting) == (0, 0, 0)
     assert after.kv_blocks_free == before.kv_blocks_free
@@ -140,3 +148,21 @@ async def test_serve_with_two_workers_stops_them_all_on_sigint(
         env=clean_env(),
     )
     assert status.stdout.splitlines()[1] == "no instances"
+
+
+async def test_serve_stops_everything_when_a_worker_dies(chat_model: Path, tmp_path: Path) -> None:
+    deployment = await asyncio.to_thread(start_serve, chat_model, tmp_path / "discovery")
+    try:
+        async with DistributedRuntime(deployment.discovery) as runtime:
+            client = await runtime.endpoint("kvbaton.backend.generate").client()
+            await client.wait_for_instances(30)
+            (instance,) = client.instances()
+            await client.close()
+        os.kill(instance.pid, signal.SIGKILL)  # the worker, a child of `serve`
+        code = await asyncio.to_thread(deployment.proc.wait, 30)
+        assert code != 0
+        async with httpx.AsyncClient() as http:
+            with pytest.raises(httpx.ConnectError):  # the frontend went with it
+                await http.get(f"{deployment.url}/live")
+    finally:
+        await asyncio.to_thread(stop_serve, deployment.proc)
