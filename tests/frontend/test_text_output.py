@@ -6,7 +6,7 @@ import itertools
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvbaton.llm.detokenizer import IncrementalDetokenizer
@@ -33,11 +33,13 @@ def test_characters_split_across_tokens_come_out_whole(tokenizer: Tokenizer) -> 
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:
-    """What the client must see: the text up to the earliest stop string, if any."""
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
-    return (text[: min(hits)], True) if hits else (text, False)
+    """What the client must see: the text up to the stop string that is complete first (the
+    earliest end; on a tie, the earliest start), if any."""
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    return (text[: min(hits)[1]], True) if hits else (text, False)
 
 
+@example(text=" aa", stops=["a", " aa"], cuts=[2])  # "a" is complete before " aa"
 @settings(max_examples=300, deadline=None)
 @given(
     text=st.text(alphabet="abc日 ", max_size=30),

@@ -21,14 +21,16 @@ class StopStringMatcher:
         if not self.stops:
             return text
         buffer = self._held + text
+        # Generation stops where a stop string is first complete: the earliest end wins (then
+        # the earliest start), whatever pieces the text came in.
         first = min(
-            ((i, s) for s in self.stops if (i := buffer.find(s)) >= 0),
+            ((i + len(s), i, s) for s in self.stops if (i := buffer.find(s)) >= 0),
             default=None,
         )
         if first is not None:
-            self.matched = first[1]
+            _, start, self.matched = first
             self._held = ""
-            return buffer[: first[0]]
+            return buffer[:start]
         keep = self._partial_tail(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]
