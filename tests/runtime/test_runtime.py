@@ -502,3 +502,27 @@ async def test_a_draining_instance_is_skipped_without_an_error(
     assert served_by == {live.instance_id}
     with pytest.raises(ShuttingDownError):  # direct names the instance: no one else may answer
         await collect(client.direct(0, draining.instance_id))  # type: ignore[arg-type]
+
+
+async def test_ordered_takes_the_callers_order_and_passes_refusals_on(
+    make_runtime: RuntimeFactory,
+) -> None:
+    first, second = await make_runtime(), await make_runtime()
+    await serve(first, "ns.c.echo", echo)
+    await serve(second, "ns.c.echo", echo)
+    caller = await make_runtime()
+    client = await caller.endpoint("ns.c.echo").client()
+    await wait_until(lambda: len(client.instance_ids()) == 2, what="both instances seen")
+    a, b = first.instance_id, second.instance_id
+    assert a is not None and b is not None
+    for order in ([a, b], [b, a], [0xDEAD, b]):  # the first live one answers, every time
+        for _ in range(3):
+            stream = client.ordered(0, order)
+            assert len(await collect(stream)) == 3
+            assert stream.instance_id == next(i for i in order if i != 0xDEAD)
+    first._server.draining = True  # type: ignore[union-attr]  # as during a graceful stop
+    stream = client.ordered(0, [a, b])
+    assert len(await collect(stream)) == 3
+    assert stream.instance_id == b  # a refused it unrun: passed on
+    with pytest.raises(NoInstancesError):
+        await collect(client.ordered(0, [0xDEAD]))

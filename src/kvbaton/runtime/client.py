@@ -2,9 +2,9 @@
 
 Instances come and go with their discovery keys. An instance that cannot be connected to is
 quarantined at once (left out of routing) until its key goes, its key is written again, or the
-quarantine (one lease TTL) runs out. `round_robin` and `random` try the next instance when a
-connection fails or an instance refuses the request unrun (it is draining, or no longer serves
-the endpoint), since nothing ran; `direct` does not.
+quarantine (one lease TTL) runs out. `round_robin`, `random` and `ordered` try the next instance
+when a connection fails or an instance refuses the request unrun (it is draining, or no longer
+serves the endpoint), since nothing ran; `direct` does not.
 """
 
 from __future__ import annotations
@@ -56,14 +56,14 @@ class ResponseStream:
         self,
         client: Client,
         request: Any,
-        instance_id: int | None,
+        targets: list[int] | None,
         mode: str,
         request_id: str | None,
         timeout: float | None,
     ) -> None:
         self._client = client
         self._request = request
-        self._target = instance_id
+        self._targets = targets
         self._mode = mode
         self.request_id = request_id or _new_request_id()
         self._deadline = None if timeout is None else time.time() + timeout
@@ -78,7 +78,7 @@ class ResponseStream:
             self.instance_id, self._stream = await self._client._send(
                 self._request,
                 self._mode,
-                self._target,
+                self._targets,
                 self.request_id,
                 self._deadline,
                 self._refused,
@@ -252,37 +252,56 @@ class Client:
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> ResponseStream:
-        return ResponseStream(self, request, instance_id, "direct", request_id, timeout)
+        return ResponseStream(self, request, [instance_id], "direct", request_id, timeout)
+
+    def ordered(
+        self,
+        request: Any,
+        instance_ids: list[int],
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> ResponseStream:
+        """The first of `instance_ids` (the caller's choice, best first) that takes the request;
+        live ones only. Like `round_robin`, a failed connection or a refusal passes it on."""
+        return ResponseStream(self, request, list(instance_ids), "ordered", request_id, timeout)
 
     generate = round_robin
 
-    def _order(self, mode: str, target: int | None) -> list[int]:
+    def _order(self, mode: str, targets: list[int] | None) -> list[int]:
         if mode == "direct":
-            assert target is not None
+            assert targets is not None
+            (target,) = targets
             if target not in self._instances:
                 raise NoInstancesError(f"instance {target:x} of {self.path} is not known")
-            return [target]
+            return targets
         ids = self._available()
+        if mode == "ordered":
+            assert targets is not None
+            live = set(ids)
+            ids = [i for i in targets if i in live]
         if not ids:
             raise NoInstancesError(f"no live instance of {self.path}")
         if mode == "random":
             return random.sample(ids, len(ids))
-        start = self._rr % len(ids)
-        self._rr += 1
-        return ids[start:] + ids[:start]
+        if mode == "round_robin":
+            start = self._rr % len(ids)
+            self._rr += 1
+            return ids[start:] + ids[:start]
+        return ids
 
     async def _send(
         self,
         request: Any,
         mode: str,
-        target: int | None,
+        targets: list[int] | None,
         request_id: str,
         deadline: float | None,
         exclude: set[int],
     ) -> tuple[int, Stream]:
         payload = encode_payload(request)
         last_error: ConnectError | None = None
-        order = [i for i in self._order(mode, target) if i not in exclude]
+        order = [i for i in self._order(mode, targets) if i not in exclude]
         if not order:
             raise NoInstancesError(f"every live instance of {self.path} refused the request")
         for instance_id in order:
