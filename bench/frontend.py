@@ -31,7 +31,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvbaton.llm.model_files import KNOWN_MODELS, models_dir, pull, resolve_model
+from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model, served_name
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest, SamplingParams
 from kvbaton.runtime import DistributedRuntime
@@ -140,7 +140,7 @@ async def run(args: argparse.Namespace) -> None:
     frontend = start(
         ["frontend", "--http-port", "0", *common[:2], "--log-level", "INFO"], env, tmp / "fe.log"
     )
-    name = model_dir.name if args.model not in KNOWN_MODELS else args.model
+    name = served_name(args.model)
     body = msgspec.json.encode({"model": name, "messages": MESSAGES, "max_tokens": 1})
     direct_request = PreprocessedRequest(
         model=name,
@@ -218,7 +218,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--model", default="smollm2", help="whose tokenizer to use")
     args = parser.parse_args()
-    if args.model in KNOWN_MODELS and not (models_dir() / args.model / "config.json").is_file():
+    if args.model in KNOWN_MODELS:  # pulled once, then only looked at
         pull(args.model, progress=lambda line: print(line, file=sys.stderr, flush=True))
     try:
         import uvloop

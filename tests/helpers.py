@@ -1,10 +1,13 @@
-"""Small helpers for tests: bounded waits and stream collection."""
+"""Small helpers for tests: bounded waits, stream collection, running a benchmark."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -30,3 +33,19 @@ async def collect(stream: AsyncIterable[T], limit: int | None = None) -> list[T]
         if limit is not None and len(items) >= limit:
             break
     return items
+
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def run_bench(script: str, *args: str) -> tuple[str, list[list[str]]]:
+    """Run `bench/<script>`; its output, and the cells of its Markdown table rows (no header)."""
+    out = subprocess.run(
+        [sys.executable, str(BENCH_DIR / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")][1:]
+    return out, [[cell.strip() for cell in row] for row in rows]

@@ -3,38 +3,28 @@ judged here: speed is for the benchmark, not for asserts)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import run_bench
 
 
 @pytest.mark.integration
 def test_frontend_bench_prints_frontend_and_direct(chat_model: Path) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "frontend.py"),
-            "--model",
-            str(chat_model),
-            "--requests",
-            "50",
-            "--duration",
-            "0.3",
-            "--trials",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
-    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")][1:]
-    cells = {(r[0].strip(), r[1].strip().split()[0]) for r in rows}
+    out, rows = run_bench(
+        "frontend.py",
+        "--model",
+        str(chat_model),
+        "--requests",
+        "50",
+        "--duration",
+        "0.3",
+        "--trials",
+        "1",
+    )
+    cells = {(r[0], r[1].split()[0]) for r in rows}
     assert cells == {(c, p) for c in ("1", "64") for p in ("frontend", "direct")}
     for row in rows:
-        assert float(row[2].strip().replace(",", "")) > 0  # requests/s
+        assert float(row[2].replace(",", "")) > 0  # requests/s
     assert "added latency at p50" in out and "frontend requests/s at concurrency 64" in out

@@ -30,6 +30,16 @@ def _runtime_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+ENGINES = "torch: the built-in engine; fixed: fixed tokens at no cost"
+
+
+def _http_flags(parser: argparse.ArgumentParser, *port_aliases: str) -> None:
+    parser.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API binds")
+    parser.add_argument(
+        "--http-port", *port_aliases, type=int, default=8000, help="HTTP port (0: any free port)"
+    )
+
+
 def runtime_settings(args: argparse.Namespace) -> RuntimeSettings:
     """Flags given on the command line, then KVBATON_* variables, then defaults."""
     names = ("discovery", "request_plane", "host", "port", "lease_ttl")
@@ -151,18 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run a whole deployment on this machine")
     serve.add_argument("--namespace", default="kvbaton")
     serve.add_argument("--workers", type=int, default=1, help="number of worker processes")
-    serve.add_argument("--http-host", "--http_host", default="127.0.0.1")
-    serve.add_argument("--http-port", "--port", type=int, default=8000, help="0: any free port")
-    serve.add_argument("--engine", choices=["torch", "fixed"], default="torch")
-    serve.add_argument("--fixed-tokens", default="1,2,3")
+    _http_flags(serve, "--port")
+    serve.add_argument("--engine", choices=["torch", "fixed"], default="torch", help=ENGINES)
     add_worker_flags(serve)
     _runtime_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     frontend = sub.add_parser("frontend", help="run the OpenAI-compatible HTTP frontend")
     frontend.add_argument("--namespace", default="kvbaton")
-    frontend.add_argument("--http-host", default="127.0.0.1")
-    frontend.add_argument("--http-port", type=int, default=8000, help="0: any free port")
+    _http_flags(frontend)
     _runtime_flags(frontend)
     frontend.set_defaults(func=cmd_frontend)
 
@@ -172,9 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         choices=["torch", "fixed", "echo"],
         default="torch",
-        help="torch: the built-in engine; fixed: fixed tokens at no cost; echo: no LLM at all",
+        help=f"{ENGINES}; echo: no LLM",
     )
-    worker.add_argument("--fixed-tokens", default="1,2,3", help="the fixed engine's token ids")
     worker.add_argument("--namespace", default="kvbaton")
     worker.add_argument("--component", default="backend")
     add_worker_flags(worker)

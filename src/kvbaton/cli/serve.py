@@ -21,8 +21,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import IO
 
-from kvbaton.cli.worker import WORKER_FLAGS, served_name
+from kvbaton.cli.worker import WORKER_FLAGS
+from kvbaton.llm.model_files import KNOWN_MODELS, pull, served_name
 from kvbaton.runtime.settings import RuntimeSettings
 
 log = logging.getLogger("kvbaton.serve")
@@ -60,17 +62,15 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         "agg",
         "--engine",
         args.engine,
-        "--fixed-tokens",
-        args.fixed_tokens,
         *common,
         *_flags(args, WORKER_FLAGS),
     ]
     return [("frontend", frontend)] + [(f"worker-{i}", worker) for i in range(args.workers)]
 
 
-def _pump(name: str, stream: object, found_url: list[str]) -> None:
+def _pump(name: str, stream: IO[bytes], found_url: list[str]) -> None:
     """Copy a child's output to ours, each line prefixed with the child's name."""
-    for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
+    for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
         if not found_url and (m := _URL.search(line)):
             found_url.append(m.group(1))
@@ -87,10 +87,7 @@ def _ready(url: str) -> bool:
 
 
 def _pull_if_needed(args: argparse.Namespace) -> None:
-    from kvbaton.llm.model_files import KNOWN_MODELS, models_dir, pull
-
-    if args.model in KNOWN_MODELS and not (models_dir() / args.model / "config.json").is_file():
-        log.info("model %s is not pulled yet: pulling it once", args.model)
+    if args.model in KNOWN_MODELS:  # once: a pulled model is only looked at
         pull(args.model, progress=lambda line: print(line, file=sys.stderr, flush=True))
 
 

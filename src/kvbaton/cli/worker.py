@@ -4,14 +4,9 @@ stand-in, or an echo worker of the bare runtime)."""
 from __future__ import annotations
 
 import argparse
-import os
 
+from kvbaton.llm.model_files import served_name
 from kvbaton.runtime import DistributedRuntime
-
-
-def served_name(model: str) -> str:
-    """The name clients use: a pulled model's name, or the directory's name."""
-    return os.path.basename(os.path.normpath(model))
 
 
 async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> None:
@@ -55,6 +50,7 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=64)
     group.add_argument("--max-model-len", type=int)
     group.add_argument("--num-threads", type=int, help="torch threads (default: cores/workers)")
+    group.add_argument("--fixed-tokens", default="1,2,3", help="the fixed engine's token ids")
 
 
 ENGINE_FLAGS = (
@@ -68,4 +64,4 @@ ENGINE_FLAGS = (
     "max_model_len",
     "num_threads",
 )
-WORKER_FLAGS = (*ENGINE_FLAGS, "served_model_name")  # what `serve` passes on
+WORKER_FLAGS = (*ENGINE_FLAGS, "served_model_name", "fixed_tokens")  # what `serve` passes on

@@ -11,11 +11,12 @@ the request, which frees its blocks before the next step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,8 +42,7 @@ class _Call:
     """Run `fn` on the step thread between steps; its result resolves `future`."""
 
     fn: Callable[[], object]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[object]
+    future: concurrent.futures.Future[object]
 
 
 @dataclass
@@ -79,7 +79,7 @@ class AsyncEngine:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         """Outputs of one request, the last with a finish reason. Raises ValueError at once for
         a request that could never run; closing the iterator early aborts the request."""
         self.engine.check_request(prompt_token_ids, params)
@@ -95,7 +95,7 @@ class AsyncEngine:
 
     async def _stream(
         self, request_id: str, outputs: asyncio.Queue[EngineOutput | BaseException]
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         finished = False
         try:
             while True:
@@ -131,13 +131,12 @@ class AsyncEngine:
 
     async def clear_kv_blocks(self) -> int:
         """Drop every cached block no request holds (between two steps); how many went."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[object] = loop.create_future()
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
         with self._lock:
             if self._stopped:
                 raise RuntimeError("the engine is shut down")
-            self._inbox.put(_Call(self.engine.clear_kv_blocks, loop, future))
-        cleared = await future
+            self._inbox.put(_Call(self.engine.clear_kv_blocks, future))
+        cleared = await asyncio.wrap_future(future)
         assert isinstance(cleared, int)
         return cleared
 
@@ -161,14 +160,11 @@ class AsyncEngine:
 
     def _apply(self, message: _Add | _Abort | _Call) -> None:
         if isinstance(message, _Call):
-            result: object = None
-            error: Exception | None = None
-            try:
-                result = message.fn()
-            except Exception as exc:
-                error = exc
-            with contextlib.suppress(RuntimeError):  # the caller's loop closed
-                message.loop.call_soon_threadsafe(_settle, message.future, result, error)
+            if message.future.set_running_or_notify_cancel():  # else the caller gave up
+                try:
+                    message.future.set_result(message.fn())
+                except Exception as exc:
+                    message.future.set_exception(exc)
             return
         if isinstance(message, _Abort):
             if message.outputs is not None:
@@ -220,12 +216,3 @@ class AsyncEngine:
         for request_id in ids:
             self.engine.abort_request(request_id)
             self._deliver(request_id, exc)
-
-
-def _settle(future: asyncio.Future[object], result: object, exc: BaseException | None) -> None:
-    if future.done():  # the caller gave up waiting
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)

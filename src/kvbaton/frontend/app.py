@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import msgspec
@@ -21,14 +21,19 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from kvbaton.frontend.errors import OpenAIError, bad_request, model_not_found, no_workers
+from kvbaton.frontend.errors import (
+    OpenAIError,
+    as_openai_error,
+    from_validation_errors,
+    model_not_found,
+)
 from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager, ServedModel
 from kvbaton.frontend.openai_types import ChatCompletionRequest, CompletionRequest, _Common
 from kvbaton.frontend.postprocess import ChoiceState, Delta
 from kvbaton.frontend.preprocess import build_requests, chat_prompt, completion_prompts
+from kvbaton.frontend.responses import ResponseShape
 from kvbaton.protocols.llm import PreprocessedRequest
-from kvbaton.runtime import HandlerError, NoInstancesError, RuntimeServiceError
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +47,6 @@ def _json(body: Any, status: int = 200) -> Response:
 
 def _error_response(error: OpenAIError) -> Response:
     return Response(error.json(), status_code=error.status, media_type="application/json")
-
-
-def as_openai_error(exc: BaseException, model: str) -> OpenAIError:
-    if isinstance(exc, OpenAIError):
-        return exc
-    if isinstance(exc, NoInstancesError):
-        return no_workers(model)
-    if isinstance(exc, HandlerError) and exc.error_type == "ValueError":
-        return bad_request(str(exc))  # the worker refused the request as it stands
-    if isinstance(exc, RuntimeServiceError):
-        return OpenAIError(503, f"the worker failed: {exc}", code="worker_error")
-    return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
 class RequestRecord:
@@ -90,10 +83,9 @@ class RequestRecord:
 
 
 class Frontend:
-    def __init__(self, models: ModelManager, *, max_body_bytes: int = 8 << 20) -> None:
+    def __init__(self, models: ModelManager) -> None:
         self.models = models
         self.metrics = FrontendMetrics()
-        self.max_body_bytes = max_body_bytes
         self.app = self._build()
 
     # -- the request's path ----------------------------------------------------------------------
@@ -155,7 +147,7 @@ class Frontend:
                 record.done(error.status, prompt_tokens)
             return _error_response(error)
         chat = isinstance(body, ChatCompletionRequest)
-        shape = _ResponseShape(rid, body.model, chat, len(pres))
+        shape = ResponseShape(rid, body.model, chat, len(pres))
         if body.stream:
             return StreamingResponse(
                 self._sse(shape, first, events, record, prompt_tokens, body.include_usage),
@@ -177,7 +169,7 @@ class Frontend:
                 with contextlib.suppress(BaseException):
                     await collect
                 record.done(499, prompt_tokens)
-        if not collect.done() or collect.cancelled():
+        if collect.cancelled():  # the client left (the finally above counted it)
             return Response(status_code=499)
         try:
             result = collect.result()
@@ -190,7 +182,7 @@ class Frontend:
 
     async def _collect(
         self,
-        shape: _ResponseShape,
+        shape: ResponseShape,
         first: Event,
         events: AsyncGenerator[Event, None],
         record: RequestRecord,
@@ -215,7 +207,7 @@ class Frontend:
 
     async def _sse(
         self,
-        shape: _ResponseShape,
+        shape: ResponseShape,
         first: Event,
         events: AsyncGenerator[Event, None],
         record: RequestRecord,
@@ -259,7 +251,7 @@ class Frontend:
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, exc: RequestValidationError) -> Response:
-            return _error_response(_validation_error(exc.errors()))
+            return _error_response(from_validation_errors(exc.errors()))
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -301,99 +293,6 @@ class Frontend:
         return [self.models.models[n] for n in sorted(self.models.models)]
 
 
-class _ResponseShape:
-    """OpenAI's response bodies for one request: chat or text completion, whole or chunked."""
-
-    def __init__(self, rid: str, model: str, chat: bool, n: int) -> None:
-        self.rid = rid
-        self.model = model
-        self.chat = chat
-        self.n = n
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
-        self.created = int(time.time())
-
-    def _head(self, chunk: bool) -> dict[str, Any]:
-        kind = "chat.completion" if self.chat else "text_completion"
-        return {
-            "id": self.id,
-            "object": f"{kind}.chunk" if chunk and self.chat else kind,
-            "created": self.created,
-            "model": self.model,
-        }
-
-    @staticmethod
-    def sse(body: dict[str, Any]) -> bytes:
-        return b"data: " + _encode(body) + b"\n\n"
-
-    def logprobs(self, state: ChoiceState, delta: Delta) -> Any:
-        return state.chat_logprobs(delta) if self.chat else state.completion_logprobs(delta)
-
-    def role_chunk(self, index: int, include_usage: bool) -> dict[str, Any]:
-        choice = {
-            "index": index,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return self._head(True) | {"choices": [choice]} | _null_usage(include_usage)
-
-    def chunk(
-        self, state: ChoiceState, index: int, delta: Delta, include_usage: bool
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index}
-        if self.chat:
-            choice["delta"] = {"content": delta.text} if delta.text else {}
-        else:
-            choice["text"] = delta.text
-        choice["logprobs"] = self.logprobs(state, delta)
-        choice["finish_reason"] = delta.finish_reason
-        return self._head(True) | {"choices": [choice]} | _null_usage(include_usage)
-
-    def usage_chunk(self, states: dict[int, ChoiceState]) -> dict[str, Any]:
-        return self._head(True) | {"choices": [], "usage": _usage(states)}
-
-    def full(
-        self, states: dict[int, ChoiceState], texts: list[str], logprobs: list[list[Any]]
-    ) -> dict[str, Any]:
-        choices = []
-        for i in range(self.n):
-            choice: dict[str, Any] = {"index": i}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": texts[i]}
-                lps = [e for part in logprobs[i] for e in part["content"]]
-                choice["logprobs"] = {"content": lps} if logprobs[i] else None
-            else:
-                choice["text"] = texts[i]
-                choice["logprobs"] = _join_completion_logprobs(logprobs[i])
-            choice["finish_reason"] = states[i].finish_reason if i in states else None
-            choices.append(choice)
-        return self._head(False) | {"choices": choices, "usage": _usage(states)}
-
-
-def _null_usage(include_usage: bool) -> dict[str, Any]:
-    return {"usage": None} if include_usage else {}
-
-
-def _usage(states: dict[int, ChoiceState]) -> dict[str, Any]:
-    prompt = sum(s.prompt_tokens for s in states.values())
-    completion = sum(s.completion_tokens for s in states.values())
-    cached = sum(s.cached_tokens for s in states.values())
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-    if cached:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return usage
-
-
-def _join_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
-    if not parts:
-        return None
-    return {key: [v for part in parts for v in part[key]] for key in parts[0]}
-
-
 def _model_entry(served: ServedModel) -> dict[str, Any]:
     return {
         "id": served.name,
@@ -402,38 +301,6 @@ def _model_entry(served: ServedModel) -> dict[str, Any]:
         "owned_by": "kvbaton",
         "max_model_len": served.card.context_length,
     }
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list"}
-
-
-def _param(loc: tuple[Any, ...]) -> str | None:
-    """The parameter an error is about, without pydantic's union-member tags."""
-    parts = [
-        str(p)
-        for p in loc
-        if p != "body" and (isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS))
-    ]
-    return ".".join(parts) or None
-
-
-def _validation_error(errors: Sequence[Any]) -> OpenAIError:
-    if not errors:
-        return bad_request("invalid request")
-    first = errors[0]
-    param = _param(tuple(first.get("loc", ())))
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
-    if param is None and kind in ("missing", "model_attributes_type", "dict_type"):
-        return bad_request("the body must be a JSON object")
-    if kind == "extra_forbidden":
-        return bad_request(f"unrecognized request argument supplied: {param}", param)
-    # A union (e.g. `prompt`) fails once per member: the member that got furthest speaks.
-    same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
-    best = next((e for e in same if not str(e.get("type", "")).endswith("_type")), first)
-    message = str(best.get("msg", "invalid value")).removeprefix("Value error, ")
-    return bad_request(f"{param}: {message}" if param else message, param)
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,10 +1,21 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with a status."""
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with a status, and
+the mapping to it from the runtime's errors and from pydantic's validation errors."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+
+from kvbaton.runtime import (
+    ConnectError,
+    EndpointNotFoundError,
+    HandlerError,
+    NoInstancesError,
+    RuntimeServiceError,
+    ShuttingDownError,
+)
 
 
 class OpenAIError(Exception):
@@ -52,3 +63,51 @@ def no_workers(model: str) -> OpenAIError:
     return OpenAIError(
         503, f"no worker of model `{model}` is available", code="no_workers", type="server_error"
     )
+
+
+# No worker took the request: none was live, or each one tried refused it or was unreachable.
+_NEVER_RAN = (NoInstancesError, ConnectError, ShuttingDownError, EndpointNotFoundError)
+
+
+def as_openai_error(exc: BaseException, model: str) -> OpenAIError:
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, _NEVER_RAN):
+        return no_workers(model)
+    if isinstance(exc, HandlerError) and exc.error_type == "ValueError":
+        return bad_request(str(exc))  # the worker refused the request as it stands
+    if isinstance(exc, RuntimeServiceError):
+        return OpenAIError(503, f"the worker failed: {exc}", code="worker_error")
+    return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list"}
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """The parameter an error is about, without pydantic's union-member tags."""
+    parts = [
+        str(p)
+        for p in loc
+        if p != "body" and (isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS))
+    ]
+    return ".".join(parts) or None
+
+
+def from_validation_errors(errors: Sequence[Any]) -> OpenAIError:
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    param = _param(tuple(first.get("loc", ())))
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+    if param is None and kind in ("missing", "model_attributes_type", "dict_type"):
+        return bad_request("the body must be a JSON object")
+    if kind == "extra_forbidden":
+        return bad_request(f"unrecognized request argument supplied: {param}", param)
+    # A union (e.g. `prompt`) fails once per member: the member that got furthest speaks.
+    same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
+    best = next((e for e in same if not str(e.get("type", "")).endswith("_type")), first)
+    message = str(best.get("msg", "invalid value")).removeprefix("Value error, ")
+    return bad_request(f"{param}: {message}" if param else message, param)

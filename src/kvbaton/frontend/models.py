@@ -17,25 +17,15 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
+from kvbaton.llm.model_cards import model_cards_prefix, parse_model_card_key
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import EngineOutput, ModelCard, PreprocessedRequest
-from kvbaton.runtime import (
-    Client,
-    ConnectError,
-    DistributedRuntime,
-    EndpointNotFoundError,
-    NoInstancesError,
-    ResponseStream,
-    ShuttingDownError,
-)
+from kvbaton.runtime import Client, DistributedRuntime
 from kvbaton.runtime.discovery.base import PrefixWatch
 
 log = logging.getLogger(__name__)
 
-MODELS_ROOT = "/models/"
 TOKENIZER_FETCH_TIMEOUT_S = 30.0
-# Errors that show an instance never ran the request: the next instance may.
-_REFUSALS = (ConnectError, ShuttingDownError, EndpointNotFoundError, NoInstancesError)
 
 
 class ServedModel:
@@ -61,38 +51,21 @@ class ServedModel:
     async def generate(
         self, request: PreprocessedRequest, request_id: str
     ) -> AsyncGenerator[EngineOutput, None]:
-        """The worker's outputs. An instance that refuses before the first output (gone,
-        draining) is skipped for the next; with none left, NoInstancesError."""
-        stream, first, instance_id = await self._open(request, request_id)
-        self.in_flight[instance_id] = self.in_flight.get(instance_id, 0) + 1
+        """The worker's outputs, from the least loaded instance that takes the request (one
+        that refuses it unrun passes it on); with none left, NoInstancesError."""
+        stream = self.client.ordered(request, self.instance_ids(), request_id=request_id)
+        counted: int | None = None  # the instance whose in-flight count this request holds
         try:
-            yield first
             async for out in stream:
+                if counted is None:
+                    counted = stream.instance_id
+                    assert counted is not None
+                    self.in_flight[counted] = self.in_flight.get(counted, 0) + 1
                 yield out
         finally:
-            self.in_flight[instance_id] -= 1
+            if counted is not None:
+                self.in_flight[counted] -= 1
             await stream.aclose()
-
-    async def _open(
-        self, request: PreprocessedRequest, request_id: str
-    ) -> tuple[ResponseStream, EngineOutput, int]:
-        refusal: Exception | None = None
-        for instance_id in self.instance_ids():
-            stream = self.client.direct(request, instance_id, request_id=request_id)
-            try:
-                first: EngineOutput = await stream.__anext__()
-            except _REFUSALS as exc:
-                log.info("instance %x refused %s: %s", instance_id, request_id, exc)
-                refusal = exc
-                await stream.aclose()
-                continue
-            except BaseException:
-                await stream.aclose()
-                raise
-            return stream, first, instance_id
-        raise NoInstancesError(
-            f"no live worker of model {self.name!r}" + (f" ({refusal})" if refusal else "")
-        )
 
 
 class ModelManager:
@@ -107,12 +80,8 @@ class ModelManager:
         self._follow: asyncio.Task[None] | None = None
         self._files_dir = Path(tempfile.mkdtemp(prefix="kvbaton-frontend-"))
 
-    @property
-    def prefix(self) -> str:
-        return f"{MODELS_ROOT}{self.namespace}/"
-
     async def start(self) -> None:
-        self._watch = await self.runtime.discovery.watch_prefix(self.prefix)
+        self._watch = await self.runtime.discovery.watch_prefix(model_cards_prefix(self.namespace))
         for key, value in self._watch.snapshot.items():
             self._apply("put", key, value)
         self._follow = asyncio.create_task(self._follow_watch(self._watch))
@@ -136,15 +105,8 @@ class ModelManager:
         async for event in watch:
             self._apply(event.kind, event.key, event.value)
 
-    def _parse_key(self, key: str) -> tuple[str, int] | None:
-        name, _, lease = key[len(self.prefix) :].rpartition("/")
-        try:
-            return name, int(lease, 16)
-        except ValueError:
-            return None
-
     def _apply(self, kind: str, key: str, value: bytes | None) -> None:
-        parsed = self._parse_key(key)
+        parsed = parse_model_card_key(self.namespace, key)
         if parsed is None:
             return
         name, instance_id = parsed

@@ -54,16 +54,6 @@ class ChoiceState:
             self.finish_reason = out.finish_reason
         return Delta(text, len(out.token_ids), self.finish_reason, _logprobs(out.logprobs))
 
-    def usage(self) -> dict[str, Any]:
-        usage: dict[str, Any] = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-        if self.cached_tokens:
-            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
-        return usage
-
     # -- logprobs in OpenAI's two shapes ---------------------------------------------------------
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.backend.decode([token_id], skip_special_tokens=False))

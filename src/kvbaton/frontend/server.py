@@ -30,10 +30,14 @@ class _Server(uvicorn.Server):
 def listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
-    sock.bind((host, port))
-    sock.listen(1024)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
     sock.setblocking(False)
     return sock
 
@@ -50,7 +54,7 @@ class FrontendServer:
     ) -> None:
         self.runtime = runtime
         self.models = ModelManager(runtime, namespace)
-        self.frontend = Frontend(self.models, max_body_bytes=max_body_bytes)
+        self.frontend = Frontend(self.models)
         self.sock = listen(host, port)
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"

@@ -59,6 +59,11 @@ def resolve_model(name_or_path: str) -> Path:
     )
 
 
+def served_name(name_or_path: str) -> str:
+    """The name clients ask for by default: a pulled model's name, or the directory's name."""
+    return Path(os.path.normpath(name_or_path)).name
+
+
 def pull(name: str = DEFAULT_MODEL, *, force: bool = False, progress: Progress = print) -> Path:
     """Fetch and convert a known model once; returns its directory."""
     if name not in KNOWN_MODELS:

@@ -116,7 +116,7 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class WorkerLoad(msgspec.Struct, kw_only=True):
-    """A worker's `load_metrics` answer."""
+    """A worker's `load_metrics` answer: its engine's stats (`EngineStats`) and its id."""
 
     instance_id: int
     waiting: int

@@ -5,7 +5,7 @@ taken out. It needs a model directory only for the tokenizer files that frontend
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 from kvbaton.engine.engine import EngineStats
@@ -30,13 +30,13 @@ class FixedTokensEngine:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         params.validate()
         return self._outputs(request_id, len(prompt_token_ids), params.max_tokens)
 
     async def _outputs(
         self, request_id: str, prompt_tokens: int, max_tokens: int
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         tokens = (self.token_ids * (max_tokens // len(self.token_ids) + 1))[:max_tokens]
         yield EngineOutput(
             request_id=request_id,

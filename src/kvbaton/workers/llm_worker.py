@@ -8,14 +8,16 @@ its KV blocks are free before the engine's next step."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from kvbaton.engine.engine import EngineStats
+from kvbaton.llm.model_cards import model_card_key
 from kvbaton.protocols.llm import (
     EngineOutput,
     ModelCard,
@@ -27,7 +29,6 @@ from kvbaton.runtime import Context, DistributedRuntime
 
 log = logging.getLogger(__name__)
 
-MODELS_ROOT = "/models/"
 # The files a frontend needs to tokenize and template for a model.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -38,10 +39,6 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "config.json",
 )
-
-
-def model_card_key(namespace: str, name: str, instance_id: int) -> str:
-    return f"{MODELS_ROOT}{namespace}/{name}/{instance_id:x}"
 
 
 class ServingEngine(Protocol):
@@ -62,7 +59,7 @@ class ServingEngine(Protocol):
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[EngineOutput]: ...
+    ) -> AsyncGenerator[EngineOutput, None]: ...
 
     def stats(self) -> EngineStats: ...
     async def clear_kv_blocks(self) -> int: ...
@@ -101,7 +98,7 @@ class LLMWorker:
             cache_salt=request.cache_salt,
         )
         generated = 0
-        finish: str | None = "cancelled"
+        finish = "cancelled"
         try:
             async for out in outputs:
                 generated += len(out.token_ids)
@@ -111,7 +108,7 @@ class LLMWorker:
                 elif context.is_stopped():
                     break
         finally:
-            await outputs.aclose()  # type: ignore[attr-defined]  # aborts an unfinished request
+            await outputs.aclose()  # aborts an unfinished request
             log.info(
                 "request %s: %d prompt tokens, %d generated, %s, %.3fs",
                 context.id,
@@ -122,16 +119,8 @@ class LLMWorker:
             )
 
     async def load_metrics(self, request: Any, context: Context) -> WorkerLoad:
-        s = self.engine.stats()
-        return WorkerLoad(
-            instance_id=self.runtime.instance_id or 0,
-            waiting=s.waiting,
-            running=s.running,
-            kv_blocks_total=s.kv_blocks_total,
-            kv_blocks_used=s.kv_blocks_used,
-            kv_blocks_free=s.kv_blocks_free,
-            prefix_cache_hit_rate=s.prefix_cache_hit_rate,
-        )
+        stats = dataclasses.asdict(self.engine.stats())
+        return WorkerLoad(instance_id=self.runtime.instance_id or 0, **stats)
 
     async def clear_kv_blocks(self, request: Any, context: Context) -> dict[str, int]:
         return {"cleared": await self.engine.clear_kv_blocks()}

@@ -1,0 +1,105 @@
+"""OpenAI's response bodies for one request: chat or text completion, whole or as SSE chunks."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from kvbaton.frontend.postprocess import ChoiceState, Delta
+
+_encode = msgspec.json.Encoder().encode
+
+
+class ResponseShape:
+    """OpenAI's response bodies for one request: chat or text completion, whole or chunked."""
+
+    def __init__(self, rid: str, model: str, chat: bool, n: int) -> None:
+        self.rid = rid
+        self.model = model
+        self.chat = chat
+        self.n = n
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
+        self.created = int(time.time())
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": f"{kind}.chunk" if chunk and self.chat else kind,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    @staticmethod
+    def sse(body: dict[str, Any]) -> bytes:
+        return b"data: " + _encode(body) + b"\n\n"
+
+    def logprobs(self, state: ChoiceState, delta: Delta) -> Any:
+        return state.chat_logprobs(delta) if self.chat else state.completion_logprobs(delta)
+
+    def role_chunk(self, index: int, include_usage: bool) -> dict[str, Any]:
+        choice = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return self._head(True) | {"choices": [choice]} | _null_usage(include_usage)
+
+    def chunk(
+        self, state: ChoiceState, index: int, delta: Delta, include_usage: bool
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            choice["delta"] = {"content": delta.text} if delta.text else {}
+        else:
+            choice["text"] = delta.text
+        choice["logprobs"] = self.logprobs(state, delta)
+        choice["finish_reason"] = delta.finish_reason
+        return self._head(True) | {"choices": [choice]} | _null_usage(include_usage)
+
+    def usage_chunk(self, states: dict[int, ChoiceState]) -> dict[str, Any]:
+        return self._head(True) | {"choices": [], "usage": _usage(states)}
+
+    def full(
+        self, states: dict[int, ChoiceState], texts: list[str], logprobs: list[list[Any]]
+    ) -> dict[str, Any]:
+        choices = []
+        for i in range(self.n):
+            choice: dict[str, Any] = {"index": i}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": texts[i]}
+                lps = [e for part in logprobs[i] for e in part["content"]]
+                choice["logprobs"] = {"content": lps} if logprobs[i] else None
+            else:
+                choice["text"] = texts[i]
+                choice["logprobs"] = _join_completion_logprobs(logprobs[i])
+            choice["finish_reason"] = states[i].finish_reason if i in states else None
+            choices.append(choice)
+        return self._head(False) | {"choices": choices, "usage": _usage(states)}
+
+
+def _null_usage(include_usage: bool) -> dict[str, Any]:
+    return {"usage": None} if include_usage else {}
+
+
+def _usage(states: dict[int, ChoiceState]) -> dict[str, Any]:
+    prompt = sum(s.prompt_tokens for s in states.values())
+    completion = sum(s.completion_tokens for s in states.values())
+    cached = sum(s.cached_tokens for s in states.values())
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def _join_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not parts:
+        return None
+    return {key: [v for part in parts for v in part[key]] for key in parts[0]}
