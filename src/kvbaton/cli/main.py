@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvbaton import __version__
+from kvbaton.cli.routing import add_router_flags, router_settings
 from kvbaton.cli.worker import add_worker_flags
 from kvbaton.runtime import DistributedRuntime, RuntimeSettings
 
@@ -30,7 +31,10 @@ def _runtime_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-ENGINES = "torch: the built-in engine; fixed: fixed tokens at no cost"
+ENGINES = (
+    "torch: the built-in engine; mocker: its scheduler with a timing model instead of a "
+    "model; fixed: fixed tokens at no cost"
+)
 
 
 def _http_flags(parser: argparse.ArgumentParser, *port_aliases: str) -> None:
@@ -102,7 +106,11 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
     runtime = DistributedRuntime(settings=runtime_settings(args))
     server = FrontendServer(
-        runtime, namespace=args.namespace, host=args.http_host, port=args.http_port
+        runtime,
+        namespace=args.namespace,
+        host=args.http_host,
+        port=args.http_port,
+        router=router_settings(args),
     )
 
     async def main() -> None:
@@ -162,14 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--namespace", default="kvbaton")
     serve.add_argument("--workers", type=int, default=1, help="number of worker processes")
     _http_flags(serve, "--port")
-    serve.add_argument("--engine", choices=["torch", "fixed"], default="torch", help=ENGINES)
+    serve.add_argument(
+        "--engine", choices=["torch", "mocker", "fixed"], default="torch", help=ENGINES
+    )
     add_worker_flags(serve)
+    add_router_flags(serve)
     _runtime_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     frontend = sub.add_parser("frontend", help="run the OpenAI-compatible HTTP frontend")
     frontend.add_argument("--namespace", default="kvbaton")
     _http_flags(frontend)
+    add_router_flags(frontend)
     _runtime_flags(frontend)
     frontend.set_defaults(func=cmd_frontend)
 
@@ -177,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--role", choices=["agg"], default="agg", help="agg: prefill and decode")
     worker.add_argument(
         "--engine",
-        choices=["torch", "fixed", "echo"],
+        choices=["torch", "mocker", "fixed", "echo"],
         default="torch",
         help=f"{ENGINES}; echo: no LLM",
     )

@@ -23,7 +23,8 @@ import urllib.error
 import urllib.request
 from typing import IO
 
-from kvbaton.cli.worker import WORKER_FLAGS
+from kvbaton.cli.routing import ROUTER_FLAGS, router_settings
+from kvbaton.cli.worker import WORKER_FLAGS, check_engine_flags
 from kvbaton.llm.model_files import KNOWN_MODELS, pull, served_name
 from kvbaton.runtime.settings import RuntimeSettings
 
@@ -54,6 +55,8 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         args.http_host,
         "--http-port",
         str(args.http_port),
+        *_flags(args, ROUTER_FLAGS),
+        *([] if args.kv_events else ["--no-kv-events"]),
     ]
     worker = [
         *base,
@@ -94,6 +97,8 @@ def _pull_if_needed(args: argparse.Namespace) -> None:
 def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
+    router_settings(args)  # bad settings fail here, not in a child
+    check_engine_flags(args)
     _pull_if_needed(args)
     if args.num_threads is None and args.engine == "torch" and args.workers > 1:
         args.num_threads = max(1, (os.cpu_count() or 1) // args.workers)

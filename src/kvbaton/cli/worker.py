@@ -1,5 +1,5 @@
-"""`kvbaton worker`: one worker process (an LLM worker with the built-in engine or the fixed
-stand-in, or an echo worker of the bare runtime)."""
+"""`kvbaton worker`: one worker process (an LLM worker with the built-in engine, the mocker or
+the fixed stand-in, or an echo worker of the bare runtime)."""
 
 from __future__ import annotations
 
@@ -15,26 +15,49 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> N
 
         await EchoWorker(runtime, args.namespace, args.component).serve()
         return
+    from kvbaton.workers.kv_publisher import KvEventPublisher
     from kvbaton.workers.llm_worker import LLMWorker, ServingEngine
 
+    check_engine_flags(args)
     engine: ServingEngine
+    publisher = None
+    values = {n: getattr(args, n) for n in ENGINE_FLAGS if getattr(args, n) is not None}
     if args.engine == "fixed":
         from kvbaton.workers.fixed_engine import FixedTokensEngine
 
         engine = FixedTokensEngine(args.model, [int(t) for t in args.fixed_tokens.split(",")])
+    elif args.engine == "mocker":
+        from kvbaton.mocker import MockerTiming, create_mocker_engine
+        from kvbaton.mocker.runner import mocker_config
+        from kvbaton.mocker.timing import parse_coefficients
+
+        timing = MockerTiming(
+            **({"prefill": parse_coefficients(args.mocker_prefill)} if args.mocker_prefill else {}),
+            **({"decode": parse_coefficients(args.mocker_decode)} if args.mocker_decode else {}),
+            speedup_ratio=args.speedup_ratio or 1.0,
+        )
+        publisher = KvEventPublisher()
+        engine = await create_mocker_engine(mocker_config(**values), timing, publisher.on_event)
     else:
         from kvbaton.engine import AsyncEngine, EngineConfig
 
-        config = EngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})
-        engine = await AsyncEngine.create(config)
+        publisher = KvEventPublisher()
+        engine = await AsyncEngine.create(EngineConfig(**values), publisher.on_event)
     worker = LLMWorker(
         runtime,
         engine,
         served_name=args.served_model_name or served_name(args.model),
         namespace=args.namespace,
         component=args.component,
+        kv_events=publisher,
     )
     await worker.serve()
+
+
+def check_engine_flags(args: argparse.Namespace) -> None:
+    given = [f for f in MOCKER_FLAGS if getattr(args, f) is not None]
+    if given and args.engine != "mocker":
+        raise ValueError(f"--{given[0].replace('_', '-')} is for --engine mocker")
 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
@@ -44,13 +67,20 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", help="the name clients ask for")
     group.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     group.add_argument("--device", default="cpu")
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--kv-cache-gib", type=float, default=1.0)
-    group.add_argument("--num-kv-blocks", type=int)
-    group.add_argument("--max-num-seqs", type=int, default=64)
+    group.add_argument("--block-size", type=int, help="tokens per KV block (16; mocker 64)")
+    group.add_argument("--kv-cache-gib", type=float, help="KV cache size (default 1.0)")
+    group.add_argument("--num-kv-blocks", type=int, help="(default: as many as fit; mocker 16384)")
+    group.add_argument("--max-num-seqs", type=int, help="(default 64; mocker 256)")
+    group.add_argument("--max-num-batched-tokens", type=int, help="(default 2048; mocker 8192)")
     group.add_argument("--max-model-len", type=int)
     group.add_argument("--num-threads", type=int, help="torch threads (default: cores/workers)")
     group.add_argument("--fixed-tokens", default="1,2,3", help="the fixed engine's token ids")
+    mocker = parser.add_argument_group("mocker (timing defaults: Dynamo's mocker)")
+    mocker.add_argument("--speedup-ratio", type=float, help="divide step times by it (default 1)")
+    mocker.add_argument("--mocker-prefill", metavar="A,B,C", help="prefill ms = A*t^2 + B*t + C")
+    mocker.add_argument(
+        "--mocker-decode", metavar="A,B,C", help="decode ms = max(1, A*u^2 + B*u + C)"
+    )
 
 
 ENGINE_FLAGS = (
@@ -61,7 +91,10 @@ ENGINE_FLAGS = (
     "kv_cache_gib",
     "num_kv_blocks",
     "max_num_seqs",
+    "max_num_batched_tokens",
     "max_model_len",
     "num_threads",
 )
-WORKER_FLAGS = (*ENGINE_FLAGS, "served_model_name", "fixed_tokens")  # what `serve` passes on
+MOCKER_FLAGS = ("speedup_ratio", "mocker_prefill", "mocker_decode")
+# What `serve` passes on to its workers.
+WORKER_FLAGS = (*ENGINE_FLAGS, *MOCKER_FLAGS, "served_model_name", "fixed_tokens")

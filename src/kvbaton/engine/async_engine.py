@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.engine import EngineStats, LLMEngine
-from kvbaton.protocols.kv import KvEvent
+from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class AsyncEngine:
             str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[EngineOutput | BaseException]]
         ] = {}
         self._lock = threading.Lock()
+        self._stats = engine.stats()  # a snapshot, replaced by the step thread
         self._thread = threading.Thread(target=self._loop, name="kvbaton-engine", daemon=True)
         self._stopped = False
         self._thread.start()
@@ -115,7 +116,8 @@ class AsyncEngine:
         self._inbox.put(_Abort(request_id))
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """As of the end of the last step (or of the last requests admitted or aborted)."""
+        return self._stats
 
     @property
     def max_model_len(self) -> int:
@@ -131,14 +133,23 @@ class AsyncEngine:
 
     async def clear_kv_blocks(self) -> int:
         """Drop every cached block no request holds (between two steps); how many went."""
+        cleared = await self._between_steps(self.engine.clear_kv_blocks)
+        assert isinstance(cleared, int)
+        return cleared
+
+    async def kv_dump(self) -> KvDump:
+        """Every cached block, as of the last KV event sent (taken between two steps)."""
+        dump = await self._between_steps(self.engine.kv_dump)
+        assert isinstance(dump, KvDump)
+        return dump
+
+    async def _between_steps(self, fn: Callable[[], object]) -> object:
         future: concurrent.futures.Future[object] = concurrent.futures.Future()
         with self._lock:
             if self._stopped:
                 raise RuntimeError("the engine is shut down")
-            self._inbox.put(_Call(self.engine.clear_kv_blocks, future))
-        cleared = await asyncio.wrap_future(future)
-        assert isinstance(cleared, int)
-        return cleared
+            self._inbox.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
 
     async def shutdown(self) -> None:
         with self._lock:
@@ -200,6 +211,7 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             if not self.engine.has_unfinished():
+                self._stats = self.engine.stats()
                 continue
             try:
                 outputs = self.engine.step()
@@ -207,6 +219,8 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
+            finally:
+                self._stats = self.engine.stats()
             for out in outputs:
                 self._deliver(out.request_id, out)
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 from kvbaton.engine.sequence import Sequence
-from kvbaton.protocols.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from kvbaton.protocols.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEvent
 
 
 class BlockStats(NamedTuple):
@@ -147,6 +147,9 @@ class BlockManager:
         self.cached.clear()
         self._emit(lambda i: AllBlocksCleared(event_id=i))
         return count
+
+    def dump(self) -> KvDump:
+        return KvDump(last_event_id=self._next_event_id - 1, block_hashes=list(self.cached))
 
     # -- internals ---------------------------------------------------------------------------
     def _new_blocks_needed(

@@ -1,21 +1,22 @@
 """The engine core: `step()` is schedule -> run -> update, nothing else. Synchronous and
-single-threaded; `AsyncEngine` runs it on a thread of its own for workers."""
+single-threaded; `AsyncEngine` runs it on a thread of its own for workers.
+
+The run is a `StepRunner`: the model runner (a forward pass and a sampler), or a stand-in with
+the same face (the mocker's timing model). Scheduler and block manager are the same for both."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import Protocol
 
 from kvbaton.engine.block_manager import BlockManager
 from kvbaton.engine.config import EngineConfig
-from kvbaton.engine.model_runner import ModelRunner
-from kvbaton.engine.scheduler import Scheduler
+from kvbaton.engine.scheduler import Scheduler, SchedulerOutput
 from kvbaton.engine.sequence import Sequence
 from kvbaton.llm.model_files import resolve_model
-from kvbaton.protocols.kv import KvEvent
+from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput, SamplingParams, Usage
 
 log = logging.getLogger(__name__)
@@ -29,30 +30,46 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_free: int
     prefix_cache_hit_rate: float
+    active_prefill_tokens: int = 0  # prompt tokens admitted or waiting, not yet computed
+    active_decode_blocks: int = 0  # blocks held by sequences past their prefill
+
+
+class StepRunner(Protocol):
+    """Runs one scheduled step: the sampled token of each sequence that samples, by id."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]: ...
+    def forget(self, request_id: str) -> None: ...
 
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, on_kv_event: Callable[[KvEvent], None] | None = None
+        self,
+        config: EngineConfig,
+        on_kv_event: Callable[[KvEvent], None] | None = None,
+        runner: StepRunner | None = None,
     ) -> None:
+        """With no `runner`, the model runner on `config.model` with a KV cache of
+        `config.num_kv_blocks` blocks (else as many as `kv_cache_gib` holds); a given runner
+        needs `num_kv_blocks`."""
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model(config.model)
-        self.runner = ModelRunner(
-            self.model_dir,
-            config.dtype,
-            config.device,
-            config.max_model_len,
-            config.seed,
-            config.matmul_dtype,
-        )
-        self.max_model_len = self.runner.max_model_len
-        per_block = self.runner.model.kv_bytes_per_block(config.block_size)
-        num_blocks = config.num_kv_blocks or int(config.kv_cache_gib * 2**30 // per_block)
-        if num_blocks < 1:
-            raise ValueError("kv_cache_gib is too small for one block")
-        self.runner.allocate_cache(num_blocks, config.block_size)
+        model_runner = None
+        if runner is None:
+            from kvbaton.engine.model_runner import ModelRunner  # torch only for the model
+
+            model_runner = ModelRunner.create(self.model_dir, config)
+            num_blocks = model_runner.num_blocks
+            runner = model_runner
+        elif config.num_kv_blocks is None:
+            raise ValueError("a stand-in runner needs num_kv_blocks")
+        else:
+            num_blocks = config.num_kv_blocks
+        self.runner = runner
+        self.max_model_len = runner.max_model_len
         self.blocks = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, on_kv_event
         )
@@ -63,14 +80,13 @@ class LLMEngine:
             config.enable_chunked_prefill,
             self.max_model_len,
         )
-        self.eos_token_ids = self.runner.model.config.eos_token_ids
-        self.vocab_size = self.runner.model.config.vocab_size
+        self.eos_token_ids = runner.eos_token_ids
+        self.vocab_size = runner.vocab_size
         self._requests: dict[str, Sequence] = {}
         log.info(
-            "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
             self.model_dir.name,
-            config.dtype,
-            config.device,
+            f"{config.dtype} {config.device}" if model_runner else type(runner).__name__,
             num_blocks,
             config.block_size,
             self.max_model_len,
@@ -161,7 +177,7 @@ class LLMEngine:
 
     def _forget(self, seq: Sequence) -> Sequence:
         self._requests.pop(seq.request_id, None)
-        self.runner.sampler.forget(seq.request_id)
+        self.runner.forget(seq.request_id)
         return seq
 
     def _output(self, seq: Sequence, new: list[int]) -> EngineOutput:
@@ -187,8 +203,20 @@ class LLMEngine:
     def clear_kv_blocks(self) -> int:
         return self.blocks.clear_kv_blocks()
 
+    def kv_dump(self) -> KvDump:
+        """Every cached block, as of the last event sent."""
+        return self.blocks.dump()
+
     def stats(self) -> EngineStats:
+        """Call from the thread that steps the engine (it reads the queues)."""
         b = self.blocks.stats()
+        prefill = decode_blocks = 0
+        for queue in (self.scheduler.waiting, self.scheduler.running):
+            for seq in queue:
+                if seq.num_computed_tokens < seq.num_prompt_tokens:
+                    prefill += seq.num_tokens - seq.num_computed_tokens
+                else:
+                    decode_blocks += len(seq.block_table)
         return EngineStats(
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
@@ -196,4 +224,6 @@ class LLMEngine:
             kv_blocks_used=b.used,
             kv_blocks_free=b.free,
             prefix_cache_hit_rate=self.blocks.prefix_hit_rate,
+            active_prefill_tokens=prefill,
+            active_decode_blocks=decode_blocks,
         )

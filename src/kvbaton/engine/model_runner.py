@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.model import LlamaModel, ModelConfig, PrefillSpan, StepBatch
 from kvbaton.engine.sampler import Sampler
 from kvbaton.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -55,12 +56,39 @@ class ModelRunner:
             wide_matmul_dtype(matmul_dtype, self.dtype, self.device),
         )
         self.sampler = Sampler(seed, self.device)
+        self.vocab_size = config.vocab_size
+        self.eos_token_ids = config.eos_token_ids
         self.cache: torch.Tensor | None = None
         self.block_size = 0
+        self.num_blocks = 0
+
+    @classmethod
+    def create(cls, model_dir: Path, config: EngineConfig) -> ModelRunner:
+        """The runner of an engine config, its KV cache allocated."""
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        runner = cls(
+            model_dir,
+            config.dtype,
+            config.device,
+            config.max_model_len,
+            config.seed,
+            config.matmul_dtype,
+        )
+        per_block = runner.model.kv_bytes_per_block(config.block_size)
+        num_blocks = config.num_kv_blocks or int(config.kv_cache_gib * 2**30 // per_block)
+        if num_blocks < 1:
+            raise ValueError("kv_cache_gib is too small for one block")
+        runner.allocate_cache(num_blocks, config.block_size)
+        return runner
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         self.cache = self.model.allocate_cache(num_blocks, block_size)
         self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of the given blocks: [n, layers, 2, block_size, kv_heads, head_dim]. Each

@@ -29,7 +29,12 @@ from kvbaton.frontend.errors import (
 )
 from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager, ServedModel
-from kvbaton.frontend.openai_types import ChatCompletionRequest, CompletionRequest, _Common
+from kvbaton.frontend.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NvExt,
+    _Common,
+)
 from kvbaton.frontend.postprocess import ChoiceState, Delta
 from kvbaton.frontend.preprocess import build_requests, chat_prompt, completion_prompts
 from kvbaton.frontend.responses import ResponseShape
@@ -41,8 +46,27 @@ _encode = msgspec.json.Encoder().encode
 Event = tuple[int, ChoiceState, Delta]  # (choice index, its state, its new delta)
 
 
-def _json(body: Any, status: int = 200) -> Response:
-    return Response(_encode(body), status_code=status, media_type="application/json")
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        _encode(body), status_code=status, media_type="application/json", headers=headers
+    )
+
+
+class _Context:
+    """What a request's choices share: its id, stop strings, routing extensions, and the
+    workers that served it (named in the `x-kvbaton-worker` response header)."""
+
+    __slots__ = ("nvext", "rid", "served_by", "stops")
+
+    def __init__(self, rid: str, stops: list[str], nvext: NvExt | None) -> None:
+        self.rid = rid
+        self.stops = stops
+        self.nvext = nvext
+        self.served_by: list[int] = []
+
+    def headers(self) -> dict[str, str]:
+        workers = ",".join(f"{w:x}" for w in dict.fromkeys(self.served_by))
+        return {"x-kvbaton-worker": workers} if workers else {}
 
 
 def _error_response(error: OpenAIError) -> Response:
@@ -83,9 +107,9 @@ class RequestRecord:
 
 
 class Frontend:
-    def __init__(self, models: ModelManager) -> None:
+    def __init__(self, models: ModelManager, metrics: FrontendMetrics | None = None) -> None:
         self.models = models
-        self.metrics = FrontendMetrics()
+        self.metrics = metrics or FrontendMetrics()
         self.app = self._build()
 
     # -- the request's path ----------------------------------------------------------------------
@@ -96,10 +120,11 @@ class Frontend:
         return served
 
     async def _choice(
-        self, served: ServedModel, index: int, pre: PreprocessedRequest, rid: str, stops: list[str]
+        self, served: ServedModel, index: int, pre: PreprocessedRequest, ctx: _Context
     ) -> AsyncGenerator[Event, None]:
-        state = ChoiceState(served.tokenizer, pre.token_ids, stops)
-        outputs = served.generate(pre, rid if index == 0 else f"{rid}-{index}")
+        state = ChoiceState(served.tokenizer, pre.token_ids, ctx.stops)
+        rid = ctx.rid if index == 0 else f"{ctx.rid}-{index}"
+        outputs = served.generate(pre, rid, ctx.served_by, ctx.nvext)
         try:
             async for out in outputs:
                 yield index, state, state.update(out)
@@ -109,9 +134,9 @@ class Frontend:
             await outputs.aclose()  # a stop string matched, or the client left: stop the worker
 
     def _events(
-        self, served: ServedModel, pres: list[PreprocessedRequest], rid: str, stops: list[str]
+        self, served: ServedModel, pres: list[PreprocessedRequest], ctx: _Context
     ) -> AsyncGenerator[Event, None]:
-        streams = [self._choice(served, i, pre, rid, stops) for i, pre in enumerate(pres)]
+        streams = [self._choice(served, i, pre, ctx) for i, pre in enumerate(pres)]
         return streams[0] if len(streams) == 1 else _merge(streams)
 
     async def _handle(self, request: Request, body: _Common, route: str) -> Response:
@@ -133,7 +158,8 @@ class Frontend:
                 vocab_size=served.tokenizer.vocab_size,
             )
             record = RequestRecord(self.metrics, body.model, route)
-            events = self._events(served, pres, rid, body.stop_strings())
+            ctx = _Context(rid, body.stop_strings(), body.nvext)
+            events = self._events(served, pres, ctx)
             try:
                 first = await anext(events)  # errors before any output get their own status
             except BaseException:
@@ -152,12 +178,12 @@ class Frontend:
             return StreamingResponse(
                 self._sse(shape, first, events, record, prompt_tokens, body.include_usage),
                 media_type="text/event-stream",
-                headers={"cache-control": "no-cache"},
+                headers={"cache-control": "no-cache", **ctx.headers()},
             )
         if len(pres) == 1 and first[1].finished:  # all there: nothing left to wait for
             result = await self._collect(shape, first, events, record)
             record.done(200, prompt_tokens)
-            return _json(result)
+            return _json(result, headers=ctx.headers())
         collect = asyncio.ensure_future(self._collect(shape, first, events, record))
         disconnect = asyncio.ensure_future(_disconnected(request))
         try:
@@ -178,7 +204,7 @@ class Frontend:
             record.done(error.status, prompt_tokens)
             return _error_response(error)
         record.done(200, prompt_tokens)
-        return _json(result)
+        return _json(result, headers=ctx.headers())
 
     async def _collect(
         self,

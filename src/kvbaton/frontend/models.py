@@ -9,7 +9,6 @@ worker's `tokenizer_files` endpoint."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import shutil
 import tempfile
@@ -17,9 +16,13 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
+from kvbaton.frontend.errors import bad_request
+from kvbaton.frontend.openai_types import NvExt
+from kvbaton.llm.hashing import block_extra_keys
 from kvbaton.llm.model_cards import model_cards_prefix, parse_model_card_key
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import EngineOutput, ModelCard, PreprocessedRequest
+from kvbaton.router import Router, RouteRequest, RouterMetrics, RouterSettings, make_router
 from kvbaton.runtime import Client, DistributedRuntime
 from kvbaton.runtime.discovery.base import PrefixWatch
 
@@ -29,55 +32,86 @@ TOKENIZER_FETCH_TIMEOUT_S = 30.0
 
 
 class ServedModel:
-    def __init__(self, card: ModelCard, tokenizer: Tokenizer, client: Client) -> None:
+    def __init__(
+        self, card: ModelCard, tokenizer: Tokenizer, client: Client, router: Router
+    ) -> None:
         self.name = card.name
         self.card = card  # the first one seen: context length and block size
         self.tokenizer = tokenizer
         self.client = client
+        self.router = router
         self.cards: dict[int, ModelCard] = {card.instance_id: card}
-        self.in_flight: dict[int, int] = {}
-        self._rotation = itertools.count()
 
     def instance_ids(self) -> list[int]:
-        """Live instances with a card of this model, least loaded (by this frontend) first."""
+        """Live instances with a card of this model."""
         live = set(self.client.instance_ids())
-        ids = [i for i in self.cards if i in live]
-        if len(ids) > 1:  # rotate before the stable sort so that ties take turns
-            start = next(self._rotation) % len(ids)
-            ids = ids[start:] + ids[:start]
-            ids.sort(key=lambda i: self.in_flight.get(i, 0))
-        return ids
+        return [i for i in self.cards if i in live]
 
     async def generate(
-        self, request: PreprocessedRequest, request_id: str
+        self,
+        request: PreprocessedRequest,
+        request_id: str,
+        served_by: list[int],
+        nvext: NvExt | None = None,
     ) -> AsyncGenerator[EngineOutput, None]:
-        """The worker's outputs, from the least loaded instance that takes the request (one
-        that refuses it unrun passes it on); with none left, NoInstancesError."""
-        stream = self.client.ordered(request, self.instance_ids(), request_id=request_id)
-        counted: int | None = None  # the instance whose in-flight count this request holds
+        """The worker's outputs, from the worker the router ranks first that takes the request
+        (one that refuses it unrun passes it on), or from the one `nvext` names; with none
+        left, NoInstancesError. The worker that serves it is appended to `served_by`."""
+        override = nvext.router_config_override if nvext else None
+        hints = RouteRequest(
+            request.token_ids,
+            block_extra_keys(request.lora_name, request.cache_salt),
+            override.overlap_score_weight if override else None,
+            override.router_temperature if override else None,
+        )
+        target = nvext.instance_id() if nvext else None
+        if target is not None:
+            if target not in self.instance_ids():
+                raise bad_request(
+                    f"instance {target:x} does not serve model {self.name!r}",
+                    "nvext.backend_instance_id",
+                )
+            route = self.router.pin(hints, target)
+            stream = self.client.direct(request, target, request_id=request_id)
+        else:
+            route = self.router.route(hints, self.instance_ids())
+            stream = self.client.ordered(request, route.ranking, request_id=request_id)
         try:
+            await stream.open()
+            assert stream.instance_id is not None
+            route.served_by(stream.instance_id)
+            first = True
             async for out in stream:
-                if counted is None:
-                    counted = stream.instance_id
-                    assert counted is not None
-                    self.in_flight[counted] = self.in_flight.get(counted, 0) + 1
+                if first and (out.token_ids or out.finish_reason):
+                    first = False
+                    route.served_by(stream.instance_id)  # a refusal may have passed it on
+                    served_by.append(stream.instance_id)
+                    route.first_token()
                 yield out
         finally:
-            if counted is not None:
-                self.in_flight[counted] -= 1
+            route.done()
             await stream.aclose()
 
 
 class ModelManager:
-    def __init__(self, runtime: DistributedRuntime, namespace: str) -> None:
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        namespace: str,
+        router: RouterSettings | None = None,
+        router_metrics: RouterMetrics | None = None,
+    ) -> None:
         self.runtime = runtime
         self.namespace = namespace
+        self.router_settings = router or RouterSettings()
+        self.router_metrics = router_metrics
         self.models: dict[str, ServedModel] = {}
         self._clients: dict[str, Client] = {}
         self._loading: dict[str, asyncio.Task[None]] = {}
         self._pending: dict[str, dict[int, ModelCard]] = {}  # cards of models still loading
         self._watch: PrefixWatch | None = None
         self._follow: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # routers of models that went
         self._files_dir = Path(tempfile.mkdtemp(prefix="kvbaton-frontend-"))
 
     async def start(self) -> None:
@@ -93,8 +127,12 @@ class ModelManager:
             if task is not None:
                 task.cancel()
         await asyncio.gather(
-            *(t for t in [self._follow, *self._loading.values()] if t), return_exceptions=True
+            *(t for t in [self._follow, *self._loading.values()] if t),
+            *self._closing,
+            return_exceptions=True,
         )
+        for model in self.models.values():
+            await model.router.close()
         shutil.rmtree(self._files_dir, ignore_errors=True)
 
     def get(self, name: str) -> ServedModel | None:
@@ -118,6 +156,9 @@ class ModelManager:
                 if not model.cards:
                     log.info("model %s: no worker left; no longer served", name)
                     del self.models[name]
+                    closing = asyncio.create_task(model.router.close())
+                    self._closing.add(closing)
+                    closing.add_done_callback(self._closing.discard)
             return
         assert value is not None
         try:
@@ -136,18 +177,21 @@ class ModelManager:
         try:
             client = await self._client(card.endpoint)
             tokenizer = await self._tokenizer(card)
+            router = make_router(self.router_settings, self.runtime, card, self.router_metrics)
+            await router.start()
         except Exception as exc:
-            log.error("model %s: could not load its tokenizer: %s", name, exc)
+            log.error("model %s: could not load it: %s", name, exc)
             return
         finally:
             self._loading.pop(name, None)
         cards = self._pending.pop(name, {})
         if not cards:
+            await router.close()
             return  # every worker of it went while it loaded
-        model = ServedModel(card, tokenizer, client)
+        model = ServedModel(card, tokenizer, client, router)
         model.cards = cards
         self.models[name] = model
-        log.info("model %s: served (%d worker(s))", name, len(cards))
+        log.info("model %s: served (%d worker(s)), router %s", name, len(cards), router.mode)
 
     async def _client(self, endpoint: str) -> Client:
         if endpoint not in self._clients:

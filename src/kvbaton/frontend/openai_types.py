@@ -42,6 +42,29 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class RouterOverride(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    overlap_score_weight: Annotated[float, Field(ge=0)] | None = None
+    router_temperature: Annotated[float, Field(ge=0)] | None = None
+
+
+class NvExt(BaseModel):
+    """Routing extensions, named as Dynamo names them."""
+
+    model_config = ConfigDict(extra="forbid")
+    backend_instance_id: Annotated[int, Field(ge=0)] | str | None = None  # int, or hex text
+    router_config_override: RouterOverride | None = None
+
+    def instance_id(self) -> int | None:
+        value = self.backend_instance_id
+        if not isinstance(value, str):
+            return value
+        try:
+            return int(value, 16)
+        except ValueError:
+            raise ValueError(f"nvext.backend_instance_id {value!r} is not a hex id") from None
+
+
 class _Common(BaseModel):
     """Sampling and stopping, shared by both routes."""
 
@@ -65,6 +88,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     logit_bias: dict[str, float] | None = None
+    nvext: NvExt | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -81,6 +105,8 @@ class _Common(BaseModel):
             raise ValueError("logit_bias is not supported by this server yet")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.nvext is not None:
+            self.nvext.instance_id()  # a bad id is a bad request
         return self
 
     def stop_strings(self) -> list[str]:

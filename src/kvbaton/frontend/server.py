@@ -15,7 +15,9 @@ import uvicorn
 
 from kvbaton.frontend.app import Frontend
 from kvbaton.frontend.asgi import RequestIdAndLimits
+from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager
+from kvbaton.router import RouterMetrics, RouterSettings
 from kvbaton.runtime import DistributedRuntime
 
 log = logging.getLogger(__name__)
@@ -51,10 +53,12 @@ class FrontendServer:
         host: str = "127.0.0.1",
         port: int = 8000,
         max_body_bytes: int = 8 << 20,
+        router: RouterSettings | None = None,
     ) -> None:
         self.runtime = runtime
-        self.models = ModelManager(runtime, namespace)
-        self.frontend = Frontend(self.models)
+        metrics = FrontendMetrics()
+        self.models = ModelManager(runtime, namespace, router, RouterMetrics(metrics.registry))
+        self.frontend = Frontend(self.models, metrics)
         self.sock = listen(host, port)
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvbaton.protocols.llm import WorkerLoad
+
 
 class BlockStored(msgspec.Struct, tag="stored", kw_only=True):
     """Full blocks became cached, in order: each one's parent is the one before it, the first
@@ -31,3 +33,18 @@ class AllBlocksCleared(msgspec.Struct, tag="cleared", kw_only=True):
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KvDump(msgspec.Struct, kw_only=True):
+    """Every block a worker's cache holds, as of event `last_event_id` (-1: before any)."""
+
+    last_event_id: int
+    block_hashes: list[int]
+
+
+class KvEventBatch(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One message of a worker's event stream: the KV events since the last message, in
+    order, and its load when that changed."""
+
+    events: list[KvEvent] = msgspec.field(default_factory=list)
+    load: WorkerLoad | None = None

@@ -105,6 +105,7 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     model_path: str = ""  # the worker's directory; a frontend on the same machine reads it
     tokenizer_files: list[str] = msgspec.field(default_factory=list)  # else fetched from it
     created: int = 0  # seconds since the epoch
+    kv_events: bool = False  # the worker publishes KV events (endpoints kv_events, kv_dump)
     version: int = 1
 
     def to_json(self) -> bytes:
@@ -125,3 +126,5 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     kv_blocks_used: int
     kv_blocks_free: int
     prefix_cache_hit_rate: float
+    active_prefill_tokens: int = 0
+    active_decode_blocks: int = 0

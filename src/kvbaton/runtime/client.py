@@ -219,6 +219,10 @@ class Client:
             self._quarantine[instance_id] = time.monotonic() + self._runtime.settings.lease_ttl
             self._mark_changed()
 
+    async def wait_for_change(self) -> None:
+        """Return once an instance comes, goes, or is quarantined or let out."""
+        await self._changed.wait()
+
     async def wait_for_instances(self, timeout: float | None = None) -> list[int]:
         """Wait until at least one instance is available; NoInstancesError after `timeout`
         (default: the runtime's wait_for_instances_timeout)."""

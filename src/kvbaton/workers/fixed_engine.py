@@ -10,6 +10,7 @@ from pathlib import Path
 
 from kvbaton.engine.engine import EngineStats
 from kvbaton.llm.model_files import resolve_model
+from kvbaton.protocols.kv import KvDump
 from kvbaton.protocols.llm import EngineOutput, SamplingParams, Usage
 
 
@@ -50,6 +51,9 @@ class FixedTokensEngine:
 
     async def clear_kv_blocks(self) -> int:
         return 0
+
+    async def kv_dump(self) -> KvDump:
+        return KvDump(last_event_id=-1, block_hashes=[])
 
     async def shutdown(self) -> None:
         return None

@@ -1,5 +1,6 @@
 """The aggregated LLM worker: one engine behind the endpoints `generate`, `clear_kv_blocks`,
-`load_metrics` and `tokenizer_files`, and a model card in discovery.
+`load_metrics` and `tokenizer_files` (and `kv_events` and `kv_dump` when it publishes KV events),
+and a model card in discovery.
 
 Invariants: a request's engine id is unique in this worker even when callers reuse a request
 id; a caller that goes away (cancel, disconnect, deadline) aborts its request in the engine, so
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 
 from kvbaton.engine.engine import EngineStats
 from kvbaton.llm.model_cards import model_card_key
+from kvbaton.protocols.kv import KvDump
 from kvbaton.protocols.llm import (
     EngineOutput,
     ModelCard,
@@ -26,6 +28,7 @@ from kvbaton.protocols.llm import (
     WorkerLoad,
 )
 from kvbaton.runtime import Context, DistributedRuntime
+from kvbaton.workers.kv_publisher import KvEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class ServingEngine(Protocol):
 
     def stats(self) -> EngineStats: ...
     async def clear_kv_blocks(self) -> int: ...
+    async def kv_dump(self) -> KvDump: ...
     async def shutdown(self) -> None: ...
 
 
@@ -75,9 +79,12 @@ class LLMWorker:
         served_name: str,
         namespace: str,
         component: str = "backend",
+        kv_events: KvEventPublisher | None = None,
     ) -> None:
+        """`kv_events`: the publisher the engine was given as its KV event callback."""
         self.runtime = runtime
         self.engine = engine
+        self.kv_events = kv_events
         self.served_name = served_name
         self.namespace = namespace
         self.component = runtime.namespace(namespace).component(component)
@@ -118,9 +125,15 @@ class LLMWorker:
                 time.monotonic() - started,
             )
 
-    async def load_metrics(self, request: Any, context: Context) -> WorkerLoad:
+    def load(self) -> WorkerLoad:
         stats = dataclasses.asdict(self.engine.stats())
         return WorkerLoad(instance_id=self.runtime.instance_id or 0, **stats)
+
+    async def load_metrics(self, request: Any, context: Context) -> WorkerLoad:
+        return self.load()
+
+    async def kv_dump(self, request: Any, context: Context) -> KvDump:
+        return await self.engine.kv_dump()
 
     async def clear_kv_blocks(self, request: Any, context: Context) -> dict[str, int]:
         return {"cleared": await self.engine.clear_kv_blocks()}
@@ -138,6 +151,12 @@ class LLMWorker:
 
         return await asyncio.to_thread(read)
 
+    async def _end_subscriptions(self, publisher: KvEventPublisher) -> None:
+        try:
+            await self.runtime.wait_for_shutdown()
+        finally:
+            publisher.close()
+
     def card(self, instance_id: int) -> ModelCard:
         model_dir = self.engine.model_dir
         path = self.component.endpoint("generate").path
@@ -150,6 +169,7 @@ class LLMWorker:
             model_path=str(model_dir.resolve()),
             tokenizer_files=[n for n in TOKENIZER_FILES if (model_dir / n).is_file()],
             created=int(time.time()),
+            kv_events=self.kv_events is not None,
         )
 
     async def serve(self) -> None:
@@ -159,13 +179,21 @@ class LLMWorker:
             key = model_card_key(self.namespace, self.served_name, instance_id)
             await self.runtime.publish(key, self.card(instance_id).to_json())
             endpoint = self.component.endpoint
-            await asyncio.gather(
+            serving = [
                 endpoint("generate").serve_endpoint(
                     self.generate, request_type=PreprocessedRequest
                 ),
                 endpoint("load_metrics").serve_endpoint(self.load_metrics),
                 endpoint("clear_kv_blocks").serve_endpoint(self.clear_kv_blocks),
                 endpoint("tokenizer_files").serve_endpoint(self.tokenizer_files),
-            )
+            ]
+            if self.kv_events is not None:
+                self.kv_events.start(self.load)
+                serving += [
+                    endpoint("kv_events").serve_endpoint(self.kv_events.subscribe),
+                    endpoint("kv_dump").serve_endpoint(self.kv_dump),
+                    self._end_subscriptions(self.kv_events),
+                ]
+            await asyncio.gather(*serving)
         finally:
             await self.engine.shutdown()

@@ -1,0 +1,127 @@
+"""The mocker's step runner: the engine's scheduler and block manager decide what a step does,
+this runner only waits as long as the step would take (`MockerTiming`) and picks its tokens.
+
+Invariants: a request's output tokens depend only on its prompt and seed (deterministic across
+runs, batches and processes); they are never a special token of the model's tokenizer, and
+never EOS (like Dynamo's mocker, a request runs to `max_tokens` unless a stop token id of its
+own comes up)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from array import array
+from collections.abc import Callable
+from pathlib import Path
+
+from kvbaton.engine.async_engine import AsyncEngine
+from kvbaton.engine.block_manager import BlockManager
+from kvbaton.engine.config import EngineConfig
+from kvbaton.engine.engine import LLMEngine
+from kvbaton.engine.scheduler import SchedulerOutput
+from kvbaton.engine.sequence import Sequence
+from kvbaton.llm.model_files import resolve_model
+from kvbaton.mocker.timing import MockerTiming
+from kvbaton.protocols.kv import KvEvent
+
+# Dynamo's mocker defaults, so that results compare with it.
+MOCKER_DEFAULTS = {
+    "block_size": 64,
+    "num_kv_blocks": 16384,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+}
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: consecutive inputs give unrelated outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _model_facts(model_dir: Path) -> tuple[int, int, set[int]]:
+    """(vocab size, max positions, ids never to emit: EOS and the tokenizer's added tokens)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    never = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    tokenizer_file = model_dir / "tokenizer.json"
+    if tokenizer_file.is_file():
+        added = json.loads(tokenizer_file.read_text()).get("added_tokens", [])
+        never |= {int(t["id"]) for t in added}
+    return int(config["vocab_size"]), int(config.get("max_position_embeddings", 4096)), never
+
+
+class MockerRunner:
+    def __init__(
+        self,
+        model_dir: Path,
+        timing: MockerTiming,
+        max_model_len: int | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        vocab_size, max_positions, never = _model_facts(model_dir)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len or max_positions
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self.timing = timing
+        self.blocks: BlockManager | None = None  # set once the engine made it: KV usage
+        self._sleep = sleep
+        self._choices = [t for t in range(vocab_size) if t not in never]
+        if not self._choices:
+            raise ValueError(f"{model_dir} leaves no token id to generate")
+        self._bases: dict[str, int] = {}
+        self.busy_seconds = 0.0  # simulated time of all steps so far
+
+    def step_seconds(self, output: SchedulerOutput) -> float:
+        prefill = decodes = 0
+        for item in output.scheduled:
+            seq = item.seq
+            if item.num_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                decodes += 1
+            else:
+                prefill += item.num_tokens
+        usage = 0.0
+        if self.blocks is not None:
+            usage = (self.blocks.num_blocks - self.blocks.num_free_blocks) / self.blocks.num_blocks
+        return self.timing.step_seconds(prefill, decodes, usage)
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        if not output.scheduled:
+            return {}
+        seconds = self.step_seconds(output)
+        self.busy_seconds += seconds
+        self._sleep(seconds)
+        return {i.seq.request_id: self._token(i.seq) for i in output.scheduled if i.samples}
+
+    def forget(self, request_id: str) -> None:
+        self._bases.pop(request_id, None)
+
+    def _token(self, seq: Sequence) -> int:
+        base = self._bases.get(seq.request_id)
+        if base is None:
+            digest = hashlib.blake2b(digest_size=8)
+            digest.update(array("I", seq.token_ids[: seq.num_prompt_tokens]).tobytes())
+            digest.update(str(seq.params.seed).encode())
+            base = self._bases[seq.request_id] = int.from_bytes(digest.digest(), "little")
+        return self._choices[_mix(base + seq.num_output_tokens) % len(self._choices)]
+
+
+def mocker_config(**overrides: object) -> EngineConfig:
+    """An engine config with the mocker's defaults under `overrides` (None: the default)."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return EngineConfig(**{**MOCKER_DEFAULTS, **given})  # type: ignore[arg-type]
+
+
+async def create_mocker_engine(
+    config: EngineConfig,
+    timing: MockerTiming,
+    on_kv_event: Callable[[KvEvent], None] | None = None,
+) -> AsyncEngine:
+    runner = MockerRunner(resolve_model(config.model), timing, config.max_model_len)
+    engine = LLMEngine(config, on_kv_event, runner)
+    runner.blocks = engine.blocks
+    return AsyncEngine(engine)

@@ -1,0 +1,89 @@
+"""Routing (step S3): which worker serves a request. The KV-cache-aware router and the simple
+policies, all behind `Router.route()`; `make_router` builds the one a frontend's settings ask
+for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbaton.protocols.llm import ModelCard
+from kvbaton.router.indexer import ApproxKvIndexer, KvIndexer
+from kvbaton.router.kv_events import KvEventSubscriber
+from kvbaton.router.kv_router import KvRouter
+from kvbaton.router.metrics import RouterMetrics
+from kvbaton.router.policies import (
+    DirectRouter,
+    LeastLoadedRouter,
+    PowerOfTwoRouter,
+    RandomRouter,
+    RoundRobinRouter,
+    Route,
+    Router,
+    RouteRequest,
+)
+from kvbaton.runtime import DistributedRuntime
+
+ROUTER_MODES = ("round-robin", "random", "least-loaded", "power-of-two", "kv", "direct")
+_SIMPLE: dict[str, type[Router]] = {
+    "round-robin": RoundRobinRouter,
+    "random": RandomRouter,
+    "least-loaded": LeastLoadedRouter,
+    "power-of-two": PowerOfTwoRouter,
+    "direct": DirectRouter,
+}
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    mode: str | None = None  # None: "kv" if the model's workers publish KV events, else
+    # "least-loaded"
+    kv_events: bool = True  # False: kv mode indexes the requests it routed (approximate)
+    overlap_weight: float = 1.0
+    temperature: float = 0.0
+    approx_ttl_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.mode is not None and self.mode not in ROUTER_MODES:
+            raise ValueError(f"router mode must be one of {', '.join(ROUTER_MODES)}")
+        if self.overlap_weight < 0 or self.temperature < 0 or self.approx_ttl_s <= 0:
+            raise ValueError("overlap weight and temperature must be >= 0, the TTL > 0")
+
+
+def make_router(
+    settings: RouterSettings,
+    runtime: DistributedRuntime,
+    card: ModelCard,
+    metrics: RouterMetrics | None = None,
+) -> Router:
+    mode = settings.mode or ("kv" if card.kv_events else "least-loaded")
+    if mode != "kv":
+        return _SIMPLE[mode](card.name, metrics)
+    subscriber = None
+    indexer: KvIndexer
+    if settings.kv_events:
+        indexer = KvIndexer()
+        component = card.endpoint.rsplit(".", 1)[0]
+        subscriber = KvEventSubscriber(runtime, component, indexer, {})
+    else:
+        indexer = ApproxKvIndexer(settings.approx_ttl_s)
+    return KvRouter(
+        indexer,
+        card.kv_block_size,
+        model=card.name,
+        metrics=metrics,
+        overlap_weight=settings.overlap_weight,
+        temperature=settings.temperature,
+        subscriber=subscriber,
+    )
+
+
+__all__ = [
+    "ROUTER_MODES",
+    "KvRouter",
+    "Route",
+    "RouteRequest",
+    "Router",
+    "RouterMetrics",
+    "RouterSettings",
+    "make_router",
+]

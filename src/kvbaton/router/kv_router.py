@@ -1,0 +1,129 @@
+"""The KV-cache-aware router: sends a request to the worker whose cache already holds most of
+its prompt, weighed against the work each worker already has (see `cost.py`).
+
+It learns what workers cache from their KV events (`KvEventSubscriber`), or, in approximate
+mode, from the requests it routed itself (`ApproxKvIndexer`); what they are busy with from its
+own count of the requests it routed (`ActiveSequences`) and from the load workers report."""
+
+from __future__ import annotations
+
+import random
+
+from kvbaton.llm.hashing import hash_blocks
+from kvbaton.protocols.llm import WorkerLoad
+from kvbaton.router.active import ActiveSequences
+from kvbaton.router.cost import Candidate, kv_cost, rank
+from kvbaton.router.indexer import ApproxKvIndexer, KvIndexer
+from kvbaton.router.kv_events import KvEventSubscriber
+from kvbaton.router.metrics import RouterMetrics
+from kvbaton.router.policies import Route, Router, RouteRequest
+
+
+class KvRoute(Route):
+    def __init__(
+        self,
+        router: Router,
+        request: RouteRequest,
+        ranking: list[int],
+        block_hashes: list[int],
+        overlaps: dict[int, int],
+    ) -> None:
+        super().__init__(router, request, ranking)
+        self.block_hashes = block_hashes
+        self.overlaps = overlaps  # worker id -> leading blocks it caches
+
+
+class KvRouter(Router):
+    mode = "kv"
+
+    def __init__(
+        self,
+        indexer: KvIndexer,
+        block_size: int,
+        *,
+        model: str = "",
+        metrics: RouterMetrics | None = None,
+        overlap_weight: float = 1.0,
+        temperature: float = 0.0,
+        subscriber: KvEventSubscriber | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """`subscriber`: the workers' KV events feeding `indexer` (and their loads)."""
+        super().__init__(model, metrics)
+        if overlap_weight < 0 or temperature < 0:
+            raise ValueError("overlap_weight and temperature must be >= 0")
+        self.indexer = indexer
+        self.block_size = block_size
+        self.overlap_weight = overlap_weight
+        self.temperature = temperature
+        self.subscriber = subscriber
+        # worker id -> its last load report
+        self.loads: dict[int, WorkerLoad] = subscriber.loads if subscriber else {}
+        self.active = ActiveSequences()
+        self._rng = random.Random(seed)
+        if isinstance(indexer, ApproxKvIndexer):
+            self.mode = "kv-approx"
+
+    async def start(self) -> None:
+        if self.subscriber is not None:
+            await self.subscriber.start()
+
+    async def close(self) -> None:
+        if self.subscriber is not None:
+            await self.subscriber.close()
+
+    def candidates(self, block_hashes: list[int], workers: list[int]) -> list[Candidate]:
+        matches = self.indexer.find_matches(block_hashes)
+        active = self.active
+        out = []
+        for w in workers:
+            pending = active.prefill_tokens(w)
+            blocks = active.active_blocks(w)
+            load = self.loads.get(w)
+            if load is not None:
+                pending = max(pending, load.active_prefill_tokens)
+                blocks = max(blocks, load.active_decode_blocks)
+            out.append(
+                Candidate(
+                    worker_id=w,
+                    overlap_blocks=matches.get(w, 0),
+                    pending_prefill_tokens=pending,
+                    active_blocks=blocks,
+                    shared_blocks=active.shared_prefix_blocks(w, block_hashes),
+                    tree_size=self.indexer.tree_size(w),
+                )
+            )
+        return out
+
+    def _route(self, request: RouteRequest, candidates: list[int]) -> Route:
+        hashes = hash_blocks(request.token_ids, self.block_size, request.extra_keys)
+        cands = self.candidates(hashes, self._rotated(candidates))
+        weight = self.overlap_weight if request.overlap_weight is None else request.overlap_weight
+        tokens = len(request.token_ids)
+        costs = [kv_cost(c, tokens, self.block_size, weight) for c in cands]
+        temperature = self.temperature if request.temperature is None else request.temperature
+        ranking = rank(cands, costs, temperature, self._rng)
+        overlaps = {c.worker_id: c.overlap_blocks for c in cands}
+        return KvRoute(self, request, ranking, hashes, overlaps)
+
+    def _pin(self, request: RouteRequest, worker_id: int) -> Route:
+        return self._route(request, [worker_id])
+
+    def _serve(self, route: Route) -> None:
+        super()._serve(route)
+        assert isinstance(route, KvRoute) and route.worker_id is not None
+        worker = route.worker_id
+        overlap = route.overlaps.get(worker, 0)
+        uncached = max(0, len(route.request.token_ids) - overlap * self.block_size)
+        self.active.add(route, worker, route.block_hashes, uncached)
+        if isinstance(self.indexer, ApproxKvIndexer):
+            self.indexer.record_routed(worker, route.block_hashes)
+        if self.metrics is not None:
+            self.metrics.overlap_blocks.labels(self.model, self.mode).observe(overlap)
+
+    def _first_token(self, route: Route) -> None:
+        self.active.prefill_done(route)
+
+    def _release(self, route: Route) -> None:
+        super()._release(route)
+        self.active.free(route)

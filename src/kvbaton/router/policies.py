@@ -1,0 +1,168 @@
+"""Routers: each ranks the live workers for a request, best first (the frontend tries them in
+that order), and follows the requests it routed until they end.
+
+A request's life with its router: `route()` ranks; `Route.served_by(w)` once a worker took it
+(again if a refusal passed it on to another); `Route.first_token()`; `Route.done()` exactly
+once. Every router counts in-flight requests per worker from these calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvbaton.router.metrics import RouterMetrics
+
+
+@dataclass
+class RouteRequest:
+    token_ids: Sequence[int]
+    extra_keys: tuple[object, ...] | None = None  # LoRA, salt: blocks of others never match
+    overlap_weight: float | None = None  # per-request overrides of the KV router's settings
+    temperature: float | None = None
+
+
+class Route:
+    """One routed request. `ranking` is the order to try workers in."""
+
+    def __init__(self, router: Router, request: RouteRequest, ranking: list[int]) -> None:
+        self.router = router
+        self.request = request
+        self.ranking = ranking
+        self.worker_id: int | None = None
+        self._done = False
+
+    def served_by(self, worker_id: int) -> None:
+        if worker_id == self.worker_id or self._done:
+            return
+        if self.worker_id is not None:
+            self.router._release(self)
+        self.worker_id = worker_id
+        self.router._serve(self)
+
+    def first_token(self) -> None:
+        if self.worker_id is not None and not self._done:
+            self.router._first_token(self)
+
+    def done(self) -> None:
+        if not self._done:
+            self._done = True
+            if self.worker_id is not None:
+                self.router._release(self)
+
+
+class Router:
+    mode = "base"
+
+    def __init__(self, model: str = "", metrics: RouterMetrics | None = None) -> None:
+        self.model = model
+        self.metrics = metrics
+        self.in_flight: dict[int, int] = {}
+        self._rotation = itertools.count()
+
+    async def start(self) -> None:
+        """Begin following whatever the router needs (KV events)."""
+
+    async def close(self) -> None:
+        """Stop following it."""
+
+    def route(self, request: RouteRequest, candidates: Sequence[int]) -> Route:
+        """Rank `candidates` (live workers of the model) for `request`."""
+        started = time.perf_counter()
+        route = self._route(request, list(candidates))
+        self._observe(started)
+        return route
+
+    def pin(self, request: RouteRequest, worker_id: int) -> Route:
+        """Route to the worker the request names; it is followed like any other."""
+        started = time.perf_counter()
+        route = self._pin(request, worker_id)
+        self._observe(started)
+        return route
+
+    def _observe(self, started: float) -> None:
+        if self.metrics is not None:
+            self.metrics.decision_seconds.labels(self.model, self.mode).observe(
+                time.perf_counter() - started
+            )
+
+    def _route(self, request: RouteRequest, candidates: list[int]) -> Route:
+        return Route(self, request, self.rank(candidates))
+
+    def _pin(self, request: RouteRequest, worker_id: int) -> Route:
+        return Route(self, request, [worker_id])
+
+    def rank(self, candidates: list[int]) -> list[int]:
+        raise NotImplementedError
+
+    def _rotated(self, candidates: list[int]) -> list[int]:
+        if len(candidates) < 2:
+            return candidates
+        start = next(self._rotation) % len(candidates)
+        return candidates[start:] + candidates[:start]
+
+    # -- a routed request's life (called by Route) -------------------------------------------
+    def _serve(self, route: Route) -> None:
+        assert route.worker_id is not None
+        self.in_flight[route.worker_id] = self.in_flight.get(route.worker_id, 0) + 1
+        if self.metrics is not None:
+            self.metrics.routed.labels(self.model, self.mode, f"{route.worker_id:x}").inc()
+
+    def _first_token(self, route: Route) -> None:
+        pass
+
+    def _release(self, route: Route) -> None:
+        assert route.worker_id is not None
+        left = self.in_flight[route.worker_id] - 1
+        if left:
+            self.in_flight[route.worker_id] = left
+        else:
+            del self.in_flight[route.worker_id]
+
+
+class RoundRobinRouter(Router):
+    mode = "round-robin"
+
+    def rank(self, candidates: list[int]) -> list[int]:
+        return self._rotated(candidates)
+
+
+class RandomRouter(Router):
+    mode = "random"
+
+    def rank(self, candidates: list[int]) -> list[int]:
+        return random.sample(candidates, len(candidates))
+
+
+class LeastLoadedRouter(Router):
+    """Fewest requests in flight (from this router) first; ties take turns."""
+
+    mode = "least-loaded"
+
+    def rank(self, candidates: list[int]) -> list[int]:
+        return sorted(self._rotated(candidates), key=lambda w: self.in_flight.get(w, 0))
+
+
+class PowerOfTwoRouter(Router):
+    """Two workers drawn at random, the less loaded first; the rest after, at random."""
+
+    mode = "power-of-two"
+
+    def rank(self, candidates: list[int]) -> list[int]:
+        order = random.sample(candidates, len(candidates))
+        if len(order) > 1 and self.in_flight.get(order[1], 0) < self.in_flight.get(order[0], 0):
+            order[0], order[1] = order[1], order[0]
+        return order
+
+
+class DirectRouter(Router):
+    """Only the worker the request names (`nvext.backend_instance_id`); the frontend refuses
+    a request that names none."""
+
+    mode = "direct"
+
+    def rank(self, candidates: list[int]) -> list[int]:
+        raise ValueError("router mode 'direct' needs nvext.backend_instance_id in the request")
