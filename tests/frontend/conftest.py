@@ -61,9 +61,9 @@ def start_serve(model_dir: Path, discovery_dir: Path, *extra: str) -> Deployment
     return _start(command, _READY, discovery_dir, model_dir.name)
 
 
-def start_frontend(discovery_dir: Path, namespace: str) -> Deployment:
+def start_frontend(discovery_dir: Path, namespace: str, *extra: str) -> Deployment:
     """`kvbaton frontend` alone on a free port; returns once it listens."""
-    command = ["frontend", "--namespace", namespace]
+    command = ["frontend", "--namespace", namespace, *extra]
     return _start(command, _LISTENING, discovery_dir, "")
 
 

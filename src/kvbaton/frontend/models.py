@@ -65,10 +65,16 @@ class ServedModel:
             override.router_temperature if override else None,
         )
         target = nvext.instance_id() if nvext else None
+        if target is None and self.router.mode == "direct":
+            raise bad_request(
+                "router mode 'direct' needs nvext.backend_instance_id: the worker to use",
+                "nvext.backend_instance_id",
+            )
         if target is not None:
             if target not in self.instance_ids():
                 raise bad_request(
-                    f"instance {target:x} does not serve model {self.name!r}",
+                    f"nvext.backend_instance_id: instance {target:x} does not serve model "
+                    f"{self.name!r}",
                     "nvext.backend_instance_id",
                 )
             route = self.router.pin(hints, target)

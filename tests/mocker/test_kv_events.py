@@ -1,0 +1,129 @@
+"""Broker-free KV events: a router's index follows a worker's cache through the worker's
+`kv_events` stream, starting from its `kv_dump`; a gap re-syncs it from a new dump; a worker
+that leaves is taken out. A mocker worker and a subscriber run in one process, on mem
+discovery and the real request plane."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvbaton.llm.hashing import hash_blocks
+from kvbaton.mocker import MockerTiming, create_mocker_engine
+from kvbaton.mocker.runner import mocker_config
+from kvbaton.protocols.kv import KvEvent
+from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest, SamplingParams
+from kvbaton.router.indexer import KvIndexer
+from kvbaton.router.kv_events import KvEventSubscriber
+from kvbaton.runtime import Client, DistributedRuntime
+from kvbaton.workers.kv_publisher import KvEventPublisher
+from kvbaton.workers.llm_worker import LLMWorker
+from tests.helpers import collect, wait_until
+
+pytestmark = pytest.mark.unit
+
+BLOCK = 4
+
+
+@dataclass
+class Setup:
+    worker_rt: DistributedRuntime
+    publisher: KvEventPublisher
+    worker_id: int
+    generate: Client
+    indexer: KvIndexer
+    subscriber: KvEventSubscriber
+
+    async def run(self, prompt: list[int]) -> None:
+        request = PreprocessedRequest(
+            model="m", token_ids=prompt, sampling=SamplingParams(max_tokens=2)
+        )
+        await collect(self.generate.round_robin(request))
+
+    def matches(self, prompt: list[int]) -> dict[int, int]:
+        return self.indexer.find_matches(hash_blocks(prompt, BLOCK))
+
+
+@pytest.fixture
+async def setup(mocker_model: Path) -> AsyncIterator[Setup]:
+    url = f"mem://{uuid.uuid4().hex}"
+    worker_rt = DistributedRuntime(url, lease_ttl=2.0)
+    router_rt = DistributedRuntime(url, lease_ttl=2.0)
+    publisher = KvEventPublisher()
+    config = mocker_config(model=str(mocker_model), num_kv_blocks=64, block_size=BLOCK)
+    engine = await create_mocker_engine(
+        config, MockerTiming(speedup_ratio=1000), publisher.on_event
+    )
+    worker = LLMWorker(worker_rt, engine, served_name="m", namespace="t", kv_events=publisher)
+    serving = asyncio.create_task(worker.serve())
+    generate = await router_rt.endpoint("t.backend.generate").client(response_type=EngineOutput)
+    (worker_id,) = await generate.wait_for_instances(10)
+    indexer = KvIndexer()
+    subscriber = KvEventSubscriber(router_rt, "t.backend", indexer, {})
+    try:
+        yield Setup(worker_rt, publisher, worker_id, generate, indexer, subscriber)
+    finally:
+        await subscriber.close()
+        await router_rt.shutdown()
+        await worker_rt.shutdown()
+        await asyncio.wait_for(serving, 10)
+
+
+async def test_the_index_follows_events_and_load_arrives(setup: Setup) -> None:
+    await setup.subscriber.start()
+    await wait_until(lambda: setup.subscriber.dumps == 1, what="the first dump")
+    prompt = list(range(30, 47))  # 4 full blocks and one token
+    await setup.run(prompt)
+    await wait_until(lambda: setup.matches(prompt) == {setup.worker_id: 4}, what="the index")
+    await wait_until(lambda: setup.worker_id in setup.subscriber.loads, what="a load report")
+    assert setup.subscriber.loads[setup.worker_id].kv_blocks_total == 64
+    clear = await setup.worker_rt.endpoint("t.backend.clear_kv_blocks").client()
+    await collect(clear.round_robin(None))
+    await wait_until(lambda: setup.matches(prompt) == {}, what="the cleared cache")
+    assert setup.subscriber.dumps == 1  # no gap along the way
+    await clear.close()
+
+
+async def test_a_new_subscriber_starts_from_the_dump(setup: Setup) -> None:
+    prompt = list(range(60, 73))
+    await setup.run(prompt)
+    await setup.subscriber.start()
+    await wait_until(lambda: setup.matches(prompt) == {setup.worker_id: 3}, what="the dump")
+
+
+async def test_a_gap_re_syncs_from_a_dump(setup: Setup) -> None:
+    await setup.subscriber.start()
+    await wait_until(lambda: setup.subscriber.dumps == 1, what="the first dump")
+    deliver = setup.publisher._fan_out
+    lost: list[KvEvent] = []
+
+    def lossy(event: KvEvent) -> None:  # loses the first event only
+        if not lost:
+            lost.append(event)
+        else:
+            deliver(event)
+
+    setup.publisher._fan_out = lossy  # type: ignore[method-assign]
+    first, second = list(range(30, 39)), list(range(80, 89))
+    await setup.run(first)  # its stored event is lost
+    await setup.run(second)  # its event shows the gap
+    await wait_until(lambda: setup.subscriber.dumps == 2, what="a re-sync")
+    await wait_until(lambda: setup.matches(first) == {setup.worker_id: 2}, what="the lost blocks")
+    assert setup.matches(second) == {setup.worker_id: 2}
+    assert lost
+
+
+async def test_a_worker_that_leaves_is_taken_out(setup: Setup) -> None:
+    await setup.subscriber.start()
+    prompt = list(range(30, 39))
+    await setup.run(prompt)
+    await wait_until(lambda: setup.matches(prompt) == {setup.worker_id: 2}, what="the index")
+    await setup.worker_rt.shutdown()
+    await wait_until(lambda: setup.matches(prompt) == {}, what="the worker's removal")
+    assert setup.worker_id not in setup.indexer.workers
+    assert setup.worker_id not in setup.subscriber.loads

@@ -1,0 +1,126 @@
+"""The mocker: the engine's scheduler and block manager with a timing model in place of the
+model. Time is simulated through an injected sleep, so nothing here waits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbaton.engine import LLMEngine
+from kvbaton.mocker import MockerRunner, MockerTiming
+from kvbaton.mocker.runner import MOCKER_DEFAULTS, mocker_config
+from kvbaton.mocker.timing import parse_coefficients
+from kvbaton.protocols.kv import BlockStored, KvEvent
+from kvbaton.protocols.llm import EngineOutput, SamplingParams
+
+pytestmark = pytest.mark.unit
+
+
+def test_timing_defaults_are_dynamos() -> None:
+    t = MockerTiming()
+    assert t.prefill_ms(1000) == pytest.approx(4.21e-7 * 1e6 + 15.18 + 16.5)
+    assert t.decode_ms(0.5) == pytest.approx(-25.74 / 4 + 54.01 / 2 + 5.74)
+    assert t.decode_ms(5.0) == 1.0  # floored at 1 ms
+    both = t.prefill_ms(100) + t.decode_ms(0.25)
+    assert t.step_seconds(100, 3, 0.25) == pytest.approx(both / 1000)
+    assert t.step_seconds(0, 0, 0.9) == 0.0
+    assert MockerTiming(speedup_ratio=10).step_seconds(100, 0, 0) == pytest.approx(
+        t.prefill_ms(100) / 10_000
+    )
+    assert mocker_config().block_size == MOCKER_DEFAULTS["block_size"] == 64
+
+
+def test_bad_timing_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="speedup_ratio"):
+        MockerTiming(speedup_ratio=0)
+    with pytest.raises(ValueError, match="three"):
+        parse_coefficients("1,2")
+    assert parse_coefficients("1,2.5,-3") == (1.0, 2.5, -3.0)
+
+
+class Mocker:
+    """A mocker engine whose sleeps are recorded instead of waited."""
+
+    def __init__(self, model: Path, **config: object) -> None:
+        self.sleeps: list[float] = []
+        self.events: list[KvEvent] = []
+        self.runner = MockerRunner(model, MockerTiming(), sleep=self.sleeps.append)
+        options = {"num_kv_blocks": 32, "block_size": 4, **config}
+        self.engine = LLMEngine(
+            mocker_config(model=str(model), **options), self.events.append, self.runner
+        )
+        self.runner.blocks = self.engine.blocks
+
+    def run(self, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
+        outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
+        finals: dict[str, EngineOutput] = {}
+        for rid, tokens in prompts.items():
+            self.engine.add_request(rid, tokens, params)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                outputs[out.request_id] += out.token_ids
+                if out.finish_reason:
+                    finals[out.request_id] = out
+        self.finals = finals
+        return outputs
+
+
+def test_outputs_are_deterministic_never_special_and_run_to_max_tokens(
+    mocker_model: Path,
+) -> None:
+    params = SamplingParams(max_tokens=12)
+    prompts = {"a": list(range(30, 40)), "b": list(range(50, 63))}
+    first = Mocker(mocker_model).run(prompts, params)
+    alone = Mocker(mocker_model).run({"b": prompts["b"]}, params)
+    assert first["b"] == alone["b"]  # whatever the batch
+    assert first["a"] != first["b"]
+    config = json.loads((mocker_model / "config.json").read_text())
+    added = json.loads((mocker_model / "tokenizer.json").read_text())["added_tokens"]
+    never = {t["id"] for t in added} | {config["eos_token_id"]}
+    for tokens in first.values():
+        assert len(tokens) == 12
+        assert not never & set(tokens)
+        assert all(0 <= t < config["vocab_size"] for t in tokens)
+    seeded = Mocker(mocker_model).run({"a": prompts["a"]}, SamplingParams(max_tokens=12, seed=7))
+    assert seeded["a"] != first["a"]  # the seed is part of what decides
+
+
+def test_step_time_follows_the_model(mocker_model: Path) -> None:
+    mocker = Mocker(mocker_model)
+    mocker.run({"a": list(range(30, 50))}, SamplingParams(max_tokens=3))
+    timing = MockerTiming()
+    # One prefill step of 20 tokens, then two decode steps (KV use: 6 of 32 blocks).
+    assert mocker.sleeps[0] == pytest.approx(timing.prefill_ms(20) / 1000)
+    assert mocker.sleeps[1:] == pytest.approx([timing.decode_ms(6 / 32) / 1000] * 2)
+    assert mocker.runner.busy_seconds == pytest.approx(sum(mocker.sleeps))
+
+
+def test_prefix_hits_events_and_blocks_come_back(mocker_model: Path) -> None:
+    mocker = Mocker(mocker_model)
+    free = mocker.engine.blocks.num_free_blocks
+    prompt = list(range(30, 47))  # 4 full blocks of 4, and one token
+    mocker.run({"a": prompt}, SamplingParams(max_tokens=4))
+    mocker.run({"b": prompt}, SamplingParams(max_tokens=4))
+    usage = mocker.finals["b"].usage
+    assert usage is not None and usage.cached_tokens == 16
+    stored = [e for e in mocker.events if isinstance(e, BlockStored)]
+    assert stored[0].block_hashes == mocker.engine.kv_dump().block_hashes[:4]
+    assert [e.event_id for e in mocker.events] == list(range(len(mocker.events)))
+    assert mocker.engine.blocks.num_free_blocks == free
+    stats = mocker.engine.stats()
+    assert (stats.active_prefill_tokens, stats.active_decode_blocks) == (0, 0)
+
+
+def test_load_counts_prefill_and_decode(mocker_model: Path) -> None:
+    mocker = Mocker(mocker_model, max_num_batched_tokens=8)
+    mocker.engine.add_request("a", list(range(30, 50)), SamplingParams(max_tokens=4))
+    assert mocker.engine.stats().active_prefill_tokens == 20
+    mocker.engine.step()  # 8 of its 20 prompt tokens
+    assert mocker.engine.stats().active_prefill_tokens == 12
+    mocker.engine.step()
+    mocker.engine.step()  # the prompt is done: it decodes
+    stats = mocker.engine.stats()
+    assert stats.active_prefill_tokens == 0
+    assert stats.active_decode_blocks == 5  # 20 computed tokens in blocks of 4

@@ -1,0 +1,364 @@
+"""Routers without a network: the simple policies, the Route lifecycle, and the KV router fed
+by hand-made KV events (subscriber=None)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvbaton.llm.hashing import block_extra_keys, hash_blocks
+from kvbaton.protocols.kv import BlockStored
+from kvbaton.protocols.llm import WorkerLoad
+from kvbaton.router.indexer import ApproxKvIndexer, KvIndexer
+from kvbaton.router.kv_router import KvRoute, KvRouter
+from kvbaton.router.metrics import RouterMetrics
+from kvbaton.router.policies import (
+    DirectRouter,
+    LeastLoadedRouter,
+    PowerOfTwoRouter,
+    RandomRouter,
+    RoundRobinRouter,
+    Router,
+    RouteRequest,
+)
+
+pytestmark = pytest.mark.unit
+BS = 4
+A, B, C, D = 0xA1, 0xB2, 0xC3, 0xD4
+PROMPT = list(range(1000, 1032))  # 32 tokens: 8 blocks
+REQ = RouteRequest(token_ids=PROMPT, extra_keys=None)
+
+
+# -- simple policies ------------------------------------------------------------------------
+
+
+def test_round_robin_cycles() -> None:
+    r = RoundRobinRouter()
+    rankings = [r.route(REQ, [1, 2, 3]).ranking for _ in range(6)]
+    assert rankings == [[1, 2, 3], [2, 3, 1], [3, 1, 2]] * 2
+
+
+def test_random_ranks_every_candidate_once() -> None:
+    random.seed(0)
+    r = RandomRouter()
+    firsts = set()
+    for _ in range(50):
+        ranking = r.route(REQ, [1, 2, 3]).ranking
+        assert sorted(ranking) == [1, 2, 3]
+        firsts.add(ranking[0])
+    assert firsts == {1, 2, 3}
+
+
+def test_least_loaded_prefers_fewer_in_flight() -> None:
+    r = LeastLoadedRouter()
+    busy = [r.route(REQ, [1, 2, 3]) for _ in range(3)]
+    busy[0].served_by(1)
+    busy[1].served_by(1)
+    busy[2].served_by(2)
+    assert r.in_flight == {1: 2, 2: 1}
+    assert r.route(REQ, [1, 2, 3]).ranking == [3, 2, 1]
+    busy[0].done()
+    busy[1].done()
+    assert r.route(REQ, [1, 2, 3]).ranking[-1] == 2
+
+
+def test_least_loaded_ties_take_turns() -> None:
+    r = LeastLoadedRouter()
+    firsts = [r.route(REQ, [1, 2, 3]).ranking[0] for _ in range(3)]
+    assert sorted(firsts) == [1, 2, 3]
+
+
+def test_power_of_two_returns_all_and_puts_the_less_loaded_of_two_first() -> None:
+    """With two candidates both are drawn: the idle one always comes first."""
+    random.seed(0)
+    r = PowerOfTwoRouter()
+    for _ in range(3):
+        r.route(REQ, [1]).served_by(1)
+    for _ in range(30):
+        assert r.route(REQ, [1, 2]).ranking == [2, 1]
+        assert sorted(r.route(REQ, [1, 2, 3, 4]).ranking) == [1, 2, 3, 4]
+
+
+def test_direct_refuses_to_rank_but_pins() -> None:
+    r = DirectRouter()
+    with pytest.raises(ValueError, match="backend_instance_id"):
+        r.route(REQ, [1, 2])
+    route = r.pin(REQ, 7)
+    assert route.ranking == [7]
+    route.served_by(7)
+    assert r.in_flight == {7: 1}
+    route.done()
+    assert r.in_flight == {}
+
+
+# -- the Route lifecycle --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("router_type", [RoundRobinRouter, LeastLoadedRouter, RandomRouter])
+def test_route_lifecycle_counts(router_type: type[Router]) -> None:
+    """served_by twice to different workers moves the count; the same worker twice counts
+    once; done() twice is harmless; nothing after done() counts."""
+    r = router_type()
+    route = r.route(REQ, [1, 2])
+    assert r.in_flight == {}
+    route.served_by(1)
+    route.served_by(1)
+    assert r.in_flight == {1: 1}
+    route.served_by(2)
+    assert r.in_flight == {2: 1}
+    route.first_token()
+    route.done()
+    route.done()
+    assert r.in_flight == {}
+    route.served_by(1)
+    route.first_token()
+    assert r.in_flight == {}
+
+
+def test_done_without_a_worker_is_harmless() -> None:
+    r = RoundRobinRouter()
+    route = r.route(REQ, [1])
+    route.first_token()
+    route.done()
+    assert r.in_flight == {} and route.worker_id is None
+
+
+def test_metrics_are_recorded() -> None:
+    registry = CollectorRegistry()
+    r = KvRouter(KvIndexer(), BS, model="m", metrics=RouterMetrics(registry), subscriber=None)
+    route = r.route(REQ, [A, B])
+    route.served_by(A)
+    route.done()
+    labels = {"model": "m", "mode": "kv"}
+    assert registry.get_sample_value("kvbaton_router_decision_seconds_count", labels) == 1
+    assert registry.get_sample_value("kvbaton_router_overlap_blocks_count", labels) == 1
+    worker = {**labels, "worker": f"{A:x}"}
+    assert registry.get_sample_value("kvbaton_router_requests_total", worker) == 1
+
+
+# -- the KV router --------------------------------------------------------------------------
+
+
+def stored(tokens: list[int], blocks: int, extra: tuple[object, ...] | None = None) -> BlockStored:
+    """The KV event of a worker caching the first `blocks` blocks of `tokens`."""
+    return BlockStored(
+        event_id=0,
+        block_hashes=hash_blocks(tokens, BS, extra)[:blocks],
+        parent_hash=None,
+        token_ids=tokens[: blocks * BS],
+        block_size=BS,
+    )
+
+
+def kv_router(overlap_weight: float = 1.0, temperature: float = 0.0) -> KvRouter:
+    return KvRouter(
+        KvIndexer(),
+        BS,
+        overlap_weight=overlap_weight,
+        temperature=temperature,
+        subscriber=None,
+        seed=0,
+    )
+
+
+def load(worker: int, *, prefill: int = 0, decode: int = 0) -> WorkerLoad:
+    return WorkerLoad(
+        instance_id=worker,
+        waiting=0,
+        running=0,
+        kv_blocks_total=100,
+        kv_blocks_used=0,
+        kv_blocks_free=100,
+        prefix_cache_hit_rate=0.0,
+        active_prefill_tokens=prefill,
+        active_decode_blocks=decode,
+    )
+
+
+def test_kv_router_picks_the_longest_cached_prefix() -> None:
+    r = kv_router()
+    r.indexer.apply(A, stored(PROMPT, 2))
+    r.indexer.apply(B, stored(PROMPT, 6))
+    r.indexer.apply(C, stored([7, *PROMPT[1:]], 8))  # same tail, different first token
+    route = r.route(REQ, [A, B, C, D])
+    assert isinstance(route, KvRoute)
+    assert route.ranking[0] == B and route.ranking[1] == A
+    assert route.overlaps == {A: 2, B: 6, C: 0, D: 0}
+    assert route.block_hashes == hash_blocks(PROMPT, BS)
+
+
+def test_kv_router_never_picks_a_removed_worker() -> None:
+    r = kv_router()
+    r.indexer.apply(A, stored(PROMPT, 8))
+    r.indexer.apply(B, stored(PROMPT, 1))
+    r.indexer.remove_worker(A)
+    for _ in range(5):
+        route = r.route(REQ, [B, C])
+        assert A not in route.ranking and route.ranking[0] == B
+        assert isinstance(route, KvRoute) and A not in route.overlaps
+    assert A not in r.indexer.find_matches(hash_blocks(PROMPT, BS))
+
+
+def test_kv_router_identical_requests_spread_by_pending_prefill() -> None:
+    """A caches 2 of 8 blocks: the first request costs 6+8 on A, 8+8 on B. Routed to A, A has
+    24 tokens (6 blocks) pending and 9 active blocks: the same request then costs 12+9 on A,
+    still 16 on B, so it goes to B."""
+    r = kv_router()
+    r.indexer.apply(A, stored(PROMPT, 2))
+    first = r.route(REQ, [A, B])
+    assert first.ranking == [A, B]
+    first.served_by(A)
+    assert r.active.prefill_tokens(A) == 24 and r.active.active_blocks(A) == 9
+    second = r.route(REQ, [A, B])
+    assert second.ranking == [B, A]
+
+
+def test_kv_router_burst_on_a_cold_pool_spreads_over_all_workers() -> None:
+    r = kv_router()
+    routes = []
+    for _ in range(4):
+        route = r.route(REQ, [A, B, C, D])
+        route.served_by(route.ranking[0])
+        routes.append(route)
+    assert sorted(rt.worker_id or 0 for rt in routes) == [A, B, C, D]
+    assert r.in_flight == dict.fromkeys([A, B, C, D], 1)
+
+
+def test_kv_router_a_full_hit_beats_load_unless_the_weight_is_small() -> None:
+    """A caches all 8 blocks. After one request there (no prefill pending), the same request
+    costs 9 active + 8 - 8 shared = 9 on A versus w*8 + 8 on idle B: A at w=1, B at w=0.1."""
+    r = kv_router()
+    r.indexer.apply(A, stored(PROMPT, 8))
+    r.route(REQ, [A, B]).served_by(A)
+    assert r.active.prefill_tokens(A) == 0
+    assert r.route(REQ, [A, B]).ranking[0] == A
+    low = RouteRequest(token_ids=PROMPT, extra_keys=None, overlap_weight=0.1)
+    assert r.route(low, [A, B]).ranking[0] == B
+
+
+def test_kv_router_first_token_and_done_drain_the_counts() -> None:
+    r = kv_router()
+    r.indexer.apply(A, stored(PROMPT, 2))
+    routes = [r.route(REQ, [A]) for _ in range(3)]
+    for route in routes:
+        route.served_by(A)
+    assert r.active.prefill_tokens(A) == 3 * 24
+    assert r.active.active_blocks(A) == 8 + 3
+    routes[0].first_token()
+    assert r.active.prefill_tokens(A) == 2 * 24
+    for route in routes[1:]:
+        route.first_token()
+    assert r.active.prefill_tokens(A) == 0
+    assert r.active.active_blocks(A) == 11
+    for route in routes:
+        route.done()
+        route.done()
+    assert len(r.active) == 0 and r.in_flight == {}
+    assert (r.active.prefill_tokens(A), r.active.active_blocks(A), r.active.requests(A)) == (
+        0,
+        0,
+        0,
+    )
+
+
+def test_kv_router_served_by_another_worker_moves_the_active_request() -> None:
+    r = kv_router()
+    route = r.route(REQ, [A, B])
+    route.served_by(A)
+    route.served_by(B)
+    assert r.in_flight == {B: 1}
+    assert r.active.requests(A) == 0 and r.active.active_blocks(A) == 0
+    assert r.active.prefill_tokens(B) == 32 and r.active.requests(B) == 1
+    route.done()
+    assert len(r.active) == 0 and r.in_flight == {}
+
+
+def test_kv_router_reported_load_counts() -> None:
+    """A worker's own load report (more than the router's count) weighs in: a full cache hit
+    on A loses to idle B when A reports 20 active decode blocks (cost 28 vs 16)."""
+    r = kv_router()
+    r.indexer.apply(A, stored(PROMPT, 8))
+    assert r.route(REQ, [A, B]).ranking[0] == A
+    r.loads[A] = load(A, decode=20)
+    assert r.route(REQ, [A, B]).ranking[0] == B
+    r.loads[A] = load(A, prefill=400)  # 100 blocks pending at weight 1
+    assert r.route(REQ, [A, B]).ranking[0] == B
+
+
+def test_kv_router_per_request_overlap_weight() -> None:
+    """Same state as above (A: full hit, 20 active blocks): weight 1 picks B, weight 10 A."""
+    r = kv_router()
+    r.indexer.apply(A, stored(PROMPT, 8))
+    r.loads[A] = load(A, decode=20)
+    assert r.route(REQ, [A, B]).ranking[0] == B
+    heavy = RouteRequest(token_ids=PROMPT, extra_keys=None, overlap_weight=10.0)
+    assert r.route(heavy, [A, B]).ranking[0] == A
+    assert r.route(REQ, [A, B]).ranking[0] == B  # the override did not stick
+
+
+def test_kv_router_extra_keys_never_match_other_blocks() -> None:
+    """Blocks stored without LoRA/salt do not serve a request with them, and back."""
+    lora = block_extra_keys(lora_name="adapter")
+    salted = block_extra_keys(cache_salt="s1")
+    r = kv_router()
+    r.indexer.apply(A, stored(PROMPT, 8))
+    r.indexer.apply(B, stored(PROMPT, 8, lora))
+    with_lora = r.route(RouteRequest(token_ids=PROMPT, extra_keys=lora), [A, B, C])
+    plain = r.route(REQ, [A, B, C])
+    other = r.route(RouteRequest(token_ids=PROMPT, extra_keys=salted), [A, B, C])
+    assert isinstance(with_lora, KvRoute) and isinstance(plain, KvRoute)
+    assert isinstance(other, KvRoute)
+    assert with_lora.overlaps == {A: 0, B: 8, C: 0} and with_lora.ranking[0] == B
+    assert plain.overlaps == {A: 8, B: 0, C: 0} and plain.ranking[0] == A
+    assert other.overlaps == {A: 0, B: 0, C: 0}
+
+
+def test_kv_router_pin_follows_the_named_worker() -> None:
+    r = kv_router()
+    r.indexer.apply(A, stored(PROMPT, 8))
+    route = r.pin(REQ, B)
+    assert route.ranking == [B]
+    route.served_by(B)
+    assert r.active.prefill_tokens(B) == 32
+    route.done()
+    assert len(r.active) == 0
+
+
+def test_kv_router_temperature_still_ranks_every_worker() -> None:
+    r = kv_router(temperature=1.0)
+    r.indexer.apply(A, stored(PROMPT, 8))
+    firsts = []
+    for _ in range(200):
+        ranking = r.route(REQ, [A, B, C]).ranking
+        assert sorted(ranking) == sorted([A, B, C])
+        firsts.append(ranking[0])
+    assert max(set(firsts), key=firsts.count) == A
+
+
+def test_kv_router_rejects_negative_settings() -> None:
+    with pytest.raises(ValueError):
+        KvRouter(KvIndexer(), BS, overlap_weight=-1.0)
+    with pytest.raises(ValueError):
+        KvRouter(KvIndexer(), BS, temperature=-0.5)
+
+
+def test_kv_router_approx_mode_learns_from_its_own_routes() -> None:
+    """Without events, the blocks of a served request count as cached at that worker for
+    ttl_s: the same prompt goes back there, and not after the TTL."""
+    now = [0.0]
+    r = KvRouter(ApproxKvIndexer(ttl_s=60.0, clock=lambda: now[0]), BS, subscriber=None)
+    assert r.mode == "kv-approx"
+    first = r.route(REQ, [A, B, C])
+    worker = first.ranking[0]
+    first.served_by(worker)
+    first.first_token()
+    first.done()
+    for _ in range(3):
+        route = r.route(REQ, [A, B, C])
+        assert isinstance(route, KvRoute) and route.overlaps[worker] == 8
+        assert route.ranking[0] == worker
+    now[0] += 61.0
+    route = r.route(REQ, [A, B, C])
+    assert isinstance(route, KvRoute) and route.overlaps == dict.fromkeys([A, B, C], 0)
