@@ -40,6 +40,8 @@ def mockers(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "1024",
         "--speedup-ratio",
         "100",
+        "--log-level",
+        "WARNING",  # serve still finds the frontend's address and says it is ready
     )
     wait_for_health(deployment.url, deployment.model, 2)
     yield deployment

@@ -3,8 +3,6 @@ by hand-made KV events (subscriber=None)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -41,7 +39,6 @@ def test_round_robin_cycles() -> None:
 
 
 def test_random_ranks_every_candidate_once() -> None:
-    random.seed(0)
     r = RandomRouter()
     firsts = set()
     for _ in range(50):
@@ -72,7 +69,6 @@ def test_least_loaded_ties_take_turns() -> None:
 
 def test_power_of_two_returns_all_and_puts_the_less_loaded_of_two_first() -> None:
     """With two candidates both are drawn: the idle one always comes first."""
-    random.seed(0)
     r = PowerOfTwoRouter()
     for _ in range(3):
         r.route(REQ, [1]).served_by(1)
@@ -362,3 +358,18 @@ def test_kv_router_approx_mode_learns_from_its_own_routes() -> None:
     now[0] += 61.0
     route = r.route(REQ, [A, B, C])
     assert isinstance(route, KvRoute) and route.overlaps == dict.fromkeys([A, B, C], 0)
+
+
+def test_kv_router_approx_mode_forgets_a_worker_that_passed_the_request_on() -> None:
+    """A refused the request and B served it: only B computed the prompt's KV, so only B may
+    count as caching it."""
+    r = KvRouter(ApproxKvIndexer(ttl_s=60.0, clock=lambda: 0.0), BS, subscriber=None)
+    route = r.route(REQ, [A, B])
+    route.served_by(A)
+    route.served_by(B)  # A refused; the request was passed on
+    route.first_token()
+    route.done()
+    again = r.route(REQ, [A, B])
+    assert isinstance(again, KvRoute)
+    assert again.overlaps == {A: 0, B: 8}
+    assert again.ranking[0] == B

@@ -115,7 +115,10 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         try:
-            await server.serve(lambda url: log.info("frontend: OpenAI API at %s/v1", url))
+            # Printed whatever the log level: `serve` and users look for it.
+            await server.serve(
+                lambda url: print(f"frontend: OpenAI API at {url}/v1", file=sys.stderr, flush=True)
+            )
         finally:
             await runtime.shutdown()
 

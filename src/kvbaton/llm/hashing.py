@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 _PARENT = struct.Struct("<Q")
+_TOKEN = "I" if array("I").itemsize == 4 else "L"  # 4-byte unsigned
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as 4-byte little-endian integers (OverflowError outside [0, 2**32))."""
+    packed = array(_TOKEN, token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def block_extra_keys(
@@ -33,11 +44,13 @@ def block_extra_keys(
 def hash_block(
     parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple[Any, ...] | None = None
 ) -> int:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(_PARENT.pack(parent_hash or 0))
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    if extra_keys:
-        h.update(msgspec.msgpack.encode(extra_keys))
+    extra = msgspec.msgpack.encode(extra_keys) if extra_keys else b""
+    return _hash(parent_hash, _token_bytes(token_ids), extra)
+
+
+def _hash(parent_hash: int | None, tokens: bytes, extra: bytes) -> int:
+    h = hashlib.blake2b(_PARENT.pack(parent_hash or 0), digest_size=8)
+    h.update(tokens + extra)
     return int.from_bytes(h.digest(), "little")
 
 
@@ -48,8 +61,15 @@ def hash_blocks(
     parent_hash: int | None = None,
 ) -> list[int]:
     """Chained hashes of the full blocks of `token_ids` (a partial last block is left out)."""
+    data = _token_bytes(token_ids[: len(token_ids) // block_size * block_size])
+    extra = msgspec.msgpack.encode(extra_keys) if extra_keys else b""
+    step = 4 * block_size
     hashes: list[int] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size], extra_keys)
-        hashes.append(parent_hash)
+    blake2b, pack, from_bytes = hashlib.blake2b, _PARENT.pack, int.from_bytes  # the hot loop
+    parent = parent_hash or 0
+    for start in range(0, len(data), step):
+        h = blake2b(pack(parent), digest_size=8)
+        h.update(data[start : start + step] + extra)
+        parent = from_bytes(h.digest(), "little")
+        hashes.append(parent)
     return hashes

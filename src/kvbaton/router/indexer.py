@@ -160,14 +160,16 @@ class ApproxKvIndexer(KvIndexer):
             (worker_id, h), expires = next(iter(expiry.items()))
             if expires > now:
                 return
-            del expiry[worker_id, h]
             self.remove(worker_id, (h,))
 
     def find_matches(self, block_hashes: Sequence[int]) -> dict[int, int]:
         self.prune()
         return super().find_matches(block_hashes)
 
-    def remove_worker(self, worker_id: int) -> None:
-        for key in [k for k in self._expiry if k[0] == worker_id]:
-            del self._expiry[key]
-        super().remove_worker(worker_id)
+    def remove(self, worker_id: int, block_hashes: Iterable[int]) -> None:
+        """Also forgets their expiry (clear and remove_worker come here too), so that a block
+        routed again is indexed again."""
+        hashes = list(block_hashes)
+        for h in hashes:
+            self._expiry.pop((worker_id, h), None)
+        super().remove(worker_id, hashes)

@@ -116,13 +116,14 @@ class KvRouter(Router):
         overlap = route.overlaps.get(worker, 0)
         uncached = max(0, len(route.request.token_ids) - overlap * self.block_size)
         self.active.add(route, worker, route.block_hashes, uncached)
-        if isinstance(self.indexer, ApproxKvIndexer):
-            self.indexer.record_routed(worker, route.block_hashes)
         if self.metrics is not None:
             self.metrics.overlap_blocks.labels(self.model, self.mode).observe(overlap)
 
     def _first_token(self, route: Route) -> None:
         self.active.prefill_done(route)
+        if isinstance(self.indexer, ApproxKvIndexer):  # that worker computed the prompt's KV
+            assert isinstance(route, KvRoute) and route.worker_id is not None
+            self.indexer.record_routed(route.worker_id, route.block_hashes)
 
     def _release(self, route: Route) -> None:
         super()._release(route)

@@ -1,0 +1,414 @@
+"""Routing benchmark: the KV-cache-aware router against round-robin, on mocker workers.
+
+    python bench/routing.py [--rate 20] [--sessions 16] [--turns 8] [--repeats 2]
+
+For each router mode (round-robin, kv, kv approximate), `kvbaton serve --engine mocker
+--workers 4 --router-mode MODE` is started and a multi-turn chat workload is sent to it at a
+fixed request rate, streaming, with the official OpenAI wire format:
+- `--system-prompts` distinct system prompts of `--system-tokens` tokens, shared by the sessions;
+- `--sessions` sessions of `--turns` turns; each turn's prompt is the previous one plus the
+  assistant's answer and a new user message of `--user-tokens` tokens;
+- arrival j is at j / rate seconds; arrivals come in rounds of one turn per session, the
+  sessions in a seeded random order each round (so that no router's rotation lines up with
+  them); a turn is sent at its arrival or when its session's previous answer is complete,
+  whichever is later.
+The workload is generated from `--seed`, identical for every mode.
+
+Per mode it prints: prefix-cache hit rate (prompt tokens served from cache / prompt tokens, from
+`usage.prompt_tokens_details.cached_tokens`), the best possible hit rate for this workload (each
+prompt's longest full-block prefix that any earlier prompt had, i.e. one infinite cache), TTFT
+p50/p90, ITL p50, and each worker's share of the requests (from `x-kvbaton-worker`). Each figure
+is the median over `--repeats` runs. Then the router's decision cost: `find_matches` plus scoring
+for a 4,096-token prompt with 16 workers and 1M indexed blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvbaton.llm.hashing import hash_blocks
+from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model, served_name
+from kvbaton.llm.tokenizer import Tokenizer
+from kvbaton.router import KvRouter
+from kvbaton.router.cost import kv_cost, rank
+from kvbaton.router.indexer import KvIndexer
+
+MODES = {
+    "round-robin": ["--router-mode", "round-robin"],
+    "kv": ["--router-mode", "kv"],
+    "kv-approx": ["--router-mode", "kv", "--no-kv-events"],
+}
+STARTUP_S = 180.0
+REQUEST_TIMEOUT_S = 120.0
+_READY = re.compile(r"ready at (http://\S+)/v1")
+_SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# -- the workload ------------------------------------------------------------------------------
+def words(rng: random.Random, tokenizer: Tokenizer, tokens: int) -> str:
+    """Pseudo-words until the text has at least `tokens` tokens."""
+    text = ""
+    while len(tokenizer.encode(text, add_special_tokens=False)) < tokens:
+        more = (
+            "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(32)
+        )
+        text = f"{text} {' '.join(more)}".strip()
+    return text
+
+
+@dataclass
+class Session:
+    system: str
+    users: list[str]
+    answers: list[str] = field(default_factory=list)
+
+    def messages(self, turn: int) -> list[dict[str, str]]:
+        out = [{"role": "system", "content": self.system}]
+        for i in range(turn):
+            out += [
+                {"role": "user", "content": self.users[i]},
+                {"role": "assistant", "content": self.answers[i]},
+            ]
+        return [*out, {"role": "user", "content": self.users[turn]}]
+
+
+def workload(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Session]:
+    rng = random.Random(args.seed)
+    systems = [words(rng, tokenizer, args.system_tokens) for _ in range(args.system_prompts)]
+    return [
+        Session(
+            systems[s % len(systems)],
+            [words(rng, tokenizer, args.user_tokens) for _ in range(args.turns)],
+        )
+        for s in range(args.sessions)
+    ]
+
+
+# -- one run -----------------------------------------------------------------------------------
+@dataclass
+class Result:
+    session: int
+    turn: int
+    prompt: list[dict[str, str]]
+    worker: str = ""
+    ttft: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], result: Result) -> str:
+    """Stream one chat completion; fills `result`, returns the answer's text."""
+    text: list[str] = []
+    started = last = time.perf_counter()
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())!r}")
+        result.worker = response.headers["x-kvbaton-worker"]
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+                result.prompt_tokens = usage["prompt_tokens"]
+                details = usage.get("prompt_tokens_details") or {}
+                result.cached_tokens = details.get("cached_tokens") or 0
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                now = time.perf_counter()
+                if not text:
+                    result.ttft = now - started
+                else:
+                    result.gaps.append(now - last)
+                last = now
+                text.append(chunk["choices"][0]["delta"]["content"])
+    return "".join(text)
+
+
+async def drive(
+    url: str, model: str, sessions: list[Session], args: argparse.Namespace
+) -> list[Result]:
+    for session in sessions:
+        session.answers.clear()
+    results: list[Result] = []
+    done = [asyncio.get_running_loop().create_future() for _ in sessions]
+    for f in done:
+        f.set_result(None)
+    limits = httpx.Limits(max_connections=len(sessions) + 8)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+
+        async def turn(
+            j: int, s: int, previous: asyncio.Future[None], mine: asyncio.Future[None]
+        ) -> None:
+            t = j // len(sessions)
+            await asyncio.sleep(max(0.0, start + j / args.rate - time.perf_counter()))
+            await previous
+            messages = sessions[s].messages(t)
+            result = Result(s, t, messages)
+            body = {
+                "model": model,
+                "messages": messages,
+                "max_tokens": args.max_tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            try:
+                sessions[s].answers.append(await send(client, url, body, result))
+                results.append(result)
+                mine.set_result(None)
+            except BaseException as exc:
+                mine.set_exception(exc)
+                raise
+
+        order = random.Random(args.seed)
+        arrivals = []
+        for _ in range(args.turns):
+            arrivals += order.sample(range(len(sessions)), len(sessions))
+        start = time.perf_counter()
+        tasks = []
+        for j, s in enumerate(arrivals):
+            mine = asyncio.get_running_loop().create_future()
+            tasks.append(asyncio.create_task(turn(j, s, done[s], mine)))
+            done[s] = mine
+        await asyncio.gather(*tasks)
+    return results
+
+
+def start_serve(args: argparse.Namespace, mode: str) -> tuple[subprocess.Popen[str], str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
+    command = ["serve", "--engine", "mocker", "--model", args.model, "--port", "0"]
+    command += ["--workers", str(args.workers), "--speedup-ratio", str(args.speedup_ratio)]
+    command += ["--kv-overlap-score-weight", str(args.kv_overlap_score_weight)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbaton", *command, "--log-level", "WARNING", *MODES[mode]],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + STARTUP_S
+    for line in proc.stdout:
+        if m := _READY.search(line):
+            return proc, m.group(1)
+        if time.monotonic() > deadline:
+            break
+    stop(proc)
+    raise RuntimeError(f"kvbaton serve ({mode}) did not start")
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def wait_for_workers(url: str, model: str, workers: int) -> None:
+    async with httpx.AsyncClient() as client:
+        deadline = time.monotonic() + STARTUP_S
+        while len((await client.get(f"{url}/health")).json()["models"].get(model, [])) < workers:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fewer than {workers} workers after {STARTUP_S:.0f}s")
+            await asyncio.sleep(0.2)
+
+
+# -- figures -----------------------------------------------------------------------------------
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def best_hit_rate(results: list[Result], tokenizer: Tokenizer, block_size: int) -> float:
+    """One infinite cache: each prompt's longest full-block prefix seen in an earlier prompt
+    (leaving at least one token to compute), in the order the prompts were answered."""
+    seen: set[int] = set()
+    cached = total = 0
+    for r in results:
+        tokens = tokenizer.apply_chat_template(r.prompt)
+        hashes = hash_blocks(tokens, block_size)
+        usable = (len(tokens) - 1) // block_size
+        hits = 0
+        for h in hashes[:usable]:
+            if h not in seen:
+                break
+            hits += 1
+        cached += hits * block_size
+        total += len(tokens)
+        seen.update(hashes)
+    return cached / total
+
+
+def figures(results: list[Result], args: argparse.Namespace) -> dict[str, float]:
+    shares: dict[str, int] = {}
+    for r in results:
+        shares[r.worker] = shares.get(r.worker, 0) + 1
+    counts = sorted(shares.values(), reverse=True) + [0] * (args.workers - len(shares))
+    return {
+        "hit": sum(r.cached_tokens for r in results) / sum(r.prompt_tokens for r in results),
+        "ttft50": pct([r.ttft for r in results], 0.5),
+        "ttft90": pct([r.ttft for r in results], 0.9),
+        "itl50": pct([g for r in results for g in r.gaps], 0.5),
+        "max_share": counts[0] / len(results) * args.workers,  # x the fair share
+        **{f"share{i}": c / len(results) for i, c in enumerate(counts)},
+    }
+
+
+# -- the router's decision cost ----------------------------------------------------------------
+def decision_cost(
+    num_blocks: int, workers: int, prompt_tokens: int, block_size: int
+) -> dict[str, float]:
+    """Microseconds per decision (median of 200): hashing the prompt's blocks, then
+    `find_matches` plus scoring, for one prompt against an index of `num_blocks` blocks."""
+    rng = random.Random(0)
+    indexer = KvIndexer()
+    per_worker = num_blocks // workers
+    for w in range(workers):
+        indexer.store(w + 1, (rng.getrandbits(64) for _ in range(per_worker)))
+    prompt = [rng.randrange(50_000) for _ in range(prompt_tokens)]
+    chain = hash_blocks(prompt, block_size)
+    for w in range(workers):  # worker w caches the first w/workers of this prompt
+        indexer.store(w + 1, chain[: len(chain) * w // workers])
+    router = KvRouter(indexer, block_size)
+    candidates = list(range(1, workers + 1))
+    hashing, routing = [], []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        hashes = hash_blocks(prompt, block_size)
+        t1 = time.perf_counter()
+        cands = router.candidates(hashes, candidates)  # find_matches, then the loads
+        rank(cands, [kv_cost(c, prompt_tokens, block_size, 1.0) for c in cands])
+        t2 = time.perf_counter()
+        hashing.append(t1 - t0)
+        routing.append(t2 - t1)
+    return {
+        "blocks": indexer.num_blocks,
+        "hash_us": statistics.median(hashing) * 1e6,
+        "route_us": statistics.median(routing) * 1e6,
+    }
+
+
+# -- main --------------------------------------------------------------------------------------
+async def run(args: argparse.Namespace) -> None:
+    model_dir = resolve_model(args.model)
+    tokenizer = Tokenizer(model_dir)
+    model = served_name(args.model)
+    log("generating the workload...")
+    sessions = workload(args, tokenizer)
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
+    best: list[float] = []
+    for repeat in range(args.repeats):
+        for mode in args.modes:
+            log(f"run {repeat + 1}/{args.repeats}, router mode {mode}: starting serve...")
+            proc, url = await asyncio.to_thread(start_serve, args, mode)
+            try:
+                await wait_for_workers(url, model, args.workers)
+                t0 = time.perf_counter()
+                results = await drive(url, model, sessions, args)
+                log(f"  {len(results)} requests in {time.perf_counter() - t0:.1f}s")
+            finally:
+                await asyncio.to_thread(stop, proc)
+            runs[mode].append(figures(results, args))
+            best.append(best_hit_rate(results, tokenizer, args.block_size))
+    best_rate = statistics.median(best)
+
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[mode])
+
+    print(
+        f"\n{args.sessions} sessions x {args.turns} turns, {args.system_prompts} system prompts of "
+        f"{args.system_tokens} tokens, user turns of {args.user_tokens} tokens, "
+        f"{args.max_tokens} output tokens, {args.rate:g} requests/s, {args.workers} mocker "
+        f"workers (speedup {args.speedup_ratio:g}); medians of {args.repeats} runs. Best "
+        f"possible hit rate for this workload: {best_rate:.1%}.\n"
+    )
+    print(
+        "| router | hit rate | of best | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | worker shares |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for mode in args.modes:
+        shares = " / ".join(f"{med(mode, f'share{i}'):.0%}" for i in range(args.workers))
+        print(
+            f"| {mode} | {med(mode, 'hit'):.1%} | {med(mode, 'hit') / best_rate:.0%} | "
+            f"{med(mode, 'ttft50') * 1e3:.1f} | {med(mode, 'ttft90') * 1e3:.1f} | "
+            f"{med(mode, 'itl50') * 1e3:.2f} | {shares} |"
+        )
+    if "kv" in runs and "round-robin" in runs:
+        ratio = med("kv", "ttft90") / med("round-robin", "ttft90")
+        print(
+            f"\nkv: hit rate {med('kv', 'hit') / best_rate:.0%} of the best (target >= 90%), "
+            f"TTFT p90 {ratio:.2f}x round-robin's (target <= 0.5), busiest worker "
+            f"{med('kv', 'max_share'):.2f}x its fair share (target <= 2)"
+        )
+    log("measuring the router's decision cost...")
+    print(
+        f"\nRouter decision for a {args.decision_prompt}-token prompt, "
+        f"{args.decision_workers} workers, median of 200:\n"
+    )
+    print(
+        "| block size | indexed blocks | hash the prompt µs | find_matches + scoring µs "
+        "| total µs |"
+    )
+    print("|---:|---:|---:|---:|---:|")
+    for bs in (64, 16):
+        cost = decision_cost(args.decision_blocks, args.decision_workers, args.decision_prompt, bs)
+        print(
+            f"| {bs} | {cost['blocks']:,.0f} | {cost['hash_us']:.0f} | {cost['route_us']:.0f} | "
+            f"{cost['hash_us'] + cost['route_us']:.0f} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2", help="whose tokenizer and template")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
+    parser.add_argument("--rate", type=float, default=20.0, help="requests/s")
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--system-prompts", type=int, default=4)
+    parser.add_argument("--system-tokens", type=int, default=2000)
+    parser.add_argument("--user-tokens", type=int, default=400)
+    parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--speedup-ratio", type=float, default=1.0)
+    parser.add_argument("--block-size", type=int, default=64, help="the mocker's (default 64)")
+    parser.add_argument("--kv-overlap-score-weight", type=float, default=1.0, help="kv modes")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decision-blocks", type=int, default=1_000_000)
+    parser.add_argument("--decision-workers", type=int, default=16)
+    parser.add_argument("--decision-prompt", type=int, default=4096)
+    args = parser.parse_args()
+    unknown = set(args.modes) - MODES.keys()
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    if args.model in KNOWN_MODELS:
+        pull(args.model, progress=log)
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""bench/routing.py still runs end to end (a few requests per mode) and prints every mode, the
+verdict line and the decision cost (figures are not judged here: speed is for the benchmark)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_bench
+
+
+@pytest.mark.integration
+def test_routing_bench_prints_every_mode(chat_model: Path) -> None:
+    out, rows = run_bench(
+        "routing.py",
+        "--model",
+        str(chat_model),
+        "--sessions",
+        "4",
+        "--turns",
+        "2",
+        "--system-prompts",
+        "2",
+        "--system-tokens",
+        "80",
+        "--user-tokens",
+        "20",
+        "--max-tokens",
+        "4",
+        "--speedup-ratio",
+        "10",
+        "--repeats",
+        "1",
+        "--decision-blocks",
+        "20000",
+        "--decision-workers",
+        "4",
+        "--decision-prompt",
+        "256",
+    )
+    names = ("round-robin", "kv", "kv-approx")
+    modes = {row[0]: row for row in rows if row[0] in names}
+    assert set(modes) == set(names)
+    for row in modes.values():
+        assert 0 <= float(row[1].rstrip("%")) <= 100  # hit rate
+        assert float(row[3]) > 0  # TTFT p50 ms
+    decisions = [row for row in rows if row[0].isdigit()]
+    assert [row[0] for row in decisions] == ["64", "16"]
+    assert "kv: hit rate" in out and "of its fair share" in out
