@@ -1,20 +1,24 @@
 """Routing benchmark: the KV-cache-aware router against round-robin, on mocker workers.
 
-    python bench/routing.py [--rate 20] [--sessions 16] [--turns 8] [--repeats 2]
+    python bench/routing.py [--rate 16] [--speedup-ratio 0.5] [--repeats 3]
 
 For each router mode (round-robin, kv, kv approximate), `kvbaton serve --engine mocker
 --workers 4 --router-mode MODE` is started and a multi-turn chat workload is sent to it at a
 fixed request rate, streaming, with the official OpenAI wire format:
 - `--system-prompts` distinct system prompts of `--system-tokens` tokens, shared by the sessions;
-- `--sessions` sessions of `--turns` turns; each turn's prompt is the previous one plus the
-  assistant's answer and a new user message of `--user-tokens` tokens;
-- arrival j is at j / rate seconds; arrivals come in rounds of one turn per session, the
-  sessions in a seeded random order each round (so that no router's rotation lines up with
-  them); a turn is sent at its arrival or when its session's previous answer is complete,
-  whichever is later.
+- `--sessions` sessions of `--turns` turns; each session's first user message has
+  `--first-user-tokens` tokens (a document to talk about), later ones `--user-tokens`; each
+  turn's prompt is the previous one plus the assistant's answer and a new user message;
+- arrival j is at j / rate seconds; sessions start one after another over the first half of
+  the run (session s's turn t is ordered by t + s * turns / sessions + a random jitter of up to
+  half a turn), so that the run is a steady mix of new and old sessions rather than a burst of
+  first turns; a turn is sent at its arrival or when its session's previous answer is
+  complete, whichever is later.
 The workload is generated from `--seed`, identical for every mode.
 
-Per mode it prints: prefix-cache hit rate (prompt tokens served from cache / prompt tokens, from
+TTFT is taken at the response's first event (the frontend sends it with the first token), ITL
+between events that carry text. Per mode it prints: prefix-cache hit rate (prompt tokens
+served from cache / prompt tokens, from
 `usage.prompt_tokens_details.cached_tokens`), the best possible hit rate for this workload (each
 prompt's longest full-block prefix that any earlier prompt had, i.e. one infinite cache), TTFT
 p50/p90, ITL p50, and each worker's share of the requests (from `x-kvbaton-worker`). Each figure
@@ -96,7 +100,10 @@ def workload(args: argparse.Namespace, tokenizer: Tokenizer) -> list[Session]:
     return [
         Session(
             systems[s % len(systems)],
-            [words(rng, tokenizer, args.user_tokens) for _ in range(args.turns)],
+            [
+                words(rng, tokenizer, args.first_user_tokens if t == 0 else args.user_tokens)
+                for t in range(args.turns)
+            ],
         )
         for s in range(args.sessions)
     ]
@@ -126,6 +133,9 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], result
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
+            now = time.perf_counter()
+            if not result.ttft:  # the first event comes with the first token
+                result.ttft = now - started
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
@@ -135,10 +145,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], result
                 details = usage.get("prompt_tokens_details") or {}
                 result.cached_tokens = details.get("cached_tokens") or 0
             if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                now = time.perf_counter()
-                if not text:
-                    result.ttft = now - started
-                else:
+                if text:
                     result.gaps.append(now - last)
                 last = now
                 text.append(chunk["choices"][0]["delta"]["content"])
@@ -160,9 +167,9 @@ async def drive(
         async def turn(
             j: int, s: int, previous: asyncio.Future[None], mine: asyncio.Future[None]
         ) -> None:
-            t = j // len(sessions)
             await asyncio.sleep(max(0.0, start + j / args.rate - time.perf_counter()))
             await previous
+            t = len(sessions[s].answers)  # the turns before it are answered
             messages = sessions[s].messages(t)
             result = Result(s, t, messages)
             body = {
@@ -180,10 +187,14 @@ async def drive(
                 mine.set_exception(exc)
                 raise
 
-        order = random.Random(args.seed)
-        arrivals = []
-        for _ in range(args.turns):
-            arrivals += order.sample(range(len(sessions)), len(sessions))
+        jitter = random.Random(args.seed)
+        spacing = args.turns / len(sessions)
+        keys = {
+            (t + s * spacing + jitter.random() / 2, s)
+            for s in range(len(sessions))
+            for t in range(args.turns)
+        }
+        arrivals = [s for _, s in sorted(keys)]  # a session's turns stay in order
         start = time.perf_counter()
         tasks = []
         for j, s in enumerate(arrivals):
@@ -198,7 +209,9 @@ def start_serve(args: argparse.Namespace, mode: str) -> tuple[subprocess.Popen[s
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
     command = ["serve", "--engine", "mocker", "--model", args.model, "--port", "0"]
     command += ["--workers", str(args.workers), "--speedup-ratio", str(args.speedup_ratio)]
-    command += ["--kv-overlap-score-weight", str(args.kv_overlap_score_weight)]
+    command += ["--max-model-len", str(args.max_model_len)]
+    if args.kv_overlap_score_weight is not None:
+        command += ["--kv-overlap-score-weight", str(args.kv_overlap_score_weight)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvbaton", *command, "--log-level", "WARNING", *MODES[mode]],
         env=env,
@@ -340,7 +353,8 @@ async def run(args: argparse.Namespace) -> None:
 
     print(
         f"\n{args.sessions} sessions x {args.turns} turns, {args.system_prompts} system prompts of "
-        f"{args.system_tokens} tokens, user turns of {args.user_tokens} tokens, "
+        f"{args.system_tokens} tokens, user turns of {args.first_user_tokens} tokens (the "
+        f"first) and {args.user_tokens} (the others), "
         f"{args.max_tokens} output tokens, {args.rate:g} requests/s, {args.workers} mocker "
         f"workers (speedup {args.speedup_ratio:g}); medians of {args.repeats} runs. Best "
         f"possible hit rate for this workload: {best_rate:.1%}.\n"
@@ -386,17 +400,19 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="whose tokenizer and template")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
-    parser.add_argument("--rate", type=float, default=20.0, help="requests/s")
-    parser.add_argument("--sessions", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--rate", type=float, default=16.0, help="requests/s")
+    parser.add_argument("--sessions", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=16)
     parser.add_argument("--system-prompts", type=int, default=4)
-    parser.add_argument("--system-tokens", type=int, default=2000)
-    parser.add_argument("--user-tokens", type=int, default=400)
-    parser.add_argument("--max-tokens", type=int, default=40)
-    parser.add_argument("--speedup-ratio", type=float, default=1.0)
+    parser.add_argument("--system-tokens", type=int, default=1000)
+    parser.add_argument("--first-user-tokens", type=int, default=4000)
+    parser.add_argument("--user-tokens", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--speedup-ratio", type=float, default=0.5)
     parser.add_argument("--block-size", type=int, default=64, help="the mocker's (default 64)")
-    parser.add_argument("--kv-overlap-score-weight", type=float, default=1.0, help="kv modes")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-model-len", type=int, default=16384, help="the mocker's context")
+    parser.add_argument("--kv-overlap-score-weight", type=float, help="(default: the router's)")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--decision-blocks", type=int, default=1_000_000)
     parser.add_argument("--decision-workers", type=int, default=16)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvbaton.router import ROUTER_MODES, RouterSettings
+from kvbaton.router import DEFAULT_OVERLAP_WEIGHT, ROUTER_MODES, RouterSettings
 
 ROUTER_FLAGS = ("router_mode", "kv_overlap_score_weight", "router_temperature")
 
@@ -19,8 +19,8 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-overlap-score-weight",
         type=float,
-        default=1.0,
-        help="kv: weight of the prefill (uncached blocks) against decode load (default 1)",
+        default=DEFAULT_OVERLAP_WEIGHT,
+        help="kv: blocks to prefill against active blocks (default %(default)g; Dynamo's: 1)",
     )
     group.add_argument(
         "--router-temperature",

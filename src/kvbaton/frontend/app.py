@@ -36,7 +36,7 @@ from kvbaton.frontend.openai_types import (
     _Common,
 )
 from kvbaton.frontend.postprocess import ChoiceState, Delta
-from kvbaton.frontend.preprocess import build_requests, chat_prompt, completion_prompts
+from kvbaton.frontend.preprocess import build_requests, prompt_token_ids
 from kvbaton.frontend.responses import ResponseShape
 from kvbaton.protocols.llm import PreprocessedRequest
 
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _encode = msgspec.json.Encoder().encode
 Event = tuple[int, ChoiceState, Delta]  # (choice index, its state, its new delta)
+LONG_REQUEST_BYTES = 8192  # bodies above this are templated and tokenized off the event loop
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -139,17 +140,23 @@ class Frontend:
         streams = [self._choice(served, i, pre, ctx) for i, pre in enumerate(pres)]
         return streams[0] if len(streams) == 1 else _merge(streams)
 
+    async def _prompts(
+        self, served: ServedModel, body: _Common, request: Request
+    ) -> list[list[int]]:
+        """Template and tokenize; a long request on a thread, so that the event loop goes on
+        serving the other requests' streams meanwhile."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > LONG_REQUEST_BYTES:
+            return await asyncio.to_thread(prompt_token_ids, served.tokenizer, body)
+        return prompt_token_ids(served.tokenizer, body)
+
     async def _handle(self, request: Request, body: _Common, route: str) -> Response:
         rid: str = request.state.request_id
         record: RequestRecord | None = None
         prompt_tokens = 0
         try:
             served = self._served(body.model)
-            if isinstance(body, ChatCompletionRequest):
-                prompts = [chat_prompt(served.tokenizer, body)]
-            else:
-                assert isinstance(body, CompletionRequest)
-                prompts = completion_prompts(served.tokenizer, body)
+            prompts = await self._prompts(served, body, request)
             prompt_tokens = sum(len(p) for p in prompts)
             pres = build_requests(
                 body,

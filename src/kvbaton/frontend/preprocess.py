@@ -33,6 +33,14 @@ def completion_prompts(tokenizer: Tokenizer, request: CompletionRequest) -> list
     return [list(p) for p in prompt]  # type: ignore[arg-type]
 
 
+def prompt_token_ids(tokenizer: Tokenizer, request: _Common) -> list[list[int]]:
+    """The prompts of a chat or completion request, as token ids (one per choice)."""
+    if isinstance(request, ChatCompletionRequest):
+        return [chat_prompt(tokenizer, request)]
+    assert isinstance(request, CompletionRequest)
+    return completion_prompts(tokenizer, request)
+
+
 def build_requests(
     request: _Common,
     prompts: list[list[int]],

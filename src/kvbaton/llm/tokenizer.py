@@ -16,7 +16,10 @@ class Tokenizer:
         self.vocab_size: int = len(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch lets go of the GIL while it works (encode does not, wholly), and is no
+        # slower for one text: a long prompt encoded on a thread leaves the event loop free.
+        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         encodings = self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)

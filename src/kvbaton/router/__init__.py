@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbaton.protocols.llm import ModelCard
+from kvbaton.router.cost import DEFAULT_OVERLAP_WEIGHT
 from kvbaton.router.indexer import ApproxKvIndexer, KvIndexer
 from kvbaton.router.kv_events import KvEventSubscriber
 from kvbaton.router.kv_router import KvRouter
@@ -38,7 +39,7 @@ class RouterSettings:
     mode: str | None = None  # None: "kv" if the model's workers publish KV events, else
     # "least-loaded"
     kv_events: bool = True  # False: kv mode indexes the requests it routed (approximate)
-    overlap_weight: float = 1.0
+    overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
     temperature: float = 0.0
     approx_ttl_s: float = 120.0
 
@@ -78,6 +79,7 @@ def make_router(
 
 
 __all__ = [
+    "DEFAULT_OVERLAP_WEIGHT",
     "ROUTER_MODES",
     "KvRouter",
     "Route",

@@ -12,7 +12,7 @@ import random
 from kvbaton.llm.hashing import hash_blocks
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.router.active import ActiveSequences
-from kvbaton.router.cost import Candidate, kv_cost, rank
+from kvbaton.router.cost import DEFAULT_OVERLAP_WEIGHT, Candidate, kv_cost, rank
 from kvbaton.router.indexer import ApproxKvIndexer, KvIndexer
 from kvbaton.router.kv_events import KvEventSubscriber
 from kvbaton.router.metrics import RouterMetrics
@@ -43,7 +43,7 @@ class KvRouter(Router):
         *,
         model: str = "",
         metrics: RouterMetrics | None = None,
-        overlap_weight: float = 1.0,
+        overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
         temperature: float = 0.0,
         subscriber: KvEventSubscriber | None = None,
         seed: int | None = None,
@@ -121,6 +121,7 @@ class KvRouter(Router):
 
     def _first_token(self, route: Route) -> None:
         self.active.prefill_done(route)
+        self._report_is_stale(route)
         if isinstance(self.indexer, ApproxKvIndexer):  # that worker computed the prompt's KV
             assert isinstance(route, KvRoute) and route.worker_id is not None
             self.indexer.record_routed(route.worker_id, route.block_hashes)
@@ -128,3 +129,11 @@ class KvRouter(Router):
     def _release(self, route: Route) -> None:
         super()._release(route)
         self.active.free(route)
+        self._report_is_stale(route)
+
+    def _report_is_stale(self, route: Route) -> None:
+        """Work of the worker just ended, which its last load report may still count: until the
+        next report, this router's own count stands alone (a stale report would keep the
+        worker looking busy, and cost cache hits)."""
+        if route.worker_id is not None:
+            self.loads.pop(route.worker_id, None)
