@@ -124,3 +124,6 @@ def test_load_counts_prefill_and_decode(mocker_model: Path) -> None:
     stats = mocker.engine.stats()
     assert stats.active_prefill_tokens == 0
     assert stats.active_decode_blocks == 5  # 20 computed tokens in blocks of 4
+    mocker.engine.add_request("b", list(range(30, 50)), SamplingParams(max_tokens=4))
+    mocker.engine.step()  # b finds a's 4 full blocks in the cache and shares them
+    assert mocker.engine.stats().active_decode_blocks == 5 + 2  # a's tail grew; b's own tail

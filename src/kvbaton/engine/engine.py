@@ -31,7 +31,9 @@ class EngineStats:
     kv_blocks_free: int
     prefix_cache_hit_rate: float
     active_prefill_tokens: int = 0  # prompt tokens admitted or waiting, not yet computed
-    active_decode_blocks: int = 0  # blocks held by sequences past their prefill
+    # Blocks held by running requests, a block shared by several once (what a router's own
+    # count of the requests it sent measures too).
+    active_decode_blocks: int = 0
 
 
 class StepRunner(Protocol):
@@ -210,13 +212,11 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Call from the thread that steps the engine (it reads the queues)."""
         b = self.blocks.stats()
-        prefill = decode_blocks = 0
+        prefill = 0
         for queue in (self.scheduler.waiting, self.scheduler.running):
             for seq in queue:
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
                     prefill += seq.num_tokens - seq.num_computed_tokens
-                else:
-                    decode_blocks += len(seq.block_table)
         return EngineStats(
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
@@ -225,5 +225,5 @@ class LLMEngine:
             kv_blocks_free=b.free,
             prefix_cache_hit_rate=self.blocks.prefix_hit_rate,
             active_prefill_tokens=prefill,
-            active_decode_blocks=decode_blocks,
+            active_decode_blocks=b.used,
         )

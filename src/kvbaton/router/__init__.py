@@ -36,8 +36,10 @@ _SIMPLE: dict[str, type[Router]] = {
 
 @dataclass(frozen=True)
 class RouterSettings:
-    mode: str | None = None  # None: "kv" if the model's workers publish KV events, else
-    # "least-loaded"
+    """How a frontend routes. `mode` None: "kv" for a model whose workers publish KV events,
+    else "least-loaded"."""
+
+    mode: str | None = None
     kv_events: bool = True  # False: kv mode indexes the requests it routed (approximate)
     overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
     temperature: float = 0.0

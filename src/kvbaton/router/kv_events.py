@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 SYNC_TIMEOUT_S = 10.0  # for a worker's first message and its dump
 RESYNC_DELAY_S = 0.5  # between attempts at a worker that failed
+RECHECK_S = 1.0  # the live workers are looked at again at least this often
 
 
 class EventGapError(Exception):
@@ -74,7 +75,8 @@ class KvEventSubscriber:
                 self.indexer.remove_worker(worker)
                 self.loads.pop(worker, None)
                 log.info("worker %x left: its blocks are out of the index", worker)
-            await events.wait_for_change()
+            with contextlib.suppress(TimeoutError):  # a quarantine ends without a change event
+                await asyncio.wait_for(events.wait_for_change(), RECHECK_S)
 
     async def _sync(self, worker: int) -> None:
         while True:
