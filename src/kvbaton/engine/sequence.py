@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbaton.llm.hashing import block_extra_keys, hash_block
+from kvbaton.llm.hashing import block_extra_keys, hash_blocks
 from kvbaton.protocols.llm import SamplingParams, TokenLogprob
 
 
@@ -69,10 +69,10 @@ class Sequence:
     def full_block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
         """Hashes of the first `num_blocks` full blocks (computed once, then extended)."""
         hashes = self.block_hashes
-        extra = self.extra_keys
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            tokens = self.token_ids[i * block_size : (i + 1) * block_size]
-            assert len(tokens) == block_size, "only full blocks are hashed"
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, extra))
+        done = len(hashes)
+        if done < num_blocks:
+            tokens = self.token_ids[done * block_size : num_blocks * block_size]
+            assert len(tokens) == (num_blocks - done) * block_size, "only full blocks are hashed"
+            parent = hashes[-1] if hashes else None
+            hashes += hash_blocks(tokens, block_size, self.extra_keys, parent)
         return hashes[:num_blocks]

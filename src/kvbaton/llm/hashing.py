@@ -41,19 +41,6 @@ def block_extra_keys(
     return keys or None
 
 
-def hash_block(
-    parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple[Any, ...] | None = None
-) -> int:
-    extra = msgspec.msgpack.encode(extra_keys) if extra_keys else b""
-    return _hash(parent_hash, _token_bytes(token_ids), extra)
-
-
-def _hash(parent_hash: int | None, tokens: bytes, extra: bytes) -> int:
-    h = hashlib.blake2b(_PARENT.pack(parent_hash or 0), digest_size=8)
-    h.update(tokens + extra)
-    return int.from_bytes(h.digest(), "little")
-
-
 def hash_blocks(
     token_ids: Sequence[int],
     block_size: int,

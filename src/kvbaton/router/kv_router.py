@@ -95,15 +95,32 @@ class KvRouter(Router):
             )
         return out
 
+    def rank_blocks(
+        self,
+        block_hashes: list[int],
+        num_tokens: int,
+        workers: list[int],
+        overlap_weight: float | None = None,
+        temperature: float | None = None,
+    ) -> tuple[list[int], dict[int, int]]:
+        """`workers` best first for a prompt of `num_tokens` tokens whose full blocks hash to
+        `block_hashes`, and each one's overlap in blocks (None: the router's settings)."""
+        cands = self.candidates(block_hashes, workers)
+        weight = self.overlap_weight if overlap_weight is None else overlap_weight
+        costs = [kv_cost(c, num_tokens, self.block_size, weight) for c in cands]
+        temperature = self.temperature if temperature is None else temperature
+        ranking = rank(cands, costs, temperature, self._rng)
+        return ranking, {c.worker_id: c.overlap_blocks for c in cands}
+
     def _route(self, request: RouteRequest, candidates: list[int]) -> Route:
         hashes = hash_blocks(request.token_ids, self.block_size, request.extra_keys)
-        cands = self.candidates(hashes, self._rotated(candidates))
-        weight = self.overlap_weight if request.overlap_weight is None else request.overlap_weight
-        tokens = len(request.token_ids)
-        costs = [kv_cost(c, tokens, self.block_size, weight) for c in cands]
-        temperature = self.temperature if request.temperature is None else request.temperature
-        ranking = rank(cands, costs, temperature, self._rng)
-        overlaps = {c.worker_id: c.overlap_blocks for c in cands}
+        ranking, overlaps = self.rank_blocks(
+            hashes,
+            len(request.token_ids),
+            self._rotated(candidates),
+            request.overlap_weight,
+            request.temperature,
+        )
         return KvRoute(self, request, ranking, hashes, overlaps)
 
     def _pin(self, request: RouteRequest, worker_id: int) -> Route:
