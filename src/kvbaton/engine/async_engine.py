@@ -6,6 +6,11 @@ A request's life: `add_request` validates at once (ValueError to the caller), th
 the loop thread admits it before its next step; outputs stream to the caller's async iterator
 until one carries a finish reason. Leaving the iterator early, or `abort(request_id)`, aborts
 the request, which frees its blocks before the next step.
+
+Disaggregation: a held request's stream ends with the output that names its blocks
+(`kv_blocks`); `release_kv` frees them. A request with a `kv_source` is loaded by the
+`kv_loader` (blocking; run on a thread of a small pool, which must end every call, by return
+or exception, within its own timeout); an exception makes the request compute its prompt here.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -22,6 +28,7 @@ from pathlib import Path
 
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.engine import EngineStats, LLMEngine
+from kvbaton.engine.scheduler import KvLoad
 from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput, SamplingParams
 
@@ -35,6 +42,20 @@ class _Add:
     params: SamplingParams
     lora_name: str | None
     cache_salt: str | None
+    hold_kv: bool
+    kv_source: object
+    output_token_ids: list[int] | None
+
+
+@dataclass
+class _Loaded:
+    request_id: str
+    ok: bool
+
+
+@dataclass
+class _Release:
+    request_id: str
 
 
 @dataclass
@@ -51,10 +72,19 @@ class _Abort:
     outputs: object = None  # the stream that asked; None: whatever runs under the id
 
 
+_Message = _Add | _Abort | _Call | _Loaded | _Release
+LOAD_THREADS = 4
+IDLE_POLL_S = 0.5  # a step that ran nothing waits this long for a message, at most
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(
+        self, engine: LLMEngine, kv_loader: Callable[[KvLoad], None] | None = None
+    ) -> None:
         self.engine = engine
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
+        self.kv_loader = kv_loader
+        self._loads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inbox: queue.SimpleQueue[_Message | None] = queue.SimpleQueue()
         self._streams: dict[
             str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[EngineOutput | BaseException]]
         ] = {}
@@ -66,10 +96,13 @@ class AsyncEngine:
 
     @classmethod
     async def create(
-        cls, config: EngineConfig, on_kv_event: Callable[[KvEvent], None] | None = None
+        cls,
+        config: EngineConfig,
+        on_kv_event: Callable[[KvEvent], None] | None = None,
+        cache_buffer: Callable[[int], memoryview] | None = None,
     ) -> AsyncEngine:
         """Load the model off the event loop, then start the step thread."""
-        engine = await asyncio.to_thread(LLMEngine, config, on_kv_event)
+        engine = await asyncio.to_thread(LLMEngine, config, on_kv_event, None, cache_buffer)
         return cls(engine)
 
     async def add_request(
@@ -80,9 +113,13 @@ class AsyncEngine:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        hold_kv: bool = False,
+        kv_source: object = None,
+        output_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[EngineOutput, None]:
-        """Outputs of one request, the last with a finish reason. Raises ValueError at once for
-        a request that could never run; closing the iterator early aborts the request."""
+        """Outputs of one request, the last with a finish reason (or, held, its blocks). Raises
+        ValueError at once for a request that could never run; closing the iterator early
+        aborts the request. See `LLMEngine.add_request` for the disaggregation arguments."""
         self.engine.check_request(prompt_token_ids, params)
         outputs: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
         with self._lock:  # shutdown takes it too: a request is either failed by it or refused
@@ -91,7 +128,18 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-            self._inbox.put(_Add(request_id, list(prompt_token_ids), params, lora_name, cache_salt))
+            self._inbox.put(
+                _Add(
+                    request_id,
+                    list(prompt_token_ids),
+                    params,
+                    lora_name,
+                    cache_salt,
+                    hold_kv,
+                    kv_source,
+                    output_token_ids,
+                )
+            )
         return self._stream(request_id, outputs)
 
     async def _stream(
@@ -103,7 +151,7 @@ class AsyncEngine:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finish_reason is not None
+                finished = item.is_last
                 yield item
                 if finished:
                     return
@@ -114,6 +162,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the next step. Idempotent."""
         self._inbox.put(_Abort(request_id))
+
+    def release_kv(self, request_id: str) -> None:
+        """Free a held request's blocks (before the next step). Idempotent."""
+        self._inbox.put(_Release(request_id))
 
     def stats(self) -> EngineStats:
         """As of the end of the last step (or of the last requests admitted or aborted)."""
@@ -156,12 +208,14 @@ class AsyncEngine:
             self._stopped = True
             self._inbox.put(None)
         await asyncio.to_thread(self._thread.join, 30)
+        if self._loads is not None:
+            self._loads.shutdown(wait=False, cancel_futures=True)
 
     # -- the step thread ---------------------------------------------------------------------
     def _deliver(self, request_id: str, item: EngineOutput | BaseException) -> None:
         with self._lock:
             entry = self._streams.get(request_id)
-            done = isinstance(item, BaseException) or item.finish_reason is not None
+            done = isinstance(item, BaseException) or item.is_last
             if entry is not None and done:
                 del self._streams[request_id]
         if entry is not None:
@@ -169,7 +223,13 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
                 loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-    def _apply(self, message: _Add | _Abort | _Call) -> None:
+    def _apply(self, message: _Message) -> None:
+        if isinstance(message, _Loaded):
+            self.engine.finish_kv_load(message.request_id, message.ok)
+            return
+        if isinstance(message, _Release):
+            self.engine.release_kv(message.request_id)
+            return
         if isinstance(message, _Call):
             if message.future.set_running_or_notify_cancel():  # else the caller gave up
                 try:
@@ -194,20 +254,47 @@ class AsyncEngine:
                 message.params,
                 lora_name=message.lora_name,
                 cache_salt=message.cache_salt,
+                hold_kv=message.hold_kv,
+                kv_source=message.kv_source,
+                output_token_ids=message.output_token_ids,
             )
         except ValueError as exc:  # checked before queueing; the engine's state may differ
             self._deliver(message.request_id, exc)
 
+    def _start_loads(self) -> None:
+        for load in self.engine.take_kv_loads():
+            if self.kv_loader is None:
+                self.engine.finish_kv_load(load.request_id, False)
+                continue
+            if self._loads is None:
+                self._loads = concurrent.futures.ThreadPoolExecutor(
+                    LOAD_THREADS, thread_name_prefix="kvbaton-kv-load"
+                )
+            future = self._loads.submit(self.kv_loader, load)
+            future.add_done_callback(functools.partial(self._loaded, load.request_id))
+
+    def _loaded(self, request_id: str, future: concurrent.futures.Future[None]) -> None:
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled() or error is not None:
+            log.warning("request %s: KV load failed (%s); prefilling here", request_id, error)
+        self._inbox.put(_Loaded(request_id, not future.cancelled() and error is None))
+
     def _loop(self) -> None:
         while True:
-            block = not self.engine.has_unfinished()
+            idle = not self.engine.has_unfinished()
+            # Nothing ran in the last step (requests wait for blocks that loads or holds
+            # keep): only a message can change that.
+            stalled = not idle and self.engine.last_step_tokens == 0
             try:
                 while True:
-                    message = self._inbox.get(block=block)
+                    if stalled:
+                        message = self._inbox.get(timeout=IDLE_POLL_S)
+                    else:
+                        message = self._inbox.get(block=idle)
                     if message is None:
                         return self._fail_all(RuntimeError("the engine shut down"))
                     self._apply(message)
-                    block = False
+                    idle = stalled = False
             except queue.Empty:
                 pass
             if not self.engine.has_unfinished():
@@ -220,6 +307,7 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             finally:
+                self._start_loads()
                 self._stats = self.engine.stats()
             for out in outputs:
                 self._deliver(out.request_id, out)

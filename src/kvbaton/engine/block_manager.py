@@ -94,11 +94,18 @@ class BlockManager:
             1 for b in cached_blocks if self.ref_counts[b] == 0
         )
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
+    def allocate(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached_blocks: Seq[int] = (),
+        register: bool = True,
+    ) -> bool:
         """Give `seq` blocks for its computed tokens, then `cached_blocks` (prefix hits, for a
         sequence with no blocks yet), then `num_new_tokens` more. False, changing nothing, if
         there are not enough free blocks. Blocks that the step fills are registered in the
-        prefix cache (they hold their KV before anyone can read them: after this step)."""
+        prefix cache (they hold their KV before anyone can read them: after this step), unless
+        `register` is False (KV that arrives later: `register_computed` once it did)."""
         assert not cached_blocks or not seq.block_table
         if not self.can_allocate(seq, num_new_tokens, cached_blocks):
             return False
@@ -121,10 +128,15 @@ class BlockManager:
             seq.block_table.append(block)
         if evicted:
             self._emit(lambda i: BlockRemoved(event_id=i, block_hashes=evicted))
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and register:
             filled = seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
             self._register_full_blocks(seq, filled // self.block_size)
         return True
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Register the full blocks of the sequence's computed tokens in the prefix cache."""
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, seq.num_computed_tokens // self.block_size)
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop the sequence's references, tail first; its cached blocks stay reusable."""

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from kvbaton.engine.block_manager import BlockManager
 from kvbaton.engine.config import EngineConfig
-from kvbaton.engine.scheduler import Scheduler, SchedulerOutput
+from kvbaton.engine.scheduler import KvLoad, Scheduler, SchedulerOutput
 from kvbaton.engine.sequence import Sequence
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.protocols.kv import KvDump, KvEvent
@@ -36,6 +36,14 @@ class EngineStats:
     active_decode_blocks: int = 0
 
 
+@dataclass(frozen=True)
+class KvCacheView:
+    layout: str  # dtype and block shape
+    num_blocks: int
+    block_bytes: int  # a block, all layers, contiguous; 0: blocks with no bytes (mocker)
+    buffer: memoryview | None  # the cache's host memory, if it was given one
+
+
 class StepRunner(Protocol):
     """Runs one scheduled step: the sampled token of each sequence that samples, by id."""
 
@@ -53,17 +61,18 @@ class LLMEngine:
         config: EngineConfig,
         on_kv_event: Callable[[KvEvent], None] | None = None,
         runner: StepRunner | None = None,
+        cache_buffer: Callable[[int], memoryview] | None = None,
     ) -> None:
         """With no `runner`, the model runner on `config.model` with a KV cache of
-        `config.num_kv_blocks` blocks (else as many as `kv_cache_gib` holds); a given runner
-        needs `num_kv_blocks`."""
+        `config.num_kv_blocks` blocks (else as many as `kv_cache_gib` holds), in the host
+        buffer `cache_buffer(nbytes)` gives if given; a given runner needs `num_kv_blocks`."""
         self.config = config
         self.model_dir = resolve_model(config.model)
         model_runner = None
         if runner is None:
             from kvbaton.engine.model_runner import ModelRunner  # torch only for the model
 
-            model_runner = ModelRunner.create(self.model_dir, config)
+            model_runner = ModelRunner.create(self.model_dir, config, cache_buffer)
             num_blocks = model_runner.num_blocks
             runner = model_runner
         elif config.num_kv_blocks is None:
@@ -71,6 +80,7 @@ class LLMEngine:
         else:
             num_blocks = config.num_kv_blocks
         self.runner = runner
+        self.model_runner = model_runner
         self.max_model_len = runner.max_model_len
         self.blocks = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, on_kv_event
@@ -85,6 +95,7 @@ class LLMEngine:
         self.eos_token_ids = runner.eos_token_ids
         self.vocab_size = runner.vocab_size
         self._requests: dict[str, Sequence] = {}
+        self.last_step_tokens = 0
         log.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
             self.model_dir.name,
@@ -128,20 +139,33 @@ class LLMEngine:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        hold_kv: bool = False,
+        kv_source: object = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
+        """`hold_kv`: end after the first token, keeping the blocks until `release_kv` (unless
+        the request stops there). `kv_source`: the prompt's KV is read from there (the loader's
+        business) instead of computed, and `output_token_ids` were sampled there already."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_request(prompt_token_ids, params)
+        known = list(output_token_ids or [])
+        if len(known) >= params.max_tokens or any(t < 0 or t >= self.vocab_size for t in known):
+            raise ValueError("the output tokens given must be valid and fewer than max_tokens")
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop |= self.eos_token_ids
         seq = Sequence(
             request_id,
-            list(prompt_token_ids),
+            list(prompt_token_ids) + known,
             params,
             frozenset(stop),
             lora_name=lora_name,
             cache_salt=cache_salt,
+            num_prompt_tokens=len(prompt_token_ids),
+            num_emitted_tokens=len(known),
+            hold_kv=hold_kv,
+            kv_source=kv_source,
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -154,7 +178,22 @@ class LLMEngine:
         return self._output(self._forget(seq), [])
 
     def has_unfinished(self) -> bool:
+        """Requests wait or run (loading and held ones need no step)."""
         return self.scheduler.has_unfinished()
+
+    # -- disaggregation ----------------------------------------------------------------------
+    def take_kv_loads(self) -> list[KvLoad]:
+        """Loads admitted since the last call; each must end in `finish_kv_load`."""
+        loads, self.scheduler.loads = self.scheduler.loads, []
+        return loads
+
+    def finish_kv_load(self, request_id: str, ok: bool) -> None:
+        """A load ended: the request runs on (with its prompt computed here if not `ok`)."""
+        self.scheduler.finish_load(request_id, ok)
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free a held request's blocks (its KV was read, or nobody came for it)."""
+        return self.scheduler.release(request_id)
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -167,6 +206,7 @@ class LLMEngine:
             self.clear_kv_blocks()
             raise
         finished = {s.request_id for s in self.scheduler.update(scheduled, sampled)}
+        self.last_step_tokens = scheduled.num_tokens
         outputs = []
         for item in scheduled.scheduled:
             seq = item.seq
@@ -188,6 +228,7 @@ class LLMEngine:
         )
         seq.num_emitted_tokens += len(new)
         usage = None
+        held = seq.is_finished and seq.finish_reason is None
         if seq.is_finished:
             usage = Usage(
                 prompt_tokens=seq.num_prompt_tokens,
@@ -200,7 +241,16 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             usage=usage,
             logprobs=logprobs,
+            kv_blocks=list(seq.block_table) if held else None,
         )
+
+    def kv_cache(self) -> KvCacheView:
+        """The KV cache as a transfer layer sees it."""
+        r = self.model_runner
+        if r is None:  # a stand-in runner: blocks with no bytes
+            return KvCacheView(type(self.runner).__name__, self.blocks.num_blocks, 0, None)
+        per_block = r.model.kv_bytes_per_block(r.block_size)
+        return KvCacheView(r.kv_layout(), r.num_blocks, per_block, r.cache_buffer)
 
     def clear_kv_blocks(self) -> int:
         return self.blocks.clear_kv_blocks()

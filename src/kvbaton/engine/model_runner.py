@@ -3,6 +3,7 @@ forward pass, samples. Owns the model, the KV cache and the sampler."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,12 +60,19 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.eos_token_ids = config.eos_token_ids
         self.cache: torch.Tensor | None = None
+        self.cache_buffer: memoryview | None = None  # the host memory under the cache
         self.block_size = 0
         self.num_blocks = 0
 
     @classmethod
-    def create(cls, model_dir: Path, config: EngineConfig) -> ModelRunner:
-        """The runner of an engine config, its KV cache allocated."""
+    def create(
+        cls,
+        model_dir: Path,
+        config: EngineConfig,
+        cache_buffer: Callable[[int], memoryview] | None = None,
+    ) -> ModelRunner:
+        """The runner of an engine config, its KV cache allocated (on CPU, in the buffer that
+        `cache_buffer(nbytes)` gives, if given: shared memory, say)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         runner = cls(
@@ -79,13 +87,34 @@ class ModelRunner:
         num_blocks = config.num_kv_blocks or int(config.kv_cache_gib * 2**30 // per_block)
         if num_blocks < 1:
             raise ValueError("kv_cache_gib is too small for one block")
-        runner.allocate_cache(num_blocks, config.block_size)
+        runner.allocate_cache(num_blocks, config.block_size, cache_buffer)
         return runner
 
-    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
-        self.cache = self.model.allocate_cache(num_blocks, block_size)
+    def allocate_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        cache_buffer: Callable[[int], memoryview] | None = None,
+    ) -> None:
+        if cache_buffer is None or self.device.type != "cpu":
+            self.cache = self.model.allocate_cache(num_blocks, block_size)
+        else:
+            c = self.model.config
+            buffer = cache_buffer(num_blocks * self.model.kv_bytes_per_block(block_size))
+            self.cache = (
+                torch.frombuffer(buffer, dtype=torch.uint8)
+                .view(self.dtype)
+                .view(num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim)
+            )
+            self.cache_buffer = buffer
         self.block_size = block_size
         self.num_blocks = num_blocks
+
+    def kv_layout(self) -> str:
+        """The cache's dtype and block shape: caches exchange blocks only when equal."""
+        c = self.model.config
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype}:{c.num_layers}x2x{self.block_size}x{c.num_kv_heads}x{c.head_dim}"
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)

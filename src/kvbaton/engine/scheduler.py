@@ -9,6 +9,12 @@ A step's life:
    last; a new sequence first takes what the prefix cache holds of its prompt;
 3. `update` after the forward pass: computed counts move up, sampled tokens are appended,
    finished sequences free their blocks.
+
+Disaggregation: a waiting sequence with a `kv_source` is admitted by allocating blocks for the
+part of its prompt that the prefix cache lacks, then waits in `loading` (its blocks neither
+scheduled nor preemptible, nor registered in the prefix cache) until `finish_load`; a sequence
+with `hold_kv` that samples its first token without stopping moves to `held`, keeping its
+blocks until `release`. Both count against `max_num_seqs`.
 """
 
 from __future__ import annotations
@@ -25,6 +31,17 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
     samples: bool  # the step reaches the last known token: sample the next one
+
+
+@dataclass(frozen=True)
+class KvLoad:
+    """Read the prompt's KV of blocks `first_block...` (positions in the prompt's block table at
+    the source) into `dst_blocks`, local blocks in the same order."""
+
+    request_id: str
+    source: object
+    first_block: int
+    dst_blocks: list[int]
 
 
 @dataclass(frozen=True)
@@ -53,6 +70,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}
+        self.loads: list[KvLoad] = []  # admitted loads for the engine's loader to start
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -61,7 +81,20 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_active(self) -> int:
+        return len(self.running) + len(self.loading) + len(self.held)
+
     def abort(self, request_id: str) -> Sequence | None:
+        """Finish a waiting, running or loading request. A loading one keeps its blocks (a
+        transfer may be writing them) until `finish_load`."""
+        seq = self.loading.get(request_id)
+        if seq is not None:
+            if seq.is_finished:
+                return None
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+            return seq
         for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.request_id == request_id:
@@ -93,12 +126,14 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        while (
-            self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted
-        ):
+        while self.waiting and budget > 0 and self.num_active < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             hits = self.blocks.match_prefix(seq) if not seq.block_table else []
             cached = len(hits) * self.blocks.block_size
+            if seq.kv_source is not None and cached < seq.num_prompt_tokens:
+                if not self._admit_load(seq, hits):
+                    break
+                continue
             n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens - cached, budget)
             if n == 0 or not self.blocks.allocate(seq, n, hits):
                 break
@@ -113,8 +148,48 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(scheduled, preempted)
 
+    def _admit_load(self, seq: Sequence, hits: list[int]) -> bool:
+        remote = seq.num_prompt_tokens - len(hits) * self.blocks.block_size
+        if not self.blocks.allocate(seq, remote, hits, register=False):
+            return False
+        self.waiting.popleft()
+        self.blocks.note_prefix_lookup(seq.num_prompt_tokens, len(hits) * self.blocks.block_size)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.blocks.block_size
+        seq.status = SequenceStatus.LOADING
+        self.loading[seq.request_id] = seq
+        self.loads.append(
+            KvLoad(seq.request_id, seq.kv_source, len(hits), seq.block_table[len(hits) :])
+        )
+        return True
+
+    def finish_load(self, request_id: str, ok: bool) -> Sequence | None:
+        """A load ended. Loaded: the prompt is computed; else it is computed here (from the
+        prefix-cache hits on). An aborted sequence frees its blocks now; returned is the
+        sequence that runs on, if any."""
+        seq = self.loading.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.kv_source = None
+        if seq.is_finished:
+            self.blocks.deallocate(seq)
+            return None
+        if ok:
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            self.blocks.register_computed(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return seq
+
+    def release(self, request_id: str) -> bool:
+        """Free a held sequence's blocks; False if none is held under the id."""
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.blocks.deallocate(seq)
+        return seq is not None
+
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Apply a step's results; returns the sequences that finished in it."""
+        """Apply a step's results; returns the sequences that finished in it (held ones among
+        them, with no finish reason)."""
         finished = []
         for item in output.scheduled:
             seq = item.seq
@@ -127,6 +202,11 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
+                finished.append(seq)
+            elif seq.hold_kv:
+                self.running.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                self.held[seq.request_id] = seq
                 finished.append(seq)
         return finished
 

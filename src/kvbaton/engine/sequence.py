@@ -5,6 +5,11 @@ token (prompt, then output), `num_computed_tokens` how many of them have their K
 A step computes some of the rest; when a step brings `num_computed_tokens` up to `num_tokens`, the
 model's output at the last position is sampled and appended. Prefix-cache hits (and, later, KV
 received from a prefill worker) are tokens that became computed without a forward pass.
+
+Disaggregation adds two lives: a prefill worker's sequence with `hold_kv` ends after its first
+token with its blocks still held (for a decode worker to read, until released); a decode
+worker's sequence with `kv_source` arrives with its prompt and first token, and waits in
+LOADING while its prompt's KV is read from the prefill worker into its blocks.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from kvbaton.protocols.llm import SamplingParams, TokenLogprob
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING = "loading"  # blocks allocated, the prompt's KV being read from a prefill worker
     FINISHED = "finished"
 
 
@@ -41,6 +47,8 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     num_emitted_tokens: int = 0  # output tokens already handed to the caller
+    hold_kv: bool = False  # end after the first token, blocks held for a decode worker
+    kv_source: object = None  # where the prompt's KV is (opaque here; given to the loader)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -67,9 +67,39 @@ class Usage(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
 
 
+class KvPoolInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How a peer reaches a worker's KV pool: blocks of `block_bytes`, each contiguous across
+    all layers, block i at offset i * block_bytes. Pools exchange blocks only when their
+    `layout` (dtype and block shape) is equal."""
+
+    layout: str
+    num_blocks: int
+    block_bytes: int
+    host: str  # the machine: shared memory works between pools of the same host
+    shm_name: str = ""  # the pool's shared-memory segment, if it lives in one
+    tcp_address: str = ""  # "host:port" of the worker's KV transfer server
+    nixl_metadata: bytes = b""  # the NIXL agent's metadata, if it has one
+
+
+class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A prefill worker's answer (step S5): where the prompt's KV waits and how to fetch it.
+    The blocks stay held until released through `release_endpoint` (or a timeout)."""
+
+    prefill_instance_id: int
+    release_endpoint: str  # "namespace.component.kv_release" on that instance
+    handle: str  # names the held blocks in release calls
+    block_ids: list[int]  # the prompt's blocks at the prefill worker, in prompt order
+    num_tokens: int  # the prompt tokens whose KV they hold
+    block_size: int
+    first_token_ids: list[int]  # sampled by the prefill worker
+    pool: KvPoolInfo
+    cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
+
+
 class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """New tokens of one request since its previous output. The last one has `finish_reason`
-    ("stop": EOS or a stop token; "length": max_tokens or the context; "abort")."""
+    ("stop": EOS or a stop token; "length": max_tokens or the context; "abort"), or, from a
+    prefill worker, `disaggregated_params` (an engine's held request: `kv_blocks`)."""
 
     request_id: str
     token_ids: list[int]
@@ -77,6 +107,16 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     usage: Usage | None = None
     # One entry per new token: the chosen token's logprob, then the top alternatives.
     logprobs: list[list[TokenLogprob]] | None = None
+    kv_blocks: list[int] | None = None
+    disaggregated_params: DisaggregatedParams | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return (
+            self.finish_reason is not None
+            or self.kv_blocks is not None
+            or self.disaggregated_params is not None
+        )
 
 
 class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -89,6 +129,8 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     lora_name: str | None = None
     cache_salt: str | None = None
+    # From the PrefillRouter: the prompt's KV waits at a prefill worker (step S6).
+    disaggregated_params: DisaggregatedParams | None = None
     version: int = 1
 
 
@@ -106,6 +148,8 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokenizer_files: list[str] = msgspec.field(default_factory=list)  # else fetched from it
     created: int = 0  # seconds since the epoch
     kv_events: bool = False  # the worker publishes KV events (endpoints kv_events, kv_dump)
+    role: str = "aggregated"  # or "prefill" (a PrefillRouter's target) or "decode"
+    kv_pool: KvPoolInfo | None = None  # where peers read or write its KV blocks
     version: int = 1
 
     def to_json(self) -> bytes:

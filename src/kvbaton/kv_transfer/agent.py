@@ -1,0 +1,130 @@
+"""One worker's KV transfer agent: reads blocks from a peer's pool into its own, or writes its
+own into a peer's, over the best backend both can use.
+
+Backends: `shm` (same host: the peer's pool is a shared-memory segment, copied from or into in
+place), `tcp` (any two hosts: the peer's transfer server), `none` (pools with no bytes, the
+mocker's: nothing moves). `auto` picks shm when the peer is on this host and has a segment,
+else tcp; a forced backend that cannot reach the peer is an error."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from kvbaton.kv_transfer.pool import KvPool, attach_segment, block_runs, host_id
+from kvbaton.kv_transfer.tcp import KvTransferServer, tcp_read, tcp_write
+from kvbaton.protocols.llm import KvPoolInfo
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "shm", "tcp")
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class KvTransferAgent:
+    def __init__(
+        self, pool: KvPool, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"KV transfer backend must be one of {', '.join(BACKENDS)}")
+        self.pool = pool
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._server: KvTransferServer | None = None
+        self._peers: dict[str, tuple[shared_memory.SharedMemory, np.ndarray]] = {}
+        self._lock = threading.Lock()
+        self.bytes_moved = 0
+        self.seconds = 0.0
+
+    def start(self, host: str) -> None:
+        """Serve the pool over TCP on `host` (a pool with bytes, unless shm is forced)."""
+        if self.pool.blocks is not None and self.backend != "shm":
+            self._server = KvTransferServer(self.pool, host, self.timeout_s)
+
+    def info(self) -> KvPoolInfo:
+        return self.pool.info(tcp_address=self._server.address if self._server else "")
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        with self._lock:
+            names = list(self._peers)
+        for name in names:
+            self._detach(name)
+
+    def choose(self, peer: KvPoolInfo) -> str:
+        """The backend for a transfer with `peer`; ValueError if none can work."""
+        if peer.layout != self.pool.layout:
+            raise ValueError(
+                f"the peer's KV layout {peer.layout!r} differs from ours {self.pool.layout!r}"
+            )
+        if peer.block_bytes == 0 and self.pool.block_bytes == 0:
+            return "none"
+        if self.pool.blocks is None:
+            raise ValueError("this worker's KV pool is not in host memory")
+        same_host = peer.host == host_id() and bool(peer.shm_name)
+        if self.backend == "shm" or (self.backend == "auto" and same_host):
+            if not same_host:
+                raise ValueError("shm needs a peer on this host with a shared-memory pool")
+            return "shm"
+        if not peer.tcp_address:
+            raise ValueError("the peer serves no KV over TCP")
+        return "tcp"
+
+    def read(self, peer: KvPoolInfo, src: list[int], dst: list[int]) -> str:
+        """Copy the peer's blocks `src` into ours `dst` (blocking); the backend used."""
+        return self._move(peer, src, dst, "read")
+
+    def write(self, peer: KvPoolInfo, src: list[int], dst: list[int]) -> str:
+        """Copy our blocks `src` into the peer's `dst` (blocking); the backend used."""
+        return self._move(peer, src, dst, "write")
+
+    def _move(self, peer: KvPoolInfo, src: list[int], dst: list[int], op: str) -> str:
+        if len(src) != len(dst):
+            raise ValueError("as many source blocks as destination blocks")
+        backend = self.choose(peer)
+        if not src or backend == "none":
+            return backend
+        ours, theirs = (dst, src) if op == "read" else (src, dst)
+        self.pool.check_blocks(ours)
+        if any(b < 0 or b >= peer.num_blocks for b in theirs):
+            raise ValueError(f"the peer's block ids must be in [0, {peer.num_blocks})")
+        blocks = self.pool.blocks
+        assert blocks is not None
+        started = time.perf_counter()
+        if backend == "shm":
+            other = self._peer_blocks(peer)
+            source, target = (other, blocks) if op == "read" else (blocks, other)
+            for s, d, n in block_runs(src, dst):
+                target[d : d + n] = source[s : s + n]
+        elif op == "read":
+            tcp_read(peer.tcp_address, peer.layout, src, blocks, dst, self.timeout_s)
+        else:
+            tcp_write(peer.tcp_address, peer.layout, src, blocks, dst, self.timeout_s)
+        self.seconds += time.perf_counter() - started
+        self.bytes_moved += len(src) * self.pool.block_bytes
+        return backend
+
+    def _peer_blocks(self, peer: KvPoolInfo) -> np.ndarray:
+        with self._lock:
+            entry = self._peers.get(peer.shm_name)
+            if entry is None:
+                nbytes = peer.num_blocks * peer.block_bytes
+                segment, flat = attach_segment(peer.shm_name, nbytes)
+                entry = (segment, flat.reshape(peer.num_blocks, peer.block_bytes))
+                self._peers[peer.shm_name] = entry
+            return entry[1]
+
+    def _detach(self, shm_name: str) -> None:
+        with self._lock:
+            entry = self._peers.pop(shm_name, None)
+        if entry is not None:
+            segment = entry[0]
+            del entry  # the last view of the segment, unless a copy still runs
+            with contextlib.suppress(BufferError):
+                segment.close()

@@ -1,0 +1,107 @@
+"""A worker's KV pool as the transfer layer sees it: `num_blocks` blocks of `block_bytes` bytes,
+block i at offset i * block_bytes of one buffer (the engine lays each block out contiguous
+across all layers, so a block is one piece). The buffer lives in a shared-memory segment when
+peers on this host may reach it there.
+
+Invariant: the segment is created by the pool's owner, which alone unlinks it (`close`, or its
+resource tracker if the process dies); peers only attach (`attach_segment`)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import socket
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
+
+import numpy as np
+
+from kvbaton.protocols.llm import KvPoolInfo
+
+
+@functools.cache
+def host_id() -> str:
+    """This machine: its name and boot id (two hosts may share a name)."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return socket.gethostname() + (":" + boot.read_text().strip() if boot.is_file() else "")
+
+
+class KvPool:
+    """Call `attach(buffer, ...)` once the engine laid its cache over the buffer."""
+
+    def __init__(self, shared: bool = True) -> None:
+        self.shared = shared
+        self.segment: shared_memory.SharedMemory | None = None
+        self.blocks: np.ndarray | None = None  # uint8 [num_blocks, block_bytes]
+        self.layout = ""
+        self.num_blocks = 0
+        self.block_bytes = 0
+
+    def allocate(self, nbytes: int) -> memoryview:
+        """The buffer for the engine's cache (zeroed): in shared memory if `shared`."""
+        if self.shared and nbytes > 0:
+            self.segment = shared_memory.SharedMemory(create=True, size=nbytes)
+            buffer = self.segment.buf
+            assert buffer is not None
+            return buffer[:nbytes]
+        return memoryview(bytearray(nbytes))
+
+    def attach(
+        self, buffer: memoryview | None, layout: str, num_blocks: int, block_bytes: int
+    ) -> None:
+        """The engine's cache: `buffer` (None when its KV is not in host memory, or has none)."""
+        self.layout, self.num_blocks, self.block_bytes = layout, num_blocks, block_bytes
+        if buffer is not None and block_bytes:
+            self.blocks = np.frombuffer(buffer, dtype=np.uint8, count=num_blocks * block_bytes)
+            self.blocks = self.blocks.reshape(num_blocks, block_bytes)
+
+    def info(self, tcp_address: str = "", nixl_metadata: bytes = b"") -> KvPoolInfo:
+        return KvPoolInfo(
+            layout=self.layout,
+            num_blocks=self.num_blocks,
+            block_bytes=self.block_bytes,
+            host=host_id(),
+            shm_name=self.segment.name if self.segment is not None else "",
+            tcp_address=tcp_address,
+            nixl_metadata=nixl_metadata,
+        )
+
+    def check_blocks(self, block_ids: list[int]) -> None:
+        if any(b < 0 or b >= self.num_blocks for b in block_ids):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+
+    def close(self) -> None:
+        self.blocks = None
+        if self.segment is not None:
+            segment, self.segment = self.segment, None
+            with contextlib.suppress(BufferError):  # views of it live on: unlink anyway
+                segment.close()
+            segment.unlink()
+
+
+def attach_segment(name: str, nbytes: int) -> tuple[shared_memory.SharedMemory, np.ndarray]:
+    """A peer's segment and a uint8 view of its first `nbytes` bytes. Attaching does not make
+    this process an owner: its resource tracker is told to leave the segment alone."""
+    segment = shared_memory.SharedMemory(name=name)
+    # Trackers differ between Python versions; a failure here only warns at exit.
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    if segment.size < nbytes:
+        segment.close()
+        raise ValueError(f"shared memory {name!r} is smaller than its pool")
+    buffer = segment.buf
+    assert buffer is not None
+    return segment, np.frombuffer(buffer, dtype=np.uint8, count=nbytes)
+
+
+def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the runs where both ids advance by one together: a
+    run is one copy."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            first_s, first_d, n = runs[-1]
+            runs[-1] = (first_s, first_d, n + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

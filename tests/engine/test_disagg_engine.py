@@ -1,0 +1,139 @@
+"""The engine's half of disaggregation, two engines in one process: a prefill engine holds a
+request's blocks after its first token; a decode engine loads them (here by the runners' block
+copy) and decodes. Greedy tokens equal aggregated serving's with and without prefix-cache hits
+on either side, when a load fails (the decode engine prefills itself) and with chunked prefill;
+every block comes back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvbaton.engine import LLMEngine, SamplingParams
+from kvbaton.engine.model_runner import ModelRunner
+from kvbaton.engine.scheduler import KvLoad
+from tests.engine.test_model_vs_hf import engine, prompts, run
+
+pytestmark = pytest.mark.unit
+NEW = 10
+
+
+def greedy(max_tokens: int = NEW) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0)
+
+
+def prefill(eng: LLMEngine, rid: str, prompt: list[int]) -> tuple[list[int], list[int]]:
+    """The held request's first token and blocks."""
+    eng.add_request(rid, prompt, greedy(), hold_kv=True)
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.request_id == rid:
+                assert out.finish_reason is None and out.kv_blocks is not None
+                return out.token_ids, out.kv_blocks
+    raise AssertionError("no output")
+
+
+def copy_load(src: LLMEngine, dst: LLMEngine, load: KvLoad) -> None:
+    """The loader: the source blocks of the load's positions, copied by id."""
+    blocks = load.source
+    assert isinstance(blocks, list)
+    taken = blocks[load.first_block : load.first_block + len(load.dst_blocks)]
+    assert isinstance(src.runner, ModelRunner) and isinstance(dst.runner, ModelRunner)
+    dst.runner.write_blocks(load.dst_blocks, src.runner.read_blocks(taken))
+
+
+def decode(
+    dst: LLMEngine,
+    src: LLMEngine,
+    rid: str,
+    prompt: list[int],
+    first: list[int],
+    blocks: list[int],
+    ok: bool = True,
+) -> list[int]:
+    """Tokens of the decode side, the prefill's first included."""
+    dst.add_request(rid, prompt, greedy(), kv_source=blocks, output_token_ids=first)
+    tokens = list(first)
+    while True:
+        outs = dst.step()
+        for load in dst.take_kv_loads():
+            if ok:
+                copy_load(src, dst, load)
+            dst.finish_kv_load(load.request_id, ok)
+        for out in outs:
+            tokens += out.token_ids
+            if out.finish_reason is not None:
+                return tokens
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_disaggregated_greedy_equals_aggregated(
+    tiny_models: dict[str, Path], chunked: bool
+) -> None:
+    model_dir = tiny_models["llama-tied"]
+    reference = run(engine(model_dir), prompts(), NEW)
+    p_eng = engine(model_dir, enable_chunked_prefill=chunked)
+    d_eng = engine(model_dir, enable_chunked_prefill=chunked)
+    free = (p_eng.blocks.num_free_blocks, d_eng.blocks.num_free_blocks)
+    for round_ in range(2):  # the second round hits both prefix caches
+        for i, prompt in enumerate(prompts()):
+            rid = f"r{round_}-{i}"
+            first, blocks = prefill(p_eng, rid, prompt)
+            assert len(blocks) == -(-len(prompt) // 8)
+            got = decode(d_eng, p_eng, rid, prompt, first, blocks)
+            assert p_eng.release_kv(rid)
+            assert got == reference[i], (round_, i)
+    assert p_eng.blocks.prefix_hit_rate > 0 and d_eng.blocks.prefix_hit_rate > 0
+    assert (p_eng.blocks.num_free_blocks, d_eng.blocks.num_free_blocks) == free
+    assert not p_eng.release_kv("r0-0")  # released once only
+
+
+def test_a_failed_load_prefills_on_the_decode_side(tiny_models: dict[str, Path]) -> None:
+    model_dir = tiny_models["llama-tied"]
+    prompt = prompts()[4]
+    reference = run(engine(model_dir), [prompt], NEW)[0]
+    p_eng, d_eng = engine(model_dir), engine(model_dir)
+    first, blocks = prefill(p_eng, "r", prompt)
+    assert decode(d_eng, p_eng, "r", prompt, first, blocks, ok=False) == reference
+    p_eng.release_kv("r")
+    assert d_eng.blocks.num_free_blocks == d_eng.blocks.num_blocks
+
+
+def test_a_request_that_stops_at_its_first_token_holds_nothing(
+    tiny_models: dict[str, Path],
+) -> None:
+    p_eng = engine(tiny_models["llama-tied"])
+    p_eng.add_request("one", prompts()[3], greedy(1), hold_kv=True)
+    outs = []
+    while p_eng.has_unfinished():
+        outs += p_eng.step()
+    assert outs[-1].finish_reason == "length" and outs[-1].kv_blocks is None
+    assert p_eng.blocks.num_free_blocks == p_eng.blocks.num_blocks
+
+
+def test_abort_while_loading_frees_blocks_once_the_load_ends(
+    tiny_models: dict[str, Path],
+) -> None:
+    model_dir = tiny_models["llama-tied"]
+    p_eng, d_eng = engine(model_dir), engine(model_dir)
+    first, blocks = prefill(p_eng, "r", prompts()[5])
+    d_eng.add_request("r", prompts()[5], greedy(), kv_source=blocks, output_token_ids=first)
+    d_eng.step()
+    (load,) = d_eng.take_kv_loads()
+    final = d_eng.abort_request("r")
+    assert final is not None and final.finish_reason == "abort"
+    held = d_eng.blocks.num_free_blocks
+    assert held < d_eng.blocks.num_blocks  # the transfer may still write them
+    d_eng.finish_kv_load(load.request_id, True)
+    assert d_eng.blocks.num_free_blocks == d_eng.blocks.num_blocks
+    assert p_eng.release_kv("r")
+    assert p_eng.blocks.num_free_blocks == p_eng.blocks.num_blocks
+
+
+def test_given_output_tokens_are_checked(tiny_models: dict[str, Path]) -> None:
+    eng = engine(tiny_models["llama-tied"])
+    with pytest.raises(ValueError, match="fewer than max_tokens"):
+        eng.add_request("x", [1, 2], greedy(1), kv_source=[0], output_token_ids=[5])
+    with pytest.raises(ValueError, match="valid"):
+        eng.add_request("y", [1, 2], greedy(), kv_source=[0], output_token_ids=[10**6])
