@@ -2,6 +2,11 @@
 transformers (same weights, same dtype, same run) and the memory-bandwidth bound of batch 1.
 
     kvbaton pull && python bench/engine.py [--trials 3] [--batches 1 8 32 64]
+    python bench/engine.py --random-weights --device cuda   # on a GPU, nothing pulled
+
+--device and --dtype choose where and in what both engines run (default: the CPU, bfloat16).
+--random-weights builds a model of SmolLM2-135M's exact shape with random weights in a
+temporary directory instead of using the pulled one: the same speed, meaningless tokens.
 
 - prefill: tokens/s over 512-token prompts, one at a time;
 - decode: output tokens/s for B prompts (32 tokens each) x 128 new tokens, wall time from
@@ -15,8 +20,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,20 +34,62 @@ from kvbaton.llm.model_files import resolve_model
 PROMPT_LEN = 32
 NEW_TOKENS = 128
 PREFILL_LEN = 512
+SMOLLM2_135M = {  # SmolLM2-135M's config.json, for --random-weights
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.02,
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
 
 
 def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def read_bandwidth_gbs(trials: int) -> float:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so wall time covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU, {torch.get_num_threads()} threads"
+
+
+def random_smollm2_135m(path: Path) -> Path:
+    """A random-weight model of SmolLM2-135M's exact shape, saved (bfloat16) under `path`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SMOLLM2_135M)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+def read_bandwidth_gbs(trials: int, device: torch.device) -> float:
     """Median GB/s of summing a 512 MiB float32 tensor (a pure read of memory)."""
-    data = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+    data = torch.ones(128 * 1024 * 1024, dtype=torch.float32, device=device)
     data.sum()
+    sync(device)
     runs = []
     for _ in range(max(3, trials)):
         t0 = time.perf_counter()
         data.sum()
+        sync(device)
         runs.append(data.numel() * 4 / (time.perf_counter() - t0) / 1e9)
     return statistics.median(runs)
 
@@ -74,7 +123,8 @@ def ours_prefill(engine: LLMEngine, batch: list[list[int]]) -> float:
 
 
 def hf_decode(model: Any, batch: list[list[int]]) -> float:
-    ids = torch.tensor(batch)
+    ids = torch.tensor(batch, device=model.device)
+    sync(model.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -85,15 +135,18 @@ def hf_decode(model: Any, batch: list[list[int]]) -> float:
             min_new_tokens=NEW_TOKENS,
             pad_token_id=0,
         )
+    sync(model.device)
     assert out.shape[1] == PROMPT_LEN + NEW_TOKENS
     return len(batch) * NEW_TOKENS / (time.perf_counter() - t0)
 
 
 def hf_prefill(model: Any, batch: list[list[int]]) -> float:
+    sync(model.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for p in batch:
-            model(torch.tensor([p]), use_cache=True)
+            model(torch.tensor([p], device=model.device), use_cache=True)
+    sync(model.device)
     return sum(map(len, batch)) / (time.perf_counter() - t0)
 
 
@@ -113,23 +166,42 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--prefill-prompts", type=int, default=4)
+    parser.add_argument("--device", default="cpu", help="a torch device: cpu (default), cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="a random model of SmolLM2-135M's shape instead of --model",
+    )
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
 
-    model_dir = resolve_model(args.model)
-    say(
-        f"engine benchmark: {model_dir.name}, bfloat16, {torch.get_num_threads()} threads, "
-        f"{args.trials} trials; loading both models"
+    device = torch.device(args.device)
+    if args.random_weights:
+        model_dir = random_smollm2_135m(Path(tempfile.mkdtemp(prefix="smollm2-135m-random-")))
+        name = "SmolLM2-135M shape, random weights"
+    else:
+        model_dir = resolve_model(args.model)
+        name = model_dir.name
+    header = (
+        f"engine benchmark: {name}, {args.dtype}, {device_name(device)}, "
+        f"torch {torch.__version__}, {args.trials} trials"
     )
+    say(f"{header}; loading both models")
     engine = LLMEngine(
         EngineConfig(
-            model=str(model_dir), dtype="bfloat16", kv_cache_gib=1.0, max_num_batched_tokens=2048
+            model=str(model_dir),
+            dtype=args.dtype,
+            device=args.device,
+            kv_cache_gib=1.0,
+            max_num_batched_tokens=2048,
         )
     )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+    hf = hf.to(device).eval()
 
-    bandwidth = read_bandwidth_gbs(args.trials)
+    bandwidth = read_bandwidth_gbs(args.trials, device)
     model = engine.runner.model
     narrow_bytes = sum(
         p.weight.numel() * p.weight.element_size()
@@ -163,6 +235,8 @@ def main() -> None:
         )
         rows.append((f"decode, {b} x {NEW_TOKENS} tokens", ours, theirs))
 
+    print(header)
+    print()
     print("| workload | kvbaton tok/s | HF transformers tok/s | kvbaton / HF |")
     print("|---|---:|---:|---:|")
     for name, ours, theirs in rows:

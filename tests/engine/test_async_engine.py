@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvbaton.engine import AsyncEngine, EngineConfig, SamplingParams
+from tests.engine.conftest import TEST_DEVICE
 from tests.engine.test_model_vs_hf import hf_greedy, prompts
 from tests.helpers import wait_until
 
@@ -18,7 +19,11 @@ pytestmark = pytest.mark.unit
 @pytest.fixture
 async def engine(tiny_models: dict[str, Path]) -> AsyncIterator[AsyncEngine]:
     config = EngineConfig(
-        model=str(tiny_models["llama-tied"]), dtype="float32", block_size=8, num_kv_blocks=128
+        model=str(tiny_models["llama-tied"]),
+        dtype="float32",
+        device=TEST_DEVICE,
+        block_size=8,
+        num_kv_blocks=128,
     )
     eng = await AsyncEngine.create(config)
     yield eng

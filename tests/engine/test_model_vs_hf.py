@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvbaton.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from tests.engine.conftest import TEST_DEVICE
 
 pytestmark = pytest.mark.unit
 NEW_TOKENS = 12
@@ -24,11 +25,16 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 
 @cache
-def hf_greedy(model_dir: Path, prompt: tuple[int, ...], new_tokens: int = NEW_TOKENS) -> list[int]:
-    model = _hf_model(model_dir)
+def hf_greedy(
+    model_dir: Path,
+    prompt: tuple[int, ...],
+    new_tokens: int = NEW_TOKENS,
+    dtype: torch.dtype = torch.float32,
+) -> list[int]:
+    model = _hf_model(model_dir, dtype)
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]),
+            torch.tensor([prompt], device=TEST_DEVICE),
             max_new_tokens=new_tokens,
             do_sample=False,
             min_new_tokens=new_tokens,
@@ -38,14 +44,16 @@ def hf_greedy(model_dir: Path, prompt: tuple[int, ...], new_tokens: int = NEW_TO
 
 
 @cache
-def _hf_model(model_dir: Path):  # type: ignore[no-untyped-def]
+def _hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(TEST_DEVICE).eval()
 
 
 def engine(model_dir: Path, **kw: object) -> LLMEngine:
     kw.setdefault("dtype", "float32")
+    kw.setdefault("device", TEST_DEVICE)
     kw.setdefault("block_size", 8)
     kw.setdefault("num_kv_blocks", 128)
     return LLMEngine(EngineConfig(model=str(model_dir), **kw))  # type: ignore[arg-type]
@@ -162,7 +170,13 @@ def test_bad_requests_are_refused_clearly(tiny_models: dict[str, Path]) -> None:
 
 def test_offline_face_generates_and_chats(tiny_models: dict[str, Path]) -> None:
     model_dir = tiny_models["llama-tied"]
-    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=64, block_size=8)
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        device=TEST_DEVICE,
+        num_kv_blocks=64,
+        block_size=8,
+    )
     outs = llm.generate(["w1 w2 w3", "w4"], SamplingParams(max_tokens=5, temperature=0))
     assert [o.token_ids for o in outs] == [
         hf_greedy(model_dir, tuple(llm.tokenizer.encode(t)), 5) for t in ["w1 w2 w3", "w4"]
