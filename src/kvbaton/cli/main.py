@@ -171,7 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run a whole deployment on this machine")
     serve.add_argument("--namespace", default="kvbaton")
-    serve.add_argument("--workers", type=int, default=1, help="number of worker processes")
+    serve.add_argument(
+        "--mode",
+        choices=["agg", "disagg"],
+        default="agg",
+        help="agg: workers run whole requests; disagg: prefill workers hand KV to decode ones",
+    )
+    serve.add_argument("--workers", type=int, default=1, help="agg: number of workers")
+    serve.add_argument("--prefill-workers", type=int, default=1, help="disagg: prefill workers")
+    serve.add_argument("--decode-workers", type=int, default=1, help="disagg: decode workers")
     _http_flags(serve, "--port")
     serve.add_argument(
         "--engine", choices=["torch", "mocker", "fixed"], default="torch", help=ENGINES
@@ -189,7 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
     frontend.set_defaults(func=cmd_frontend)
 
     worker = sub.add_parser("worker", help="run one worker process")
-    worker.add_argument("--role", choices=["agg"], default="agg", help="agg: prefill and decode")
+    worker.add_argument(
+        "--role",
+        choices=["agg", "prefill", "decode"],
+        default="agg",
+        help="agg: whole requests; prefill: to the first token, KV handed to a decode worker",
+    )
     worker.add_argument(
         "--engine",
         choices=["torch", "mocker", "fixed", "echo"],
@@ -197,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"{ENGINES}; echo: no LLM",
     )
     worker.add_argument("--namespace", default="kvbaton")
-    worker.add_argument("--component", default="backend")
+    worker.add_argument("--component", help="(default: prefill for --role prefill, else backend)")
     add_worker_flags(worker)
     _runtime_flags(worker)
     worker.set_defaults(func=cmd_worker)

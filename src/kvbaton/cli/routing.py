@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 
 from kvbaton.router import DEFAULT_OVERLAP_WEIGHT, ROUTER_MODES, RouterSettings
+from kvbaton.router.disagg import TRANSFER_ORDERS
 
-ROUTER_FLAGS = ("router_mode", "kv_overlap_score_weight", "router_temperature")
+ROUTER_FLAGS = (
+    "router_mode",
+    "kv_overlap_score_weight",
+    "router_temperature",
+    "max_local_prefill_tokens",
+    "transfer_order",
+)
 
 
 def add_router_flags(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +41,26 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="kv: index the requests routed (expiring after a TTL) instead of KV events",
     )
+    disagg = parser.add_argument_group("disaggregation (once prefill workers exist)")
+    disagg.add_argument(
+        "--enforce-disagg",
+        action="store_true",
+        help="answer 503 rather than run a request whole on a decode worker with no prefill one",
+    )
+    disagg.add_argument(
+        "--transfer-order",
+        choices=TRANSFER_ORDERS,
+        default="prefill-first",
+        help="prefill-first: the decode worker reads the KV; decode-first: the prefill worker "
+        "writes it into blocks the decode worker allocated",
+    )
+    disagg.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=0,
+        help="prefill on the decode worker when fewer prompt tokens than this are uncached "
+        "there (default 0: never)",
+    )
 
 
 def router_settings(args: argparse.Namespace) -> RouterSettings:
@@ -42,4 +69,7 @@ def router_settings(args: argparse.Namespace) -> RouterSettings:
         kv_events=args.kv_events,
         overlap_weight=args.kv_overlap_score_weight,
         temperature=args.router_temperature,
+        enforce_disagg=args.enforce_disagg,
+        max_local_prefill_tokens=args.max_local_prefill_tokens,
+        transfer_order=args.transfer_order,
     )

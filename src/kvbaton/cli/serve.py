@@ -57,18 +57,19 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         str(args.http_port),
         *_flags(args, ROUTER_FLAGS),
         *([] if args.kv_events else ["--no-kv-events"]),
+        *(["--enforce-disagg"] if args.enforce_disagg else []),
     ]
-    worker = [
-        *base,
-        "worker",
-        "--role",
-        "agg",
-        "--engine",
-        args.engine,
-        *common,
-        *_flags(args, WORKER_FLAGS),
-    ]
-    return [("frontend", frontend)] + [(f"worker-{i}", worker) for i in range(args.workers)]
+
+    def worker(role: str) -> list[str]:
+        flags = ["--role", role, "--engine", args.engine, *common, *_flags(args, WORKER_FLAGS)]
+        return [*base, "worker", *flags]
+
+    if args.mode == "agg":
+        workers = [(f"worker-{i}", worker("agg")) for i in range(args.workers)]
+    else:
+        workers = [(f"prefill-{i}", worker("prefill")) for i in range(args.prefill_workers)]
+        workers += [(f"decode-{i}", worker("decode")) for i in range(args.decode_workers)]
+    return [("frontend", frontend), *workers]
 
 
 def _pump(name: str, stream: IO[bytes], found_url: list[str]) -> None:
@@ -95,13 +96,14 @@ def _pull_if_needed(args: argparse.Namespace) -> None:
 
 
 def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
-    if args.workers < 1:
-        raise ValueError("--workers must be at least 1")
+    if min(args.workers, args.prefill_workers, args.decode_workers) < 1:
+        raise ValueError("--workers, --prefill-workers and --decode-workers must be at least 1")
     router_settings(args)  # bad settings fail here, not in a child
     check_engine_flags(args)
     _pull_if_needed(args)
-    if args.num_threads is None and args.engine == "torch" and args.workers > 1:
-        args.num_threads = max(1, (os.cpu_count() or 1) // args.workers)
+    processes = args.workers if args.mode == "agg" else args.prefill_workers + args.decode_workers
+    if args.num_threads is None and args.engine == "torch" and processes > 1:
+        args.num_threads = max(1, (os.cpu_count() or 1) // processes)
     private_dir = None
     discovery = settings.discovery
     if not (args.discovery or os.environ.get("KVBATON_DISCOVERY")):

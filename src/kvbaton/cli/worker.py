@@ -13,14 +13,21 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> N
     if args.engine == "echo":
         from kvbaton.workers.echo import EchoWorker
 
-        await EchoWorker(runtime, args.namespace, args.component).serve()
+        await EchoWorker(runtime, args.namespace, args.component or "backend").serve()
         return
+    from kvbaton.engine.async_engine import AsyncEngine
+    from kvbaton.kv_transfer import KvPool, KvTransferAgent
+    from kvbaton.workers.kv_handoff import KvHandoff
     from kvbaton.workers.kv_publisher import KvEventPublisher
     from kvbaton.workers.llm_worker import LLMWorker, ServingEngine
 
     check_engine_flags(args)
     engine: ServingEngine
     publisher = None
+    handoff = None
+    component = args.component or ("prefill" if args.role == "prefill" else "backend")
+    # A prefill or decode worker's pool lives in shared memory, for peers on this host.
+    pool = KvPool(shared=args.role != "agg" and args.kv_transfer != "tcp")
     values = {n: getattr(args, n) for n in ENGINE_FLAGS if getattr(args, n) is not None}
     if args.engine == "fixed":
         from kvbaton.workers.fixed_engine import FixedTokensEngine
@@ -39,19 +46,42 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> N
         publisher = KvEventPublisher()
         engine = await create_mocker_engine(mocker_config(**values), timing, publisher.on_event)
     else:
-        from kvbaton.engine import AsyncEngine, EngineConfig
+        from kvbaton.engine import EngineConfig
 
         publisher = KvEventPublisher()
-        engine = await AsyncEngine.create(EngineConfig(**values), publisher.on_event)
+        engine = await AsyncEngine.create(
+            EngineConfig(**values), publisher.on_event, cache_buffer=pool.allocate
+        )
+    if isinstance(engine, AsyncEngine):
+        view = engine.engine.kv_cache()
+        pool.attach(view.buffer, view.layout, view.num_blocks, view.block_bytes)
+        agent = KvTransferAgent(pool, args.kv_transfer, args.kv_transfer_timeout)
+        agent.start(runtime.settings.host, f"kvbaton-{await runtime.ensure_instance_id():x}")
+        handoff = KvHandoff(
+            runtime,
+            engine,
+            agent,
+            f"{args.namespace}.{component}",
+            engine.block_size,
+            args.kv_hold_timeout,
+        )
+        engine.kv_loader = handoff.load
+    elif args.role != "agg":
+        raise ValueError(f"--role {args.role} needs --engine torch or mocker")
     worker = LLMWorker(
         runtime,
         engine,
         served_name=args.served_model_name or served_name(args.model),
         namespace=args.namespace,
-        component=args.component,
+        component=component,
         kv_events=publisher,
+        role=args.role,
+        handoff=handoff,
     )
-    await worker.serve()
+    try:
+        await worker.serve()
+    finally:
+        pool.close()
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:
@@ -75,6 +105,23 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int)
     group.add_argument("--num-threads", type=int, help="torch threads (default: cores/workers)")
     group.add_argument("--fixed-tokens", default="1,2,3", help="the fixed engine's token ids")
+    disagg = parser.add_argument_group("disaggregation")
+    disagg.add_argument(
+        "--kv-transfer",
+        choices=["auto", "nixl", "shm", "tcp"],
+        default="auto",
+        help="how KV blocks move between workers (auto: nixl if installed, else shm on one "
+        "host, else tcp)",
+    )
+    disagg.add_argument(
+        "--kv-transfer-timeout", type=float, default=30.0, help="seconds a transfer may take"
+    )
+    disagg.add_argument(
+        "--kv-hold-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a prefill worker holds a request's KV for its decode worker",
+    )
     mocker = parser.add_argument_group("mocker (timing defaults: Dynamo's mocker)")
     mocker.add_argument("--speedup-ratio", type=float, help="divide step times by it (default 1)")
     mocker.add_argument("--mocker-prefill", metavar="A,B,C", help="prefill ms = A*t^2 + B*t + C")
@@ -96,5 +143,6 @@ ENGINE_FLAGS = (
     "num_threads",
 )
 MOCKER_FLAGS = ("speedup_ratio", "mocker_prefill", "mocker_decode")
+DISAGG_FLAGS = ("kv_transfer", "kv_transfer_timeout", "kv_hold_timeout")
 # What `serve` passes on to its workers.
-WORKER_FLAGS = (*ENGINE_FLAGS, *MOCKER_FLAGS, "served_model_name", "fixed_tokens")
+WORKER_FLAGS = (*ENGINE_FLAGS, *MOCKER_FLAGS, *DISAGG_FLAGS, "served_model_name", "fixed_tokens")

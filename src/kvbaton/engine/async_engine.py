@@ -10,7 +10,9 @@ the request, which frees its blocks before the next step.
 Disaggregation: a held request's stream ends with the output that names its blocks
 (`kv_blocks`); `release_kv` frees them. A request with a `kv_source` is loaded by the
 `kv_loader` (blocking; run on a thread of a small pool, which must end every call, by return
-or exception, within its own timeout); an exception makes the request compute its prompt here.
+or exception, within its own timeout). It returns the tokens sampled at the source that the
+request did not come with (decode-first: the first token); an exception makes the request
+compute its prompt here (after the tokens of a `KvLoadFailed`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.engine import EngineStats, LLMEngine
-from kvbaton.engine.scheduler import KvLoad
+from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput, SamplingParams
 
@@ -51,6 +53,7 @@ class _Add:
 class _Loaded:
     request_id: str
     ok: bool
+    token_ids: list[int] | None
 
 
 @dataclass
@@ -79,7 +82,7 @@ IDLE_POLL_S = 0.5  # a step that ran nothing waits this long for a message, at m
 
 class AsyncEngine:
     def __init__(
-        self, engine: LLMEngine, kv_loader: Callable[[KvLoad], None] | None = None
+        self, engine: LLMEngine, kv_loader: Callable[[KvLoad], list[int] | None] | None = None
     ) -> None:
         self.engine = engine
         self.kv_loader = kv_loader
@@ -225,7 +228,9 @@ class AsyncEngine:
 
     def _apply(self, message: _Message) -> None:
         if isinstance(message, _Loaded):
-            self.engine.finish_kv_load(message.request_id, message.ok)
+            final = self.engine.finish_kv_load(message.request_id, message.ok, message.token_ids)
+            if final is not None:
+                self._deliver(message.request_id, final)
             return
         if isinstance(message, _Release):
             self.engine.release_kv(message.request_id)
@@ -264,7 +269,7 @@ class AsyncEngine:
     def _start_loads(self) -> None:
         for load in self.engine.take_kv_loads():
             if self.kv_loader is None:
-                self.engine.finish_kv_load(load.request_id, False)
+                self._apply(_Loaded(load.request_id, False, None))
                 continue
             if self._loads is None:
                 self._loads = concurrent.futures.ThreadPoolExecutor(
@@ -273,11 +278,18 @@ class AsyncEngine:
             future = self._loads.submit(self.kv_loader, load)
             future.add_done_callback(functools.partial(self._loaded, load.request_id))
 
-    def _loaded(self, request_id: str, future: concurrent.futures.Future[None]) -> None:
-        error = None if future.cancelled() else future.exception()
-        if future.cancelled() or error is not None:
+    def _loaded(self, request_id: str, future: concurrent.futures.Future[list[int] | None]) -> None:
+        if future.cancelled():
+            self._inbox.put(_Loaded(request_id, False, None))
+            return
+        error = future.exception()
+        if error is None:
+            self._inbox.put(_Loaded(request_id, True, future.result()))
+            return
+        tokens = error.token_ids if isinstance(error, KvLoadFailed) else None
+        if not tokens:
             log.warning("request %s: KV load failed (%s); prefilling here", request_id, error)
-        self._inbox.put(_Loaded(request_id, not future.cancelled() and error is None))
+        self._inbox.put(_Loaded(request_id, False, tokens))
 
     def _loop(self) -> None:
         while True:

@@ -187,9 +187,15 @@ class LLMEngine:
         loads, self.scheduler.loads = self.scheduler.loads, []
         return loads
 
-    def finish_kv_load(self, request_id: str, ok: bool) -> None:
-        """A load ended: the request runs on (with its prompt computed here if not `ok`)."""
-        self.scheduler.finish_load(request_id, ok)
+    def finish_kv_load(
+        self, request_id: str, ok: bool, token_ids: list[int] | None = None
+    ) -> EngineOutput | None:
+        """A load ended: the request runs on (with its prompt computed here if not `ok`), after
+        `token_ids` sampled at the source; its final output if those finished it."""
+        seq = self.scheduler.finish_load(request_id, ok, token_ids)
+        if seq is None:
+            return None
+        return self._output(self._forget(seq), seq.output_token_ids[seq.num_emitted_tokens :])
 
     def release_kv(self, request_id: str) -> bool:
         """Free a held request's blocks (its KV was read, or nobody came for it)."""

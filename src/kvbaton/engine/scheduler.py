@@ -44,6 +44,15 @@ class KvLoad:
     dst_blocks: list[int]
 
 
+class KvLoadFailed(Exception):
+    """The prompt's KV did not arrive, but `token_ids` were sampled at the source (a request
+    that stopped at its first token needs no KV)."""
+
+    def __init__(self, message: str, token_ids: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.token_ids = token_ids or []
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
@@ -162,10 +171,13 @@ class Scheduler:
         )
         return True
 
-    def finish_load(self, request_id: str, ok: bool) -> Sequence | None:
-        """A load ended. Loaded: the prompt is computed; else it is computed here (from the
-        prefix-cache hits on). An aborted sequence frees its blocks now; returned is the
-        sequence that runs on, if any."""
+    def finish_load(
+        self, request_id: str, ok: bool, token_ids: list[int] | None = None
+    ) -> Sequence | None:
+        """A load ended; `token_ids` were sampled where the KV came from (decode-first: the
+        first token), and are appended. Loaded: the prompt is computed; else it is computed
+        here (from the prefix-cache hits on). An aborted sequence frees its blocks now. Returns
+        the sequence if it finished on the appended tokens (a stop token, max_tokens)."""
         seq = self.loading.pop(request_id, None)
         if seq is None:
             return None
@@ -176,9 +188,15 @@ class Scheduler:
         if ok:
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.blocks.register_computed(seq)
+        for token in token_ids or []:
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+                return seq
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        return seq
+        return None
 
     def release(self, request_id: str) -> bool:
         """Free a held sequence's blocks; False if none is held under the id."""

@@ -308,8 +308,13 @@ class Frontend:
         @app.get("/health")
         async def health() -> Response:
             models = {m.name: [f"{i:x}" for i in m.instance_ids()] for m in self._sorted()}
+            prefill = {m.name: [f"{i:x}" for i in m.prefill.live()] for m in self._sorted()}
             ready = any(models.values())
-            body = {"status": "healthy" if ready else "unhealthy", "models": models}
+            body = {
+                "status": "healthy" if ready else "unhealthy",
+                "models": models,
+                "prefill": {name: ids for name, ids in prefill.items() if ids},
+            }
             return _json(body, 200 if ready else 503)
 
         @app.get("/live")

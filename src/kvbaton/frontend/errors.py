@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from kvbaton.router.prefill_router import PrefillError
 from kvbaton.runtime import (
     ConnectError,
     EndpointNotFoundError,
@@ -74,6 +75,8 @@ def as_openai_error(exc: BaseException, model: str) -> OpenAIError:
         return exc
     if isinstance(exc, _NEVER_RAN):
         return no_workers(model)
+    if isinstance(exc, PrefillError):  # only with enforce_disagg: else it prefills locally
+        return OpenAIError(503, str(exc), code="prefill_failed")
     if isinstance(exc, HandlerError) and exc.error_type == "ValueError":
         return bad_request(str(exc))  # the worker refused the request as it stands
     if isinstance(exc, RuntimeServiceError):

@@ -4,25 +4,42 @@ Invariants: a model is listed from the moment its tokenizer is loaded and at lea
 cards lives, until its last card vanishes (the worker stopped or died: the card dies with the
 worker's lease). A request goes to a live instance that registered a card of its model; the
 tokenizer comes from the worker's directory when this machine can read it, else from the
-worker's `tokenizer_files` endpoint."""
+worker's `tokenizer_files` endpoint.
+
+Disaggregation: cards of role "prefill" do not serve a model by themselves; while one of a
+served model lives, its requests are prefilled there (the PrefillRouter) and decoded on the
+model's other workers, unless the uncached part of the prompt is short enough to prefill on
+the decode worker."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import shutil
 import tempfile
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbaton.frontend.errors import bad_request
+from kvbaton.frontend.errors import OpenAIError, bad_request
 from kvbaton.frontend.openai_types import NvExt
 from kvbaton.llm.hashing import block_extra_keys
 from kvbaton.llm.model_cards import model_cards_prefix, parse_model_card_key
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import EngineOutput, ModelCard, PreprocessedRequest
-from kvbaton.router import Router, RouteRequest, RouterMetrics, RouterSettings, make_router
+from kvbaton.router import (
+    PrefillRouter,
+    Route,
+    Router,
+    RouteRequest,
+    RouterMetrics,
+    RouterSettings,
+    make_router,
+)
+from kvbaton.router.disagg import decode_first, follow, prefill_first
 from kvbaton.runtime import Client, DistributedRuntime
 from kvbaton.runtime.discovery.base import PrefixWatch
 
@@ -31,9 +48,26 @@ log = logging.getLogger(__name__)
 TOKENIZER_FETCH_TIMEOUT_S = 30.0
 
 
+@dataclass
+class PrefillPool:
+    """A model's prefill workers: their cards, and the PrefillRouter once it is made."""
+
+    cards: dict[int, ModelCard] = field(default_factory=dict)
+    router: PrefillRouter | None = None
+
+    def live(self) -> list[int]:
+        return self.router.instance_ids(list(self.cards)) if self.router else []
+
+
 class ServedModel:
     def __init__(
-        self, card: ModelCard, tokenizer: Tokenizer, client: Client, router: Router
+        self,
+        card: ModelCard,
+        tokenizer: Tokenizer,
+        client: Client,
+        router: Router,
+        prefill: PrefillPool | None = None,
+        settings: RouterSettings | None = None,
     ) -> None:
         self.name = card.name
         self.card = card  # the first one seen: context length and block size
@@ -41,6 +75,8 @@ class ServedModel:
         self.client = client
         self.router = router
         self.cards: dict[int, ModelCard] = {card.instance_id: card}
+        self.prefill = prefill or PrefillPool()
+        self.settings = settings or RouterSettings()
 
     def instance_ids(self) -> list[int]:
         """Live instances with a card of this model."""
@@ -56,7 +92,8 @@ class ServedModel:
     ) -> AsyncGenerator[EngineOutput, None]:
         """The worker's outputs, from the worker the router ranks first that takes the request
         (one that refuses it unrun passes it on), or from the one `nvext` names; with none
-        left, NoInstancesError. The worker that serves it is appended to `served_by`."""
+        left, NoInstancesError. The workers that serve it are appended to `served_by` (a
+        prefill worker, then the decode worker, when disaggregated)."""
         override = nvext.router_config_override if nvext else None
         hints = RouteRequest(
             request.token_ids,
@@ -70,33 +107,67 @@ class ServedModel:
                 "router mode 'direct' needs nvext.backend_instance_id: the worker to use",
                 "nvext.backend_instance_id",
             )
+        if target is not None and target not in self.instance_ids():
+            raise bad_request(
+                f"nvext.backend_instance_id: instance {target:x} does not serve model "
+                f"{self.name!r}",
+                "nvext.backend_instance_id",
+            )
         if target is not None:
-            if target not in self.instance_ids():
-                raise bad_request(
-                    f"nvext.backend_instance_id: instance {target:x} does not serve model "
-                    f"{self.name!r}",
-                    "nvext.backend_instance_id",
-                )
             route = self.router.pin(hints, target)
-            stream = self.client.direct(request, target, request_id=request_id)
+            outputs = follow(
+                self.client.direct(request, target, request_id=request_id), route, served_by
+            )
         else:
             route = self.router.route(hints, self.instance_ids())
-            stream = self.client.ordered(request, route.ranking, request_id=request_id)
-        try:
-            await stream.open()
-            assert stream.instance_id is not None
-            route.served_by(stream.instance_id)
-            first = True
-            async for out in stream:
-                if first and (out.token_ids or out.finish_reason):
-                    first = False
-                    route.served_by(stream.instance_id)  # a refusal may have passed it on
-                    served_by.append(stream.instance_id)
-                    route.first_token()
+            prefill = self._prefill_workers(request, route)
+            if prefill:
+                assert self.prefill.router is not None
+                orchestrate = (
+                    decode_first
+                    if self.settings.transfer_order == "decode-first"
+                    else prefill_first
+                )
+                outputs = orchestrate(
+                    self.prefill.router,
+                    self.client,
+                    request,
+                    request_id,
+                    hints,
+                    prefill,
+                    route,
+                    served_by,
+                    self.settings.enforce_disagg,
+                )
+            else:
+                outputs = follow(
+                    self.client.ordered(request, route.ranking, request_id=request_id),
+                    route,
+                    served_by,
+                )
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
                 yield out
-        finally:
-            route.done()
-            await stream.aclose()
+
+    def _prefill_workers(self, request: PreprocessedRequest, route: Route) -> list[int]:
+        """The prefill workers to disaggregate on; none to prefill on the decode worker: no
+        prefill worker lives (503 with `enforce_disagg`), or the part of the prompt that the
+        decode worker ranked first lacks is short (`max_local_prefill_tokens`)."""
+        live = self.prefill.live()
+        if not live:
+            if self.settings.enforce_disagg:
+                route.done()
+                raise OpenAIError(
+                    503, f"no prefill worker of model `{self.name}` is available", code="no_workers"
+                )
+            return []
+        limit = self.settings.max_local_prefill_tokens
+        if limit > 0 and route.ranking:
+            overlaps: dict[int, int] = getattr(route, "overlaps", {})
+            cached = overlaps.get(route.ranking[0], 0) * self.card.kv_block_size
+            if len(request.token_ids) - cached < limit:
+                return []
+        return live
 
 
 class ModelManager:
@@ -118,6 +189,8 @@ class ModelManager:
         self._watch: PrefixWatch | None = None
         self._follow: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()  # routers of models that went
+        self._prefill: dict[str, PrefillPool] = {}  # by model name
+        self._prefill_loading: dict[str, asyncio.Task[None]] = {}
         self._files_dir = Path(tempfile.mkdtemp(prefix="kvbaton-frontend-"))
 
     async def start(self) -> None:
@@ -129,16 +202,16 @@ class ModelManager:
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.close()
-        for task in [self._follow, *self._loading.values()]:
+        tasks = [self._follow, *self._loading.values(), *self._prefill_loading.values()]
+        for task in tasks:
             if task is not None:
                 task.cancel()
-        await asyncio.gather(
-            *(t for t in [self._follow, *self._loading.values()] if t),
-            *self._closing,
-            return_exceptions=True,
-        )
+        await asyncio.gather(*(t for t in tasks if t), *self._closing, return_exceptions=True)
         for model in self.models.values():
             await model.router.close()
+        for pool in self._prefill.values():
+            if pool.router is not None:
+                await pool.router.close()
         shutil.rmtree(self._files_dir, ignore_errors=True)
 
     def get(self, name: str) -> ServedModel | None:
@@ -156,6 +229,8 @@ class ModelManager:
         name, instance_id = parsed
         if kind == "delete":
             self._pending.get(name, {}).pop(instance_id, None)
+            if name in self._prefill:
+                self._prefill[name].cards.pop(instance_id, None)
             model = self.models.get(name)
             if model is not None:
                 model.cards.pop(instance_id, None)
@@ -171,6 +246,12 @@ class ModelManager:
             card = ModelCard.from_json(value)
         except Exception as exc:
             log.warning("ignoring a bad model card at %s: %s", key, exc)
+            return
+        if card.role == "prefill":
+            pool = self._prefill.setdefault(name, PrefillPool())
+            pool.cards[instance_id] = card
+            if pool.router is None and name not in self._prefill_loading:
+                self._prefill_loading[name] = asyncio.create_task(self._load_prefill(pool, card))
             return
         if name in self.models:
             self.models[name].cards[instance_id] = card
@@ -194,10 +275,26 @@ class ModelManager:
         if not cards:
             await router.close()
             return  # every worker of it went while it loaded
-        model = ServedModel(card, tokenizer, client, router)
+        prefill = self._prefill.setdefault(name, PrefillPool())
+        model = ServedModel(card, tokenizer, client, router, prefill, self.router_settings)
         model.cards = cards
         self.models[name] = model
         log.info("model %s: served (%d worker(s)), router %s", name, len(cards), router.mode)
+
+    async def _load_prefill(self, pool: PrefillPool, card: ModelCard) -> None:
+        try:
+            client = await self._client(card.endpoint)
+            settings = self.router_settings
+            if settings.mode == "direct":  # a request names its decode worker, not this one
+                settings = dataclasses.replace(settings, mode=None)
+            router = make_router(settings, self.runtime, card, self.router_metrics)
+            await router.start()
+            pool.router = PrefillRouter(self.runtime, client, router)
+            log.info("model %s: prefill workers found; disaggregating", card.name)
+        except Exception as exc:
+            log.error("model %s: could not follow its prefill workers: %s", card.name, exc)
+        finally:
+            self._prefill_loading.pop(card.name, None)
 
     async def _client(self, endpoint: str) -> Client:
         if endpoint not in self._clients:

@@ -1,10 +1,11 @@
 """One worker's KV transfer agent: reads blocks from a peer's pool into its own, or writes its
 own into a peer's, over the best backend both can use.
 
-Backends: `shm` (same host: the peer's pool is a shared-memory segment, copied from or into in
-place), `tcp` (any two hosts: the peer's transfer server), `none` (pools with no bytes, the
-mocker's: nothing moves). `auto` picks shm when the peer is on this host and has a segment,
-else tcp; a forced backend that cannot reach the peer is an error."""
+Backends: `nixl` (the NIXL library, UCX underneath, where installed: the extra kvbaton[nixl]),
+`shm` (same host: the peer's pool is a shared-memory segment, copied from or into in place),
+`tcp` (any two hosts: the peer's transfer server), `none` (pools with no bytes, the mocker's:
+nothing moves). `auto` picks nixl when both agents have it, else shm when the peer is on this
+host and has a segment, else tcp; a forced backend that cannot reach the peer is an error."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import logging
 import threading
 import time
 from multiprocessing import shared_memory
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,9 +22,12 @@ from kvbaton.kv_transfer.pool import KvPool, attach_segment, block_runs, host_id
 from kvbaton.kv_transfer.tcp import KvTransferServer, tcp_read, tcp_write
 from kvbaton.protocols.llm import KvPoolInfo
 
+if TYPE_CHECKING:
+    from kvbaton.kv_transfer.nixl import NixlBackend
+
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "shm", "tcp")
+BACKENDS = ("auto", "nixl", "shm", "tcp")
 DEFAULT_TIMEOUT_S = 30.0
 
 
@@ -36,22 +41,42 @@ class KvTransferAgent:
         self.backend = backend
         self.timeout_s = timeout_s
         self._server: KvTransferServer | None = None
+        self._nixl: NixlBackend | None = None
         self._peers: dict[str, tuple[shared_memory.SharedMemory, np.ndarray]] = {}
         self._lock = threading.Lock()
         self.bytes_moved = 0
         self.seconds = 0.0
 
-    def start(self, host: str) -> None:
-        """Serve the pool over TCP on `host` (a pool with bytes, unless shm is forced)."""
-        if self.pool.blocks is not None and self.backend != "shm":
+    def start(self, host: str, name: str = "") -> None:
+        """Serve the pool over TCP on `host` (a pool with bytes, unless another backend is
+        forced), and register it with NIXL (`name`: the agent's, unique) if that is installed
+        and not ruled out."""
+        if self.pool.blocks is None:
+            if self.backend in ("nixl", "shm") and self.pool.block_bytes:
+                raise ValueError(f"{self.backend} needs the KV pool in host memory")
+            return
+        if self.backend in ("auto", "tcp"):
             self._server = KvTransferServer(self.pool, host, self.timeout_s)
+        if self.backend in ("auto", "nixl"):
+            try:
+                from kvbaton.kv_transfer.nixl import NixlBackend
+            except ImportError as exc:
+                if self.backend == "nixl":
+                    raise ValueError(f"--kv-transfer nixl: NIXL is not installed ({exc})") from exc
+                return
+            self._nixl = NixlBackend(self.pool, name or f"kvbaton-{id(self):x}")
 
     def info(self) -> KvPoolInfo:
-        return self.pool.info(tcp_address=self._server.address if self._server else "")
+        return self.pool.info(
+            tcp_address=self._server.address if self._server else "",
+            nixl_metadata=self._nixl.metadata() if self._nixl else b"",
+        )
 
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self._nixl is not None:
+            self._nixl.close()
         with self._lock:
             names = list(self._peers)
         for name in names:
@@ -67,6 +92,11 @@ class KvTransferAgent:
             return "none"
         if self.pool.blocks is None:
             raise ValueError("this worker's KV pool is not in host memory")
+        nixl = self._nixl is not None and bool(peer.nixl_metadata)
+        if self.backend == "nixl" or (self.backend == "auto" and nixl):
+            if not nixl:
+                raise ValueError("nixl needs NIXL on both workers")
+            return "nixl"
         same_host = peer.host == host_id() and bool(peer.shm_name)
         if self.backend == "shm" or (self.backend == "auto" and same_host):
             if not same_host:
@@ -102,6 +132,10 @@ class KvTransferAgent:
             source, target = (other, blocks) if op == "read" else (blocks, other)
             for s, d, n in block_runs(src, dst):
                 target[d : d + n] = source[s : s + n]
+        elif backend == "nixl":
+            assert self._nixl is not None
+            move = self._nixl.read if op == "read" else self._nixl.write
+            move(peer, src, dst, self.timeout_s)
         elif op == "read":
             tcp_read(peer.tcp_address, peer.layout, src, blocks, dst, self.timeout_s)
         else:

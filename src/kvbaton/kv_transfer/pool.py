@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import shutil
 import socket
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
@@ -17,6 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from kvbaton.protocols.llm import KvPoolInfo
+
+log = logging.getLogger(__name__)
+
+
+def _shm_has_room(nbytes: int) -> bool:
+    root = Path("/dev/shm")
+    return not root.is_dir() or shutil.disk_usage(root).free >= nbytes
 
 
 @functools.cache
@@ -38,7 +47,14 @@ class KvPool:
         self.block_bytes = 0
 
     def allocate(self, nbytes: int) -> memoryview:
-        """The buffer for the engine's cache (zeroed): in shared memory if `shared`."""
+        """The buffer for the engine's cache (zeroed): in shared memory if `shared` and the
+        shared-memory file system has room (touching pages past its size would kill us)."""
+        if self.shared and nbytes > 0 and not _shm_has_room(nbytes):
+            log.warning(
+                "no room for a %.2f GiB KV pool in /dev/shm: peers reach it over TCP only",
+                nbytes / 2**30,
+            )
+            self.shared = False
         if self.shared and nbytes > 0:
             self.segment = shared_memory.SharedMemory(create=True, size=nbytes)
             buffer = self.segment.buf

@@ -96,10 +96,25 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
 
 
+class KvTarget(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Decode-first: the blocks a decode worker allocated for a prompt, for a prefill worker to
+    write the prompt's KV into (blocks `first_block...` of the prompt; those before it the
+    decode worker has cached), then to report on through `notify_endpoint` (`kv_ready`)."""
+
+    decode_instance_id: int
+    notify_endpoint: str  # "namespace.component.kv_ready" on that instance
+    room: str  # names the waiting request there
+    block_ids: list[int]
+    first_block: int
+    block_size: int
+    pool: KvPoolInfo
+
+
 class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """New tokens of one request since its previous output. The last one has `finish_reason`
     ("stop": EOS or a stop token; "length": max_tokens or the context; "abort"), or, from a
-    prefill worker, `disaggregated_params` (an engine's held request: `kv_blocks`)."""
+    prefill worker, `disaggregated_params` (an engine's held request: `kv_blocks`). A decode
+    worker's first output in decode-first order is `kv_target`, with no tokens."""
 
     request_id: str
     token_ids: list[int]
@@ -109,6 +124,7 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: list[list[TokenLogprob]] | None = None
     kv_blocks: list[int] | None = None
     disaggregated_params: DisaggregatedParams | None = None
+    kv_target: KvTarget | None = None
 
     @property
     def is_last(self) -> bool:
@@ -131,6 +147,10 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     cache_salt: str | None = None
     # From the PrefillRouter: the prompt's KV waits at a prefill worker (step S6).
     disaggregated_params: DisaggregatedParams | None = None
+    # Decode-first: to a decode worker, "a prefill worker will write the prompt's KV" (it
+    # answers with `kv_target` first); to a prefill worker, where to write it.
+    bootstrap: bool = False
+    kv_target: KvTarget | None = None
     version: int = 1
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvbaton.protocols.llm import ModelCard
 from kvbaton.router.cost import DEFAULT_OVERLAP_WEIGHT
+from kvbaton.router.disagg import TRANSFER_ORDERS
 from kvbaton.router.indexer import ApproxKvIndexer, KvIndexer
 from kvbaton.router.kv_events import KvEventSubscriber
 from kvbaton.router.kv_router import KvRouter
@@ -22,6 +23,7 @@ from kvbaton.router.policies import (
     Router,
     RouteRequest,
 )
+from kvbaton.router.prefill_router import PrefillError, PrefillRouter
 from kvbaton.runtime import DistributedRuntime
 
 ROUTER_MODES = ("round-robin", "random", "least-loaded", "power-of-two", "kv", "direct")
@@ -44,12 +46,22 @@ class RouterSettings:
     overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
     temperature: float = 0.0
     approx_ttl_s: float = 120.0
+    # Disaggregation (once prefill workers exist): refuse (503) rather than run a request
+    # whole on a decode worker while none does; prefill on the decode worker when the part of
+    # the prompt not cached there is shorter than this many tokens.
+    enforce_disagg: bool = False
+    max_local_prefill_tokens: int = 0
+    transfer_order: str = "prefill-first"  # or "decode-first" (see disagg.py)
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in ROUTER_MODES:
             raise ValueError(f"router mode must be one of {', '.join(ROUTER_MODES)}")
         if self.overlap_weight < 0 or self.temperature < 0 or self.approx_ttl_s <= 0:
             raise ValueError("overlap weight and temperature must be >= 0, the TTL > 0")
+        if self.max_local_prefill_tokens < 0:
+            raise ValueError("max_local_prefill_tokens must be >= 0")
+        if self.transfer_order not in TRANSFER_ORDERS:
+            raise ValueError(f"transfer order must be one of {', '.join(TRANSFER_ORDERS)}")
 
 
 def make_router(
@@ -84,6 +96,8 @@ __all__ = [
     "DEFAULT_OVERLAP_WEIGHT",
     "ROUTER_MODES",
     "KvRouter",
+    "PrefillError",
+    "PrefillRouter",
     "Route",
     "RouteRequest",
     "Router",

@@ -31,7 +31,12 @@ class FixedTokensEngine:
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        hold_kv: bool = False,
+        kv_source: object = None,
+        output_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[EngineOutput, None]:
+        """Runs whole requests only (an "agg" worker): the disaggregation arguments are
+        ignored."""
         params.validate()
         return self._outputs(request_id, len(prompt_token_ids), params.max_tokens)
 
@@ -45,6 +50,9 @@ class FixedTokensEngine:
             finish_reason="length",
             usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(tokens)),
         )
+
+    def release_kv(self, request_id: str) -> None:
+        return None
 
     def stats(self) -> EngineStats:
         return EngineStats(0, 0, 0, 0, 0, 0.0)

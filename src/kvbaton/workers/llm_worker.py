@@ -1,6 +1,11 @@
-"""The aggregated LLM worker: one engine behind the endpoints `generate`, `clear_kv_blocks`,
-`load_metrics` and `tokenizer_files` (and `kv_events` and `kv_dump` when it publishes KV events),
-and a model card in discovery.
+"""The LLM worker: one engine behind the endpoints `generate`, `clear_kv_blocks`, `load_metrics`
+and `tokenizer_files` (and `kv_events` and `kv_dump` when it publishes KV events, `kv_release`
+as a prefill worker, `kv_ready` as a worker that decodes), and a model card in discovery.
+
+Roles: "agg" runs whole requests; "prefill" runs each request to its first token and answers
+with where its KV waits, or writes it where a decode worker waits for it (`kv_handoff.py`);
+"decode" (and "agg" given a KV handoff) also takes requests whose prompt KV a prefill worker
+computes, and reads it (prefill-first) or has it written into its blocks (decode-first).
 
 Invariants: a request's engine id is unique in this worker even when callers reuse a request
 id; a caller that goes away (cancel, disconnect, deadline) aborts its request in the engine, so
@@ -28,9 +33,12 @@ from kvbaton.protocols.llm import (
     WorkerLoad,
 )
 from kvbaton.runtime import Context, DistributedRuntime
+from kvbaton.workers.kv_handoff import KvFetch, KvHandoff, KvRoom
 from kvbaton.workers.kv_publisher import KvEventPublisher
 
 log = logging.getLogger(__name__)
+
+ROLES = ("agg", "prefill", "decode")
 
 # The files a frontend needs to tokenize and template for a model.
 TOKENIZER_FILES = (
@@ -62,8 +70,12 @@ class ServingEngine(Protocol):
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        hold_kv: bool = False,
+        kv_source: object = None,
+        output_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[EngineOutput, None]: ...
 
+    def release_kv(self, request_id: str) -> None: ...
     def stats(self) -> EngineStats: ...
     async def clear_kv_blocks(self) -> int: ...
     async def kv_dump(self) -> KvDump: ...
@@ -80,11 +92,20 @@ class LLMWorker:
         namespace: str,
         component: str = "backend",
         kv_events: KvEventPublisher | None = None,
+        role: str = "agg",
+        handoff: KvHandoff | None = None,
     ) -> None:
-        """`kv_events`: the publisher the engine was given as its KV event callback."""
+        """`kv_events`: the publisher the engine was given as its KV event callback;
+        `handoff`: the KV transfer of a prefill or decode worker (the engine's loader)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}")
+        if role == "prefill" and handoff is None:
+            raise ValueError("a prefill worker needs a KV handoff")
         self.runtime = runtime
         self.engine = engine
         self.kv_events = kv_events
+        self.role = role
+        self.handoff = handoff
         self.served_name = served_name
         self.namespace = namespace
         self.component = runtime.namespace(namespace).component(component)
@@ -95,20 +116,40 @@ class LLMWorker:
     ) -> AsyncIterator[EngineOutput]:
         if request.model != self.served_name:
             raise ValueError(f"this worker serves {self.served_name!r}, not {request.model!r}")
+        if request.kv_target is not None and self.role != "prefill":
+            raise ValueError("kv_target is for prefill workers")
+        if request.bootstrap and self.role == "prefill":
+            raise ValueError("a prefill worker takes no bootstrap request")
         engine_id = f"{context.id}#{next(self._ids)}"
         started = time.monotonic()
+        fetch = self._fetch(request)
+        room = None
+        if request.bootstrap and self.handoff is not None and self.role != "prefill":
+            room = self.handoff.open_room(engine_id)
         outputs = await self.engine.add_request(
             engine_id,
             request.token_ids,
             request.sampling,
             lora_name=request.lora_name,
             cache_salt=request.cache_salt,
+            hold_kv=self.role == "prefill",
+            kv_source=room or self._readable(fetch),
+            output_token_ids=fetch.params.first_token_ids if fetch else None,
         )
         generated = 0
         finish = "cancelled"
+        stream = outputs if room is None else self._announced(room, outputs)
         try:
-            async for out in outputs:
+            async for out in stream:
                 generated += len(out.token_ids)
+                if request.kv_target is not None:
+                    assert self.handoff is not None
+                    out = await self.handoff.push(engine_id, out, request.kv_target)
+                    finish = "pushed"
+                elif out.kv_blocks is not None:
+                    assert self.handoff is not None
+                    out = self.handoff.hold(engine_id, out, len(request.token_ids))
+                    finish = "held"
                 yield out
                 if out.finish_reason is not None:
                     finish = out.finish_reason
@@ -116,6 +157,11 @@ class LLMWorker:
                     break
         finally:
             await outputs.aclose()  # aborts an unfinished request
+            if room is not None:
+                assert self.handoff is not None
+                self.handoff.close_room(room)
+            if fetch is not None and self.handoff is not None:
+                await self.handoff.release_remote(fetch)
             log.info(
                 "request %s: %d prompt tokens, %d generated, %s, %.3fs",
                 context.id,
@@ -124,6 +170,49 @@ class LLMWorker:
                 finish,
                 time.monotonic() - started,
             )
+
+    async def _announced(
+        self, room: KvRoom, outputs: AsyncGenerator[EngineOutput, None]
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """Decode-first: the engine's outputs, preceded by the room's `kv_target` once the engine
+        gave the request its blocks (never, if its prompt was all cached here)."""
+        assert self.handoff is not None
+        first = asyncio.ensure_future(anext(outputs))
+        try:
+            either: list[asyncio.Future[Any]] = [room.allocated, first]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if room.allocated.done() and not room.allocated.cancelled():
+                yield EngineOutput(
+                    request_id=room.name, token_ids=[], kv_target=self.handoff.target(room)
+                )
+            yield await first
+        finally:
+            if not first.done():
+                first.cancel()
+        async for out in outputs:
+            yield out
+
+    def _fetch(self, request: PreprocessedRequest) -> KvFetch | None:
+        """The request's KV source, if it comes with one (checked against the prompt)."""
+        params = request.disaggregated_params
+        if params is None:
+            return None
+        if self.role == "prefill":
+            raise ValueError("a prefill worker takes no disaggregated_params")
+        if request.bootstrap or request.kv_target is not None:
+            raise ValueError("disaggregated_params come in the prefill-first order only")
+        if params.num_tokens != len(request.token_ids) or not params.first_token_ids:
+            raise ValueError("disaggregated_params do not match the request's prompt")
+        return KvFetch(params)
+
+    def _readable(self, fetch: KvFetch | None) -> KvFetch | None:
+        """`fetch` if this worker can read it; else the prompt is computed here."""
+        if fetch is None or (
+            self.handoff is not None and fetch.params.block_size == self.engine.block_size
+        ):
+            return fetch
+        log.info("KV of %s is not readable here; prefilling locally", fetch.params.handle)
+        return None
 
     def load(self) -> WorkerLoad:
         stats = dataclasses.asdict(self.engine.stats())
@@ -170,6 +259,8 @@ class LLMWorker:
             tokenizer_files=[n for n in TOKENIZER_FILES if (model_dir / n).is_file()],
             created=int(time.time()),
             kv_events=self.kv_events is not None,
+            role=self.role,
+            kv_pool=self.handoff.agent.info() if self.handoff else None,
         )
 
     async def serve(self) -> None:
@@ -187,6 +278,12 @@ class LLMWorker:
                 endpoint("clear_kv_blocks").serve_endpoint(self.clear_kv_blocks),
                 endpoint("tokenizer_files").serve_endpoint(self.tokenizer_files),
             ]
+            if self.handoff is not None:
+                self.handoff.start()
+                if self.role == "prefill":
+                    serving.append(endpoint("kv_release").serve_endpoint(self.handoff.kv_release))
+                else:
+                    serving.append(endpoint("kv_ready").serve_endpoint(self.handoff.kv_ready))
             if self.kv_events is not None:
                 self.kv_events.start(self.load)
                 serving += [
@@ -197,3 +294,5 @@ class LLMWorker:
             await asyncio.gather(*serving)
         finally:
             await self.engine.shutdown()
+            if self.handoff is not None:
+                await self.handoff.close()

@@ -1,0 +1,310 @@
+"""KV blocks over NIXL (the library Dynamo uses; UCX moves host memory between processes, and
+GPU memory where there is one). Importing this module raises ImportError where NIXL is not
+installed (`pip install kvbaton[nixl]`).
+
+One NIXL agent per pool. It registers the pool's memory once and publishes `metadata()`: its
+NIXL agent metadata plus where the pool lies (address, size, memory type, device), which a
+peer needs to name our blocks. A peer's agent is added lazily, on the first transfer with it,
+and cached by its agent name; a peer that publishes new metadata under the same name is
+re-added, and one whose transfer fails or times out is dropped (re-added on the next try).
+
+A transfer is one NIXL request whose descriptors are the runs of consecutive blocks
+(`block_runs`): blocks are contiguous across all layers, so a request's KV moves in as many
+pieces as it has runs. READ and WRITE are one-sided; neither sends a notification.
+
+Progress: NIXL's own progress thread spins a core (its delay is 0), so the agent runs without
+it, and a thread of ours progresses the agent every `progress_interval_s` (a peer's first
+connection and UCX's TCP transport need the passive side to progress; shared memory and RDMA
+do not). A transfer in flight is progressed by the thread that waits for it."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvbaton.kv_transfer.pool import KvPool, block_runs
+from kvbaton.protocols.llm import KvPoolInfo
+
+log = logging.getLogger(__name__)
+
+# The `nixl` meta package picks the wheel that matches torch's CUDA; without it (the extra
+# depends on `nixl-cu12` alone: the meta package requires every CUDA variant) import a variant.
+_NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+PROGRESS_INTERVAL_S = 0.002
+_MAX_POLL_S = 0.0005  # the longest sleep between two looks at a transfer in flight
+_BAD_METADATA = ("nixlMismatchError", "nixlInvalidParamError")  # add_remote_agent's answers
+
+
+def _import_nixl() -> ModuleType:
+    errors: list[str] = []
+    for name in _NIXL_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise ImportError("NIXL is not installed (pip install 'kvbaton[nixl]'): " + "; ".join(errors))
+
+
+_nixl = _import_nixl()
+if not os.environ.get("NIXL_LOG_LEVEL"):
+    # NIXL's Python logger prints each agent's start to stdout at INFO.
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+class _Published(msgspec.Struct, kw_only=True):
+    """What `metadata()` holds: the NIXL agent's metadata and the registered pool."""
+
+    name: str  # the NIXL agent's name (also inside `agent`)
+    agent: bytes  # nixl_agent.get_agent_metadata()
+    mem: str  # "DRAM" (host memory) or "VRAM"
+    device: int
+    address: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class _Peer:
+    name: str
+    raw: bytes  # the metadata it was added from
+    mem: str
+    device: int
+    address: int
+    nbytes: int
+
+
+class NixlBackend:
+    def __init__(
+        self, pool: KvPool, name: str, progress_interval_s: float = PROGRESS_INTERVAL_S
+    ) -> None:
+        blocks = pool.blocks
+        if blocks is None or pool.block_bytes == 0:
+            raise ValueError("NIXL needs a KV pool with bytes in host memory")
+        if not blocks.flags.c_contiguous:
+            raise ValueError("NIXL needs the KV pool in one contiguous buffer")
+        # Unique even if two processes pass the same name (a peer restarted, an id reused).
+        self.name = f"{name}-{secrets.token_hex(4)}"
+        self.block_bytes = pool.block_bytes
+        self.num_blocks = pool.num_blocks
+        self._blocks: np.ndarray | None = blocks  # keeps the memory mapped while registered
+        self._address = int(blocks.ctypes.data)
+        self._nbytes = int(blocks.nbytes)
+        self._mem, self._device = "DRAM", 0
+        self._progress_interval_s = progress_interval_s
+        self._lock = threading.Lock()  # the peer table, and adding or dropping a peer
+        self._peers: dict[str, _Peer] = {}
+        self._unreleased: list[Any] = []  # transfer handles NIXL could not cancel
+        self._closed = threading.Event()
+        config = _nixl.nixl_agent_config(
+            enable_prog_thread=False,
+            backends=["UCX"],
+            sync_mode=_nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # threads share it
+        )
+        self._agent: Any = _nixl.nixl_agent(self.name, config)
+        if "UCX" not in self._agent.backends:
+            raise RuntimeError("NIXL has no UCX backend here")
+        region = np.array([[self._address, self._nbytes, self._device]], dtype=np.uint64)
+        self._registered = self._agent.register_memory(region, self._mem)
+        self._metadata = msgspec.msgpack.encode(
+            _Published(
+                name=self.name,
+                agent=self._agent.get_agent_metadata(),
+                mem=self._mem,
+                device=self._device,
+                address=self._address,
+                nbytes=self._nbytes,
+            )
+        )
+        self._progress = threading.Thread(
+            target=self._progress_loop, name=f"nixl-progress-{self.name}", daemon=True
+        )
+        self._progress.start()
+
+    def metadata(self) -> bytes:
+        """This agent's metadata, for peers to add it (published in `KvPoolInfo`)."""
+        return self._metadata
+
+    def read(self, peer: KvPoolInfo, src: list[int], dst: list[int], timeout_s: float) -> None:
+        """Copy the peer's blocks `src` into ours `dst`; blocks until done or raises."""
+        self._transfer("READ", peer, dst, src, timeout_s)
+
+    def write(self, peer: KvPoolInfo, src: list[int], dst: list[int], timeout_s: float) -> None:
+        """Copy our blocks `src` into the peer's `dst`; blocks until done or raises."""
+        self._transfer("WRITE", peer, src, dst, timeout_s)
+
+    def close(self) -> None:
+        """Drop the peers and the registration. Call once no transfer runs."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._progress.join(timeout=5.0)
+        agent, self._agent = self._agent, None
+        with self._lock:
+            peers = list(self._peers.values())
+            self._peers.clear()
+        for peer in peers:
+            self._call_quietly(agent.remove_remote_agent, peer.name)
+        for handle in self._unreleased:
+            self._call_quietly(agent.release_xfer_handle, handle)
+        self._unreleased.clear()
+        self._call_quietly(agent.deregister_memory, self._registered)
+        self._blocks = None
+
+    # -- internals ---------------------------------------------------------------------------
+    def _transfer(
+        self, op: str, info: KvPoolInfo, ours: list[int], theirs: list[int], timeout_s: float
+    ) -> None:
+        if len(ours) != len(theirs):
+            raise ValueError("as many source blocks as destination blocks")
+        agent = self._agent
+        if agent is None:
+            raise RuntimeError("the NIXL backend is closed")
+        if not ours:
+            return
+        if any(b < 0 or b >= self.num_blocks for b in ours):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+        if any(b < 0 or b >= info.num_blocks for b in theirs):
+            raise ValueError(f"the peer's block ids must be in [0, {info.num_blocks})")
+        peer = self._peer(info)
+        runs = np.array(block_runs(ours, theirs), dtype=np.uint64)  # (ours, theirs, count)
+        size = runs[:, 2] * np.uint64(self.block_bytes)
+        local = np.empty((len(runs), 3), dtype=np.uint64)
+        local[:, 0] = np.uint64(self._address) + runs[:, 0] * np.uint64(self.block_bytes)
+        local[:, 1] = size
+        local[:, 2] = self._device
+        remote = np.empty_like(local)
+        remote[:, 0] = np.uint64(peer.address) + runs[:, 1] * np.uint64(self.block_bytes)
+        remote[:, 1] = size
+        remote[:, 2] = peer.device
+        what = f"NIXL {op} of {len(ours)} blocks with {peer.name}"
+        try:
+            handle = agent.initialize_xfer(
+                op,
+                agent.get_xfer_descs(local, self._mem),
+                agent.get_xfer_descs(remote, peer.mem),
+                peer.name,
+            )
+        except Exception as exc:
+            self._drop(peer)
+            raise ConnectionError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        try:
+            self._wait(agent, handle, what, timeout_s)
+        except BaseException:
+            self._drop(peer)  # its connection may be broken: add it anew next time
+            raise
+        finally:
+            self._release(agent, handle, what)
+
+    def _wait(self, agent: Any, handle: Any, what: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            state = agent.transfer(handle)
+            pause = 0.0
+            while state == "PROC":
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{what}: not done after {timeout_s:g}s")
+                time.sleep(pause)
+                pause = min(max(2 * pause, 1e-5), _MAX_POLL_S)
+                state = agent.check_xfer_state(handle)
+        except TimeoutError:
+            raise
+        except Exception as exc:
+            raise ConnectionError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        if state != "DONE":
+            raise ConnectionError(f"{what} failed ({state})")
+
+    def _release(self, agent: Any, handle: Any, what: str) -> None:
+        """Free a transfer's handle; NIXL cancels one still in flight, or refuses."""
+        try:
+            agent.release_xfer_handle(handle)
+        except Exception as exc:
+            log.error("%s could not be cancelled (%s): its blocks may still change", what, exc)
+            self._unreleased.append(handle)
+
+    def _peer(self, info: KvPoolInfo) -> _Peer:
+        """The peer's NIXL agent, added on first use."""
+        raw = info.nixl_metadata
+        if not raw:
+            raise ValueError("the peer publishes no NIXL metadata")
+        try:
+            published = msgspec.msgpack.decode(raw, type=_Published)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"the peer's NIXL metadata is unreadable: {exc}") from exc
+        if published.name == self.name:
+            raise ValueError("the peer is this NIXL agent")
+        if info.block_bytes != self.block_bytes:
+            raise ValueError(
+                f"the peer's blocks are {info.block_bytes} bytes, ours {self.block_bytes}"
+            )
+        if published.nbytes < info.num_blocks * info.block_bytes:
+            raise ValueError("the peer registered less memory with NIXL than its pool holds")
+        with self._lock:
+            known = self._peers.get(published.name)
+            if known is not None and known.raw == raw:
+                return known
+            agent = self._agent
+            if agent is None:
+                raise RuntimeError("the NIXL backend is closed")
+            if known is not None:  # it published new metadata under the same name
+                del self._peers[known.name]
+                self._call_quietly(agent.remove_remote_agent, known.name)
+            try:
+                loaded = agent.add_remote_agent(published.agent)
+            except Exception as exc:
+                problem = f"NIXL cannot add peer {published.name}: {type(exc).__name__}: {exc}"
+                if type(exc).__name__ in _BAD_METADATA:
+                    raise ValueError(problem) from exc
+                raise ConnectionError(problem) from exc
+            loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if loaded != published.name:
+                self._call_quietly(agent.remove_remote_agent, loaded)
+                raise ValueError(
+                    f"the peer's NIXL metadata names agent {loaded!r}, not {published.name!r}"
+                )
+            peer = _Peer(
+                name=published.name,
+                raw=raw,
+                mem=published.mem,
+                device=published.device,
+                address=published.address,
+                nbytes=published.nbytes,
+            )
+            self._peers[peer.name] = peer
+            return peer
+
+    def _drop(self, peer: _Peer) -> None:
+        with self._lock:
+            if self._peers.get(peer.name) is not peer:
+                return  # dropped, or re-added, by another thread
+            del self._peers[peer.name]
+            if self._agent is not None:
+                self._call_quietly(self._agent.remove_remote_agent, peer.name)
+
+    def _progress_loop(self) -> None:
+        failed = False
+        while not self._closed.wait(self._progress_interval_s):
+            agent = self._agent
+            if agent is None:
+                return
+            try:
+                agent.get_new_notifs()  # progresses the UCX worker; we send no notifications
+            except Exception:
+                if not failed:
+                    log.exception("NIXL progress failed (logged once)")
+                failed = True
+
+    @staticmethod
+    def _call_quietly(call: Any, *args: Any) -> None:
+        try:
+            call(*args)
+        except Exception as exc:
+            log.debug("NIXL %s failed: %s", getattr(call, "__name__", call), exc)

@@ -1,0 +1,158 @@
+"""A request's path through the workers once routed (steps S3-S8 of DESIGN.md): whole on one
+worker, or disaggregated in either transfer order.
+
+- prefill-first: the prefill worker computes the prompt's KV and answers with the first token
+  (streamed to the client at once) and `DisaggregatedParams`; the decode worker, sent the
+  request with them, reads the KV and decodes.
+- decode-first: the decode worker allocates blocks and answers first with a `KvTarget`; the
+  prefill worker, sent the request with it, writes the KV into those blocks and tells the
+  decode worker, which then streams every token, the first included.
+
+Invariants: `Route.done()` once per route; a prefill failure falls back to a prefill on the
+decode worker (or raises PrefillError with `enforce`); blocks a prefill worker holds for a
+decode worker that never takes the request are released, and a decode worker's room that no
+prefill worker will fill is ended at once."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncGenerator
+
+import msgspec
+
+from kvbaton.protocols.llm import EngineOutput, KvTarget, PreprocessedRequest
+from kvbaton.router.policies import Route, RouteRequest
+from kvbaton.router.prefill_router import PrefillError, PrefillRouter
+from kvbaton.runtime import Client, ResponseStream
+
+log = logging.getLogger(__name__)
+
+TRANSFER_ORDERS = ("prefill-first", "decode-first")
+
+
+async def follow(
+    stream: ResponseStream, route: Route, served_by: list[int]
+) -> AsyncGenerator[EngineOutput, None]:
+    """A worker's outputs, its route kept up to date; the route is done at the end."""
+    try:
+        await stream.open()
+        assert stream.instance_id is not None
+        route.served_by(stream.instance_id)
+        taken = False
+        async for out in stream:
+            if not taken and (out.token_ids or out.finish_reason):
+                taken = True
+                route.served_by(stream.instance_id)  # a refusal may have passed it on
+                served_by.append(stream.instance_id)
+                route.first_token()
+            yield out
+    finally:
+        route.done()
+        await stream.aclose()
+
+
+async def prefill_first(
+    prefill: PrefillRouter,
+    decode: Client,
+    request: PreprocessedRequest,
+    request_id: str,
+    hints: RouteRequest,
+    candidates: list[int],
+    route: Route,
+    served_by: list[int],
+    enforce: bool,
+) -> AsyncGenerator[EngineOutput, None]:
+    params = None
+    taken = False  # a decode worker produced output: it read (or released) the blocks
+    try:
+        answer = await _prefill(prefill, request, request_id, hints, candidates, served_by, enforce)
+        if answer is not None and answer.disaggregated_params is None:
+            yield answer  # it stopped at its first token
+            return
+        if answer is not None:
+            params = answer.disaggregated_params
+            request = msgspec.structs.replace(request, disaggregated_params=params)
+            yield EngineOutput(
+                request_id=answer.request_id, token_ids=answer.token_ids, logprobs=answer.logprobs
+            )
+        stream = decode.ordered(request, route.ranking, request_id=request_id)
+        async for out in follow(stream, route, served_by):
+            taken = True
+            if params is not None and out.usage is not None:  # the prefill's cache hits
+                out.usage.cached_tokens = params.cached_tokens
+            yield out
+    finally:
+        route.done()
+        if params is not None and not taken:
+            await prefill.release(params)
+
+
+async def decode_first(
+    prefill: PrefillRouter,
+    decode: Client,
+    request: PreprocessedRequest,
+    request_id: str,
+    hints: RouteRequest,
+    candidates: list[int],
+    route: Route,
+    served_by: list[int],
+    enforce: bool,
+) -> AsyncGenerator[EngineOutput, None]:
+    bootstrap = msgspec.structs.replace(request, bootstrap=True)
+    outputs = follow(
+        decode.ordered(bootstrap, route.ranking, request_id=request_id), route, served_by
+    )
+    pushing: asyncio.Task[EngineOutput | None] | None = None
+    try:
+        async for out in outputs:
+            if out.kv_target is not None:
+                target = out.kv_target
+                pushed = msgspec.structs.replace(request, kv_target=target)
+                pushing = asyncio.create_task(
+                    _prefill(prefill, pushed, request_id, hints, candidates, served_by, enforce)
+                )
+                pushing.add_done_callback(functools.partial(_abandon_on_failure, prefill, target))
+                continue
+            if pushing is not None and pushing.done() and not pushing.cancelled():
+                error = pushing.exception()
+                if error is not None:  # PrefillError with `enforce`
+                    raise error
+            yield out
+    finally:
+        if pushing is not None and not pushing.done():
+            pushing.cancel()
+        await outputs.aclose()
+
+
+_ABANDONING: set[asyncio.Task[None]] = set()
+
+
+def _abandon_on_failure(
+    prefill: PrefillRouter, target: KvTarget, task: asyncio.Task[EngineOutput | None]
+) -> None:
+    """A prefill that wrote nothing: end the decode worker's wait now, not at its timeout."""
+    if task.cancelled() or task.exception() is not None or task.result() is None:
+        abandoning = asyncio.ensure_future(prefill.abandon(target))
+        _ABANDONING.add(abandoning)
+        abandoning.add_done_callback(_ABANDONING.discard)
+
+
+async def _prefill(
+    prefill: PrefillRouter,
+    request: PreprocessedRequest,
+    request_id: str,
+    hints: RouteRequest,
+    candidates: list[int],
+    served_by: list[int],
+    enforce: bool,
+) -> EngineOutput | None:
+    """The prefill worker's answer, or None (the decode worker prefills) if it failed."""
+    try:
+        return await prefill.prefill(request, request_id, hints, candidates, served_by)
+    except PrefillError as exc:
+        if enforce:
+            raise
+        log.warning("request %s: %s; prefilling on the decode worker", request_id, exc)
+        return None

@@ -1,0 +1,265 @@
+"""A worker's part in disaggregation (steps S5 and S7-S8), in both transfer orders.
+
+Prefill-first: a prefill worker holds a request's blocks after its first token and answers with
+`DisaggregatedParams`; the decode worker reads the prompt's KV from its pool, then tells it to
+release. Decode-first: the decode worker allocates blocks and answers first with a `KvTarget`
+(its room); the prefill worker writes the prompt's KV into them, tells the decode worker
+(`kv_ready`, with the first token) and frees its own blocks at once; the decode worker waits
+for that in its room, at most `timeout_s`.
+
+Invariants: held blocks are released exactly once, by a `kv_release` call or, if none comes,
+after `hold_timeout_s`; a decode worker sends one release per request it was given params for
+(after its read, or when the request ends without one), and never waits on it; a room ends
+exactly once (kv_ready, its timeout, or its request ending), and its blocks are not freed while
+a writer may still be told to write them (the engine frees a loading request's blocks only
+when its load ends)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
+from kvbaton.kv_transfer import KvTransferAgent
+from kvbaton.llm.peer_calls import PeerCalls
+from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput, KvTarget
+from kvbaton.runtime import Context, DistributedRuntime
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOLD_TIMEOUT_S = 30.0
+
+
+class HoldingEngine(Protocol):
+    def release_kv(self, request_id: str) -> None: ...
+
+
+@dataclass
+class KvFetch:
+    """A decode request's KV source, as the engine hands it to the loader."""
+
+    params: DisaggregatedParams
+    released: bool = False
+
+
+@dataclass
+class KvRoom:
+    """A decode-first request's KV source: where its prompt's KV will be written."""
+
+    name: str
+    allocated: asyncio.Future[None]  # resolved once the engine gave the request its blocks
+    block_ids: list[int] = field(default_factory=list)
+    first_block: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+    token_ids: list[int] = field(default_factory=list)
+
+    def end(self, ok: bool, token_ids: list[int]) -> bool:
+        """The first end counts; False for a later one."""
+        if self.done.is_set():
+            return False
+        self.ok, self.token_ids = ok, token_ids
+        self.done.set()
+        return True
+
+
+class KvHandoff:
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        engine: HoldingEngine,
+        agent: KvTransferAgent,
+        component_path: str,
+        block_size: int,
+        hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
+    ) -> None:
+        """`component_path`: "namespace.component" of this worker (its kv_release and kv_ready
+        endpoints)."""
+        if hold_timeout_s <= 0:
+            raise ValueError("the KV hold timeout must be positive")
+        self.runtime = runtime
+        self.engine = engine
+        self.agent = agent
+        self.release_endpoint = f"{component_path}.kv_release"
+        self.notify_endpoint = f"{component_path}.kv_ready"
+        self.block_size = block_size
+        self.hold_timeout_s = hold_timeout_s
+        self._held: dict[str, asyncio.TimerHandle] = {}
+        self._rooms: dict[str, KvRoom] = {}
+        self.peers = PeerCalls(runtime)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    async def close(self) -> None:
+        for timer in self._held.values():
+            timer.cancel()
+        self._held.clear()
+        for room in list(self._rooms.values()):
+            room.end(False, [])
+        await self.peers.close()
+        await asyncio.to_thread(self.agent.close)
+
+    # -- prefill side --------------------------------------------------------------------------
+    def hold(self, handle: str, out: EngineOutput, prompt_len: int) -> EngineOutput:
+        """The answer for a held request: its first token and where its KV waits."""
+        assert out.kv_blocks is not None
+        self._held[handle] = asyncio.get_running_loop().call_later(
+            self.hold_timeout_s, self._expire, handle
+        )
+        params = DisaggregatedParams(
+            prefill_instance_id=self.runtime.instance_id or 0,
+            release_endpoint=self.release_endpoint,
+            handle=handle,
+            block_ids=out.kv_blocks,
+            num_tokens=prompt_len,
+            block_size=self.block_size,
+            first_token_ids=out.token_ids,
+            pool=self.agent.info(),
+            cached_tokens=out.usage.cached_tokens if out.usage else 0,
+        )
+        return EngineOutput(
+            request_id=out.request_id,
+            token_ids=out.token_ids,
+            usage=out.usage,
+            logprobs=out.logprobs,
+            disaggregated_params=params,
+        )
+
+    def release(self, handle: str) -> bool:
+        timer = self._held.pop(handle, None)
+        if timer is None:
+            return False
+        timer.cancel()
+        self.engine.release_kv(handle)
+        return True
+
+    def _expire(self, handle: str) -> None:
+        if self._held.pop(handle, None) is not None:
+            log.warning(
+                "KV of %s held %.0fs and not fetched: released", handle, self.hold_timeout_s
+            )
+            self.engine.release_kv(handle)
+
+    async def kv_release(self, request: Any, context: Context) -> dict[str, bool]:
+        """Endpoint: a decode worker read (or gave up on) the blocks of `handle`."""
+        if not isinstance(request, dict) or not isinstance(request.get("handle"), str):
+            raise ValueError("kv_release takes {'handle': str}")
+        return {"released": self.release(request["handle"])}
+
+    # -- decode side ---------------------------------------------------------------------------
+    def load(self, load: KvLoad) -> list[int] | None:
+        """The engine's loader (on a load thread)."""
+        if isinstance(load.source, KvRoom):
+            return self._await_push(load, load.source)
+        fetch = load.source
+        assert isinstance(fetch, KvFetch)
+        params = fetch.params
+        try:
+            src = params.block_ids[load.first_block : load.first_block + len(load.dst_blocks)]
+            if len(src) != len(load.dst_blocks):
+                raise ValueError("the prefill worker sent fewer blocks than the prompt needs")
+            self._move("read", params.pool, src, load.dst_blocks, load.request_id)
+        finally:
+            assert self._loop is not None
+            asyncio.run_coroutine_threadsafe(self.release_remote(fetch), self._loop)
+        return None
+
+    def _move(self, op: str, peer: Any, src: list[int], dst: list[int], request_id: str) -> None:
+        started = time.perf_counter()
+        move = self.agent.read if op == "read" else self.agent.write
+        backend = move(peer, src, dst)
+        log.info(
+            "request %s: %s %d KV blocks (%.2f MB) over %s in %.1f ms",
+            request_id,
+            "read" if op == "read" else "wrote",
+            len(src),
+            len(src) * self.agent.pool.block_bytes / 1e6,
+            backend,
+            (time.perf_counter() - started) * 1e3,
+        )
+
+    async def release_remote(self, fetch: KvFetch) -> None:
+        """Tell the prefill worker to release the blocks of `fetch` (once)."""
+        if not fetch.released:
+            fetch.released = True
+            await self.peers.release(fetch.params)
+
+    # -- decode-first --------------------------------------------------------------------------
+    def open_room(self, name: str) -> KvRoom:
+        room = KvRoom(name, asyncio.get_running_loop().create_future())
+        self._rooms[name] = room
+        return room
+
+    def close_room(self, room: KvRoom) -> None:
+        """The request ended: a writer that has not reported is too late."""
+        room.end(False, [])
+        self._rooms.pop(room.name, None)
+        if not room.allocated.done():
+            room.allocated.cancel()
+
+    def target(self, room: KvRoom) -> KvTarget:
+        return KvTarget(
+            decode_instance_id=self.runtime.instance_id or 0,
+            notify_endpoint=self.notify_endpoint,
+            room=room.name,
+            block_ids=room.block_ids,
+            first_block=room.first_block,
+            block_size=self.block_size,
+            pool=self.agent.info(),
+        )
+
+    def _await_push(self, load: KvLoad, room: KvRoom) -> list[int]:
+        """Publish the room's blocks, then wait for the writer's report (or the timeout)."""
+        room.block_ids, room.first_block = load.dst_blocks, load.first_block
+        assert self._loop is not None
+
+        def allocated() -> None:
+            if not room.allocated.done():
+                room.allocated.set_result(None)
+
+        self._loop.call_soon_threadsafe(allocated)
+        if not room.done.wait(self.agent.timeout_s):
+            room.end(False, [])
+        if not room.ok:
+            raise KvLoadFailed(f"room {room.name}: the prompt's KV was not written", room.token_ids)
+        return room.token_ids
+
+    async def kv_ready(self, request: Any, context: Context) -> dict[str, bool]:
+        """Endpoint: a prefill worker wrote the KV of `room` (ok) or will not."""
+        if not isinstance(request, dict) or not isinstance(request.get("room"), str):
+            raise ValueError("kv_ready takes {'room': str, 'ok': bool, 'token_ids': [int]}")
+        room = self._rooms.pop(request["room"], None)
+        tokens = [int(t) for t in request.get("token_ids", [])]
+        return {"accepted": room is not None and room.end(bool(request.get("ok")), tokens)}
+
+    async def push(self, handle: str, out: EngineOutput, target: KvTarget) -> EngineOutput:
+        """Prefill side: write a held request's KV into the target's blocks, report to the
+        decode worker, free our blocks; the answer for the PrefillRouter."""
+        ok = False
+        if out.kv_blocks is not None:
+            src = out.kv_blocks[target.first_block : target.first_block + len(target.block_ids)]
+            try:
+                if len(src) != len(target.block_ids) or target.block_size != self.block_size:
+                    raise ValueError("the decode worker's blocks do not fit this prompt's")
+                await asyncio.to_thread(
+                    self._move, "write", target.pool, src, target.block_ids, handle
+                )
+                ok = True
+            except Exception as exc:
+                log.warning("request %s: KV write to %s failed: %s", handle, target.room, exc)
+            finally:
+                self.engine.release_kv(handle)
+        await self.peers.kv_ready(target, ok, out.token_ids)
+        return EngineOutput(
+            request_id=out.request_id,
+            token_ids=out.token_ids,
+            finish_reason=out.finish_reason,
+            usage=out.usage,
+            logprobs=out.logprobs,
+        )

@@ -1,0 +1,187 @@
+"""Disaggregated serving through a real deployment: `kvbaton serve --mode disagg` (a prefill and
+a decode worker) on a tiny random model, in both transfer orders, the KV moving over shared
+memory or TCP. Greedy tokens equal aggregated serving's (the same decode worker, pinned, runs
+the request whole), with and without prefix-cache hits on either side; every block comes back
+on both workers."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvbaton.protocols.llm import WorkerLoad
+from kvbaton.runtime import DistributedRuntime
+from tests.frontend.conftest import Deployment, start_serve, stop_serve, wait_for_health
+
+pytestmark = pytest.mark.integration
+
+PROMPT_LENGTHS = [1, 5, 16, 17, 40, 100]  # block size 16: partial, whole and several blocks
+
+
+def prompts() -> list[list[int]]:
+    return [[(7 * n + 3 * i) % 200 + 20 for i in range(n)] for n in PROMPT_LENGTHS]
+
+
+async def worker_load(runtime: DistributedRuntime, component: str) -> WorkerLoad:
+    client = await runtime.endpoint(f"kvbaton.{component}.load_metrics").client(
+        response_type=WorkerLoad
+    )
+    try:
+        await client.wait_for_instances(30)
+        loads: list[WorkerLoad] = [x async for x in client.round_robin(None)]
+        return loads[0]
+    finally:
+        await client.close()
+
+
+async def blocks_in_use(discovery: str) -> tuple[int, int]:
+    """(prefill, decode) KV blocks in use."""
+    async with DistributedRuntime(discovery) as runtime:
+        prefill = await worker_load(runtime, "prefill")
+        decode = await worker_load(runtime, "backend")
+    return prefill.kv_blocks_used, decode.kv_blocks_used
+
+
+async def wait_all_blocks_free(discovery: str) -> None:
+    last: list[tuple[int, int]] = []
+
+    async def free() -> bool:
+        last.append(await blocks_in_use(discovery))
+        return last[-1] == (0, 0)
+
+    deadline = asyncio.get_running_loop().time() + 30
+    while not await free():
+        assert asyncio.get_running_loop().time() < deadline, f"blocks still in use: {last[-1]}"
+        await asyncio.sleep(0.2)
+
+
+@dataclass
+class Disagg(Deployment):
+    backend: str = ""
+    order: str = ""
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        ("shm", "prefill-first"),
+        ("tcp", "prefill-first"),
+        ("shm", "decode-first"),
+        ("tcp", "decode-first"),
+    ],
+    ids=lambda p: "-".join(p),
+)
+def disagg(
+    request: pytest.FixtureRequest, chat_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Disagg]:
+    backend, order = request.param
+    deployment = start_serve(
+        chat_model,
+        tmp_path_factory.mktemp("discovery"),
+        "--mode",
+        "disagg",
+        "--num-threads",
+        "1",
+        "--kv-transfer",
+        backend,
+        "--transfer-order",
+        order,
+    )
+    wait_for_health(deployment.url, deployment.model, 1)
+    yield Disagg(**vars(deployment), backend=backend, order=order)
+    assert stop_serve(deployment.proc) == 0
+
+
+def complete(
+    url: str, model: str, prompt: list[int], max_tokens: int = 12, **extra: object
+) -> tuple[str, list[str]]:
+    """The completion's text and the workers that served it."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    raw = client.completions.with_raw_response.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, **extra
+    )
+    return raw.parse().choices[0].text, raw.headers["x-kvbaton-worker"].split(",")
+
+
+def test_disaggregated_tokens_equal_aggregated(disagg: Disagg) -> None:
+    health = httpx.get(f"{disagg.url}/health").json()
+    (decode,) = health["models"][disagg.model]
+    (prefill,) = health["prefill"][disagg.model]
+    both = [prefill, decode]
+    for prompt in prompts():
+        cold, workers = complete(disagg.url, disagg.model, prompt)
+        # Prefill-first names the prefill worker first (it answered first); decode-first, the
+        # worker whose answer the frontend saw first.
+        if disagg.order == "prefill-first":
+            assert workers == both
+        else:
+            assert sorted(workers) == sorted(both)
+        whole, workers = complete(
+            disagg.url,
+            disagg.model,
+            prompt,
+            extra_body={"nvext": {"backend_instance_id": decode}},
+        )
+        assert workers == [decode]
+        warm, workers = complete(disagg.url, disagg.model, prompt)  # hits on both sides
+        assert sorted(workers) == sorted(both)
+        assert cold == whole == warm, len(prompt)
+    moved = "read" if disagg.order == "prefill-first" else "wrote"
+    assert re.search(rf"{moved} \d+ KV blocks .* over {disagg.backend}", disagg.log_text())
+    asyncio.run(wait_all_blocks_free(disagg.discovery))
+
+
+def test_streams_usage_and_cached_tokens(disagg: Disagg) -> None:
+    client = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key="none", max_retries=0)
+    prompt = prompts()[-1]
+    chunks = list(
+        client.completions.create(
+            model=disagg.model,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == complete(disagg.url, disagg.model, prompt, max_tokens=8)[0]
+    usage = chunks[-1].usage
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (100, 8)
+    asyncio.run(wait_all_blocks_free(disagg.discovery))
+
+
+async def test_a_client_leaving_mid_stream_frees_blocks_on_both_workers(
+    disagg: Disagg,
+) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{disagg.url}/v1", api_key="none", max_retries=0)
+    async with client:
+        for _ in range(3):
+            stream = await client.completions.create(
+                model=disagg.model,
+                prompt=prompts()[-1],
+                max_tokens=150,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            async for _chunk in stream:
+                break
+            await stream.close()
+    await wait_all_blocks_free(disagg.discovery)
+
+
+async def test_requests_that_stop_at_the_first_token_hold_nothing(disagg: Disagg) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{disagg.url}/v1", api_key="none", max_retries=0)
+    async with client:
+        out = await client.completions.create(
+            model=disagg.model, prompt=prompts()[2], max_tokens=1, temperature=0
+        )
+    assert out.choices[0].finish_reason == "length"
+    assert await blocks_in_use(disagg.discovery) == (0, 0)
