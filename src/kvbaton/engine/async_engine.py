@@ -297,6 +297,7 @@ class AsyncEngine:
             # Nothing ran in the last step (requests wait for blocks that loads or holds
             # keep): only a message can change that.
             stalled = not idle and self.engine.last_step_tokens == 0
+            applied = False
             try:
                 while True:
                     if stalled:
@@ -307,8 +308,11 @@ class AsyncEngine:
                         return self._fail_all(RuntimeError("the engine shut down"))
                     self._apply(message)
                     idle = stalled = False
+                    applied = True
             except queue.Empty:
                 pass
+            if applied:  # a long step may follow: let the load report show what came in
+                self._stats = self.engine.stats()
             if not self.engine.has_unfinished():
                 self._stats = self.engine.stats()
                 continue

@@ -1,0 +1,233 @@
+"""Disaggregation when things go wrong, on mocker workers started one by one: a prefill worker
+killed mid-prefill (the decode worker prefills instead), a decode worker killed mid-decode, a
+client leaving while the KV is on its way, held KV nobody comes for; and the frontend's choices
+(--enforce-disagg, --max-local-prefill-tokens). After each, both workers' blocks are all free
+(their `load_metrics`)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest, SamplingParams, WorkerLoad
+from kvbaton.runtime import DistributedRuntime
+from tests.conftest import WorkerFactory
+from tests.frontend.conftest import Deployment, start_frontend, stop_serve, wait_for_health
+
+pytestmark = pytest.mark.integration
+
+NS = "t"
+MAX_LEN = 4096
+LONG = [(i * 13) % 200 + 20 for i in range(1500)]  # 1.5 s of prefill at 1 ms a token
+
+
+def mocker(spawn: WorkerFactory, model: Path, role: str, *extra: str) -> subprocess.Popen[bytes]:
+    return spawn(
+        "--model",
+        str(model),
+        "--role",
+        role,
+        "--block-size",
+        "16",
+        "--num-kv-blocks",
+        "512",
+        "--max-model-len",
+        str(MAX_LEN),
+        *extra,
+        engine="mocker",
+        lease_ttl=30.0,
+        namespace=NS,
+    )
+
+
+async def load(runtime: DistributedRuntime, component: str) -> WorkerLoad:
+    client = await runtime.endpoint(f"{NS}.{component}.load_metrics").client(
+        response_type=WorkerLoad
+    )
+    try:
+        await client.wait_for_instances(60)
+        loads: list[WorkerLoad] = [x async for x in client.round_robin(None)]
+        return loads[0]
+    finally:
+        await client.close()
+
+
+async def poll(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.1)
+
+
+async def all_free(runtime: DistributedRuntime, *components: str) -> None:
+    """Until every given worker reports no block in use (30 s at most)."""
+    used: dict[str, int] = {}
+
+    async def free() -> bool:
+        for component in components:
+            used[component] = (await load(runtime, component)).kv_blocks_used
+        return not any(used.values())
+
+    await poll(free, 30, f"blocks still in use: {used}")
+
+
+@pytest.fixture
+async def frontend(tmp_path: Path) -> AsyncIterator[Deployment]:
+    deployment = await asyncio.to_thread(start_frontend, tmp_path / "discovery", NS)
+    yield deployment
+    assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
+
+
+async def ready(frontend: Deployment, model: Path, prefill: bool = True) -> None:
+    """Until the frontend serves the model (on a decode worker, and a prefill one if asked)."""
+    await asyncio.to_thread(wait_for_health, frontend.url, model.name, 1)
+    if prefill:
+        async with httpx.AsyncClient(base_url=frontend.url) as http:
+
+            async def has_prefill() -> bool:
+                return bool((await http.get("/health")).json()["prefill"])
+
+            await poll(has_prefill, 60, "no prefill worker")
+
+
+def client_of(frontend: Deployment) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="none", max_retries=0)
+
+
+async def test_a_prefill_worker_killed_mid_prefill_leaves_the_decode_worker_to_prefill(
+    chat_model: Path, spawn_worker: WorkerFactory, frontend: Deployment
+) -> None:
+    prefill = mocker(spawn_worker, chat_model, "prefill", "--mocker-prefill", "0,1,0")
+    mocker(spawn_worker, chat_model, "decode", "--speedup-ratio", "10")
+    await ready(frontend, chat_model)
+    async with client_of(frontend) as client, DistributedRuntime(frontend.discovery) as rt:
+        reference = await client.completions.create(
+            model=chat_model.name, prompt=LONG[:100], max_tokens=20, extra_body={"ignore_eos": True}
+        )
+        request = asyncio.create_task(
+            client.completions.create(
+                model=chat_model.name, prompt=LONG, max_tokens=20, extra_body={"ignore_eos": True}
+            )
+        )
+        await asyncio.sleep(0.5)  # the prefill worker is busy with the long prompt
+        prefill.send_signal(signal.SIGKILL)
+        out = await request
+        assert out.usage is not None and out.usage.completion_tokens == 20
+        assert "prefilling on the decode worker" in frontend.log_text()
+        assert reference.choices[0].text  # the deployment worked before the kill
+        await all_free(rt, "backend")
+
+
+async def test_a_decode_worker_killed_mid_decode_frees_the_prefill_workers_blocks(
+    chat_model: Path, spawn_worker: WorkerFactory, frontend: Deployment
+) -> None:
+    mocker(spawn_worker, chat_model, "prefill", "--speedup-ratio", "10")
+    decode = mocker(spawn_worker, chat_model, "decode", "--mocker-decode", "0,0,50")
+    await ready(frontend, chat_model)
+    async with client_of(frontend) as client, DistributedRuntime(frontend.discovery) as rt:
+        stream = await client.completions.create(
+            model=chat_model.name,
+            prompt=LONG[:300],
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        with pytest.raises(openai.APIError, match="worker"):
+            count = 0
+            async for _ in stream:
+                count += 1
+                if count == 3:
+                    decode.send_signal(signal.SIGKILL)
+        await all_free(rt, "prefill")
+
+
+@pytest.mark.parametrize("order", ["prefill-first", "decode-first"])
+async def test_a_client_leaving_while_the_kv_is_on_its_way_frees_everything(
+    chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path, order: str
+) -> None:
+    frontend = await asyncio.to_thread(
+        start_frontend, tmp_path / "discovery", NS, "--transfer-order", order
+    )
+    try:
+        mocker(spawn_worker, chat_model, "prefill", "--mocker-prefill", "0,1,0")
+        mocker(spawn_worker, chat_model, "decode")
+        await ready(frontend, chat_model)
+        async with client_of(frontend) as client, DistributedRuntime(frontend.discovery) as rt:
+            request = asyncio.create_task(
+                client.completions.create(model=chat_model.name, prompt=LONG, max_tokens=20)
+            )
+            await asyncio.sleep(0.7)  # mid-prefill; decode-first: the decode worker waits
+            busy = await load(rt, "prefill")
+            assert busy.waiting + busy.running == 1
+            if order == "decode-first":  # its blocks wait for the prefill worker's KV
+                assert (await load(rt, "backend")).kv_blocks_used == -(-len(LONG) // 16)
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            await all_free(rt, "prefill", "backend")
+    finally:
+        assert await asyncio.to_thread(stop_serve, frontend.proc) == 0
+
+
+async def test_held_kv_nobody_fetches_is_freed_after_the_hold_timeout(
+    chat_model: Path, spawn_worker: WorkerFactory, discovery_url: str
+) -> None:
+    mocker(spawn_worker, chat_model, "prefill", "--kv-hold-timeout", "1")
+    async with DistributedRuntime(discovery_url) as rt:
+        client = await rt.endpoint(f"{NS}.prefill.generate").client(response_type=EngineOutput)
+        await client.wait_for_instances(60)
+        request = PreprocessedRequest(
+            model=chat_model.name, token_ids=LONG[:100], sampling=SamplingParams(max_tokens=5)
+        )
+        (answer,) = [out async for out in client.round_robin(request)]
+        await client.close()
+        assert answer.disaggregated_params is not None
+        assert len(answer.disaggregated_params.block_ids) == 7  # 100 tokens in blocks of 16
+        assert (await load(rt, "prefill")).kv_blocks_used == 7
+        await all_free(rt, "prefill")
+
+
+async def test_enforce_disagg_refuses_without_a_prefill_worker(
+    chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path
+) -> None:
+    frontend = await asyncio.to_thread(
+        start_frontend, tmp_path / "discovery", NS, "--enforce-disagg"
+    )
+    try:
+        mocker(spawn_worker, chat_model, "decode")
+        await ready(frontend, chat_model, prefill=False)
+        async with client_of(frontend) as client:
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.completions.create(model=chat_model.name, prompt="Hi", max_tokens=2)
+        assert refused.value.status_code == 503 and "prefill" in refused.value.message
+    finally:
+        assert await asyncio.to_thread(stop_serve, frontend.proc) == 0
+
+
+async def test_short_uncached_prompts_are_prefilled_on_the_decode_worker(
+    chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path
+) -> None:
+    frontend = await asyncio.to_thread(
+        start_frontend, tmp_path / "discovery", NS, "--max-local-prefill-tokens", "64"
+    )
+    try:
+        mocker(spawn_worker, chat_model, "prefill", "--speedup-ratio", "10")
+        mocker(spawn_worker, chat_model, "decode", "--speedup-ratio", "10")
+        await ready(frontend, chat_model)
+        async with client_of(frontend) as client:
+            for length, workers in [(40, 1), (300, 2), (300 + 40, 1)]:  # the last: 288 cached
+                await asyncio.sleep(0.5)  # the decode worker's KV events reach the router
+                raw = await client.completions.with_raw_response.create(
+                    model=chat_model.name, prompt=LONG[:length], max_tokens=4
+                )
+                served = raw.headers["x-kvbaton-worker"].split(",")
+                assert len(served) == workers, (length, served)
+    finally:
+        assert await asyncio.to_thread(stop_serve, frontend.proc) == 0
