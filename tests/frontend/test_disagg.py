@@ -75,6 +75,7 @@ class Disagg(Deployment):
         ("tcp", "prefill-first"),
         ("shm", "decode-first"),
         ("tcp", "decode-first"),
+        ("nixl", "prefill-first"),
     ],
     ids=lambda p: "-".join(p),
 )

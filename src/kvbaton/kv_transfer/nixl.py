@@ -1,6 +1,8 @@
 """KV blocks over NIXL (the library Dynamo uses; UCX moves host memory between processes, and
 GPU memory where there is one). Importing this module raises ImportError where NIXL is not
-installed (`pip install kvbaton[nixl]`).
+installed (`pip install kvbaton[nixl]`). The pool is host memory (DRAM); the published
+metadata names the memory type and device, so that a pool in GPU memory (VRAM) needs only its
+registration here.
 
 One NIXL agent per pool. It registers the pool's memory once and publishes `metadata()`: its
 NIXL agent metadata plus where the pool lies (address, size, memory type, device), which a
@@ -25,6 +27,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -42,6 +45,7 @@ log = logging.getLogger(__name__)
 _NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 PROGRESS_INTERVAL_S = 0.002
 _MAX_POLL_S = 0.0005  # the longest sleep between two looks at a transfer in flight
+_MEMORY_TYPES = ("DRAM", "VRAM")
 _BAD_METADATA = ("nixlMismatchError", "nixlInvalidParamError")  # add_remote_agent's answers
 
 
@@ -51,8 +55,8 @@ def _import_nixl() -> ModuleType:
         try:
             return importlib.import_module(name)
         except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-    raise ImportError("NIXL is not installed (pip install 'kvbaton[nixl]'): " + "; ".join(errors))
+            errors.append(f"{name} ({exc})")
+    raise ImportError("pip install 'kvbaton[nixl]'; tried " + ", ".join(errors))
 
 
 _nixl = _import_nixl()
@@ -99,7 +103,6 @@ class NixlBackend:
         self._address = int(blocks.ctypes.data)
         self._nbytes = int(blocks.nbytes)
         self._mem, self._device = "DRAM", 0
-        self._progress_interval_s = progress_interval_s
         self._lock = threading.Lock()  # the peer table, and adding or dropping a peer
         self._peers: dict[str, _Peer] = {}
         self._unreleased: list[Any] = []  # transfer handles NIXL could not cancel
@@ -125,7 +128,10 @@ class NixlBackend:
             )
         )
         self._progress = threading.Thread(
-            target=self._progress_loop, name=f"nixl-progress-{self.name}", daemon=True
+            target=_progress_loop,
+            args=(weakref.ref(self), self._closed, progress_interval_s),
+            name=f"nixl-progress-{self.name}",
+            daemon=True,
         )
         self._progress.start()
 
@@ -239,6 +245,8 @@ class NixlBackend:
             published = msgspec.msgpack.decode(raw, type=_Published)
         except msgspec.DecodeError as exc:
             raise ValueError(f"the peer's NIXL metadata is unreadable: {exc}") from exc
+        if published.mem not in _MEMORY_TYPES:
+            raise ValueError(f"the peer's NIXL memory type {published.mem!r} is unknown")
         if published.name == self.name:
             raise ValueError("the peer is this NIXL agent")
         if info.block_bytes != self.block_bytes:
@@ -289,22 +297,30 @@ class NixlBackend:
             if self._agent is not None:
                 self._call_quietly(self._agent.remove_remote_agent, peer.name)
 
-    def _progress_loop(self) -> None:
-        failed = False
-        while not self._closed.wait(self._progress_interval_s):
-            agent = self._agent
-            if agent is None:
-                return
-            try:
-                agent.get_new_notifs()  # progresses the UCX worker; we send no notifications
-            except Exception:
-                if not failed:
-                    log.exception("NIXL progress failed (logged once)")
-                failed = True
-
     @staticmethod
     def _call_quietly(call: Any, *args: Any) -> None:
         try:
             call(*args)
         except Exception as exc:
             log.debug("NIXL %s failed: %s", getattr(call, "__name__", call), exc)
+
+
+def _progress_loop(
+    backend_ref: weakref.ref[NixlBackend], closed: threading.Event, interval_s: float
+) -> None:
+    """Progress the backend's agent until it is closed (or collected: the thread holds it only
+    weakly)."""
+    failed = False
+    while not closed.wait(interval_s):
+        backend = backend_ref()
+        agent = backend._agent if backend is not None else None
+        del backend
+        if agent is None:
+            return
+        try:
+            agent.get_new_notifs()  # progresses the UCX worker; we send no notifications
+        except Exception:
+            if not failed:
+                log.exception("NIXL progress failed (logged once)")
+            failed = True
+        del agent

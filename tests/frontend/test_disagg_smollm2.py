@@ -1,0 +1,57 @@
+"""`kvbaton serve --mode disagg` with the real SmolLM2 as the README shows it (slow: the model is
+pulled and loaded twice): chat answers are token-identical to aggregated serving's, which the
+same decode worker gives when a request names it, in both transfer orders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvbaton.llm.model_files import pull
+from tests.frontend.conftest import start_serve, stop_serve, wait_for_health
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+]
+
+
+@pytest.mark.parametrize("order", ["prefill-first", "decode-first"])
+def test_smollm2_disaggregated_answers_equal_aggregated(tmp_path: Path, order: str) -> None:
+    model = pull("smollm2", progress=lambda line: None)
+    deployment = start_serve(
+        model,
+        tmp_path / "discovery",
+        "--mode",
+        "disagg",
+        "--transfer-order",
+        order,
+    )
+    try:
+        wait_for_health(deployment.url, deployment.model, 1)
+        health = httpx.get(f"{deployment.url}/health").json()
+        (decode,) = health["models"][deployment.model]
+        client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="none", max_retries=0)
+        for question in QUESTIONS:
+            answers = []
+            for nvext in (None, {"backend_instance_id": decode}):
+                raw = client.chat.completions.with_raw_response.create(
+                    model=deployment.model,
+                    messages=[{"role": "user", "content": question}],
+                    max_tokens=24,
+                    temperature=0,
+                    extra_body={"nvext": nvext} if nvext else None,
+                )
+                served = raw.headers["x-kvbaton-worker"].split(",")
+                assert len(served) == (2 if nvext is None else 1)
+                answers.append(raw.parse().choices[0].message.content)
+            assert answers[0] == answers[1], question
+            assert answers[0]
+    finally:
+        assert stop_serve(deployment.proc) == 0

@@ -1,0 +1,287 @@
+"""The NIXL backend moves KV blocks between two processes byte for byte (READ and WRITE, runs
+and scattered ids, concurrent transfers), `auto` picks it when both agents have NIXL, and a bad
+peer, a dead one or a stalled one raises clearly. Runs on the CPU: UCX moves host memory."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvbaton.kv_transfer import KvPool, KvTransferAgent
+from kvbaton.protocols.llm import KvPoolInfo
+
+try:
+    from kvbaton.kv_transfer.nixl import NixlBackend
+except ImportError as exc:  # the test extra installs it on Linux
+    pytest.skip(f"NIXL is not installed ({exc})", allow_module_level=True)
+
+pytestmark = pytest.mark.integration
+
+NUM_BLOCKS = 64
+BLOCK_BYTES = 12 * 1024
+LAYOUT = "test:uint8[12288]"
+PEER_SEED, LOCAL_SEED = 7, 11
+
+
+def pool_bytes(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (NUM_BLOCKS, BLOCK_BYTES), dtype=np.uint8)
+
+
+def make_pool(seed: int) -> KvPool:
+    pool = KvPool(shared=False)
+    pool.attach(pool.allocate(NUM_BLOCKS * BLOCK_BYTES), LAYOUT, NUM_BLOCKS, BLOCK_BYTES)
+    assert pool.blocks is not None
+    pool.blocks[:] = pool_bytes(seed)
+    return pool
+
+
+def blocks_of(agent: KvTransferAgent) -> np.ndarray:
+    assert agent.pool.blocks is not None
+    return agent.pool.blocks
+
+
+def serve_peer(conn: Connection, backend: str, seed: int) -> None:
+    """The other process: a pool of random bytes behind an agent, until told to stop."""
+    pool = make_pool(seed)
+    agent = KvTransferAgent(pool, backend)
+    agent.start("127.0.0.1", "peer")
+    conn.send_bytes(msgspec.msgpack.encode(agent.info()))
+    assert pool.blocks is not None
+    while True:
+        command = conn.recv()
+        if command == "blocks":
+            conn.send_bytes(pool.blocks.tobytes())
+        elif command == "reset":
+            pool.blocks[:] = pool_bytes(seed)
+            conn.send_bytes(b"")
+        else:
+            break
+    agent.close()
+    pool.close()
+
+
+@dataclass
+class Peer:
+    process: Any
+    conn: Connection
+    info: KvPoolInfo
+
+    def blocks(self) -> np.ndarray:
+        self.conn.send("blocks")
+        data = self.conn.recv_bytes()
+        return np.frombuffer(data, dtype=np.uint8).reshape(NUM_BLOCKS, BLOCK_BYTES)
+
+    def reset(self) -> None:
+        self.conn.send("reset")
+        self.conn.recv_bytes()
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                os.kill(self.process.pid, signal.SIGCONT)
+                self.conn.send("stop")
+            except (OSError, BrokenPipeError):
+                pass
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+        self.conn.close()
+
+
+def start_peer(backend: str = "auto", seed: int = PEER_SEED) -> Peer:
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    process = ctx.Process(target=serve_peer, args=(theirs, backend, seed), daemon=True)
+    process.start()
+    theirs.close()
+    if not ours.poll(60):
+        process.kill()
+        raise RuntimeError("the peer process did not start")
+    info = msgspec.msgpack.decode(ours.recv_bytes(), type=KvPoolInfo)
+    return Peer(process, ours, info)
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    """A peer process serving with `auto` (NIXL and TCP); tests that write reset it."""
+    started = start_peer()
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def local() -> Iterator[KvTransferAgent]:
+    pool = make_pool(LOCAL_SEED)
+    agent = KvTransferAgent(pool, "nixl")
+    agent.start("127.0.0.1", "local")
+    yield agent
+    agent.close()
+    pool.close()
+
+
+# Runs of consecutive ids in both lists, ids out of order, both ends of the pool.
+SRC = [5, 6, 7, 8, 40, 2, 3, 63, 0, 20, 22, 24]
+DST = [10, 11, 12, 13, 1, 50, 51, 0, 63, 30, 31, 32]
+
+
+def test_nixl_reads_a_peers_blocks(peer: Peer, local: KvTransferAgent) -> None:
+    assert peer.info.nixl_metadata, "the peer has NIXL"
+    theirs, before = pool_bytes(PEER_SEED), blocks_of(local).copy()
+    assert local.read(peer.info, SRC, DST) == "nixl"
+    expected = before.copy()
+    expected[DST] = theirs[SRC]
+    np.testing.assert_array_equal(blocks_of(local), expected)
+    assert local.bytes_moved == len(SRC) * BLOCK_BYTES
+    # Again (the peer is added once and kept), and a single block.
+    assert local.read(peer.info, [9], [9]) == "nixl"
+    np.testing.assert_array_equal(blocks_of(local)[9], theirs[9])
+
+
+def test_nixl_writes_into_a_peers_blocks(peer: Peer, local: KvTransferAgent) -> None:
+    ours = blocks_of(local).copy()
+    try:
+        assert local.write(peer.info, SRC, DST) == "nixl"
+        expected = pool_bytes(PEER_SEED)
+        expected[DST] = ours[SRC]
+        np.testing.assert_array_equal(peer.blocks(), expected)
+        np.testing.assert_array_equal(blocks_of(local), ours)  # a write leaves ours alone
+    finally:
+        peer.reset()
+
+
+def test_an_empty_transfer_moves_nothing(peer: Peer, local: KvTransferAgent) -> None:
+    before = blocks_of(local).copy()
+    assert local.read(peer.info, [], []) == "nixl"
+    assert local.write(peer.info, [], []) == "nixl"
+    np.testing.assert_array_equal(blocks_of(local), before)
+    assert local.bytes_moved == 0
+
+
+def test_concurrent_reads_on_one_backend(peer: Peer, local: KvTransferAgent) -> None:
+    """A decode worker runs several loads at once on one agent."""
+    theirs = pool_bytes(PEER_SEED)
+    order = np.random.default_rng(3).permutation(NUM_BLOCKS)
+    slices = [order[i::4] for i in range(4)]  # four disjoint sets of destination blocks
+    errors: list[BaseException] = []
+
+    def load(dst: np.ndarray, rounds: int) -> None:
+        try:
+            for r in range(rounds):
+                src = [(int(d) + r) % NUM_BLOCKS for d in dst]
+                local.read(peer.info, src, [int(d) for d in dst])
+                np.testing.assert_array_equal(blocks_of(local)[dst], theirs[src])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load, args=(dst, 20)) for dst in slices]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+
+
+def test_auto_picks_nixl_when_both_sides_have_it(peer: Peer) -> None:
+    pool = make_pool(LOCAL_SEED)
+    agent = KvTransferAgent(pool, "auto")
+    agent.start("127.0.0.1", "local-auto")
+    try:
+        assert agent.info().nixl_metadata and agent.info().tcp_address
+        assert agent.choose(peer.info) == "nixl"
+        assert agent.read(peer.info, SRC, DST) == "nixl"
+        np.testing.assert_array_equal(blocks_of(agent)[DST], pool_bytes(PEER_SEED)[SRC])
+        # A peer without NIXL: auto falls back (its pool is not shared, so TCP).
+        without = msgspec.structs.replace(peer.info, nixl_metadata=b"")
+        assert agent.choose(without) == "tcp"
+        assert agent.read(without, [1], [2]) == "tcp"
+    finally:
+        agent.close()
+        pool.close()
+
+
+def test_bad_nixl_metadata_raises(peer: Peer, local: KvTransferAgent) -> None:
+    with pytest.raises(ValueError, match="nixl needs NIXL on both workers"):
+        local.read(msgspec.structs.replace(peer.info, nixl_metadata=b""), [1], [1])
+    with pytest.raises(ValueError, match="unreadable"):
+        local.read(msgspec.structs.replace(peer.info, nixl_metadata=b"garbage"), [1], [1])
+    # Well-formed, but the NIXL agent metadata inside is not.
+    published = msgspec.msgpack.decode(peer.info.nixl_metadata)
+    published["agent"] = b"not a nixl agent"
+    published["name"] = "someone-else"
+    broken = msgspec.structs.replace(peer.info, nixl_metadata=msgspec.msgpack.encode(published))
+    with pytest.raises(ValueError, match="NIXL cannot add peer someone-else"):
+        local.read(broken, [1], [1])
+    # Our own metadata is no peer.
+    with pytest.raises(ValueError, match="this NIXL agent"):
+        local.read(local.info(), [1], [2])
+    # The good peer still works.
+    assert local.read(peer.info, [1], [1]) == "nixl"
+
+
+def test_a_stalled_peer_times_out_and_a_dead_one_fails() -> None:
+    """A stopped peer cannot answer NIXL's first connection: the read times out and its handle
+    is released; once the peer runs again the next read works; once it is dead, reads fail."""
+    other = start_peer("nixl", seed=PEER_SEED + 1)
+    pool = make_pool(LOCAL_SEED)
+    agent = KvTransferAgent(pool, "nixl", timeout_s=1.0)
+    agent.start("127.0.0.1", "local-timeout")
+    try:
+        os.kill(other.process.pid, signal.SIGSTOP)
+        with pytest.raises(TimeoutError, match="not done after 1s"):
+            agent.read(other.info, [1, 2, 3], [1, 2, 3])
+        os.kill(other.process.pid, signal.SIGCONT)
+        assert agent.read(other.info, [1, 2, 3], [1, 2, 3]) == "nixl"
+        np.testing.assert_array_equal(blocks_of(agent)[1:4], pool_bytes(PEER_SEED + 1)[1:4])
+        other.process.kill()
+        other.process.join(10)
+        with pytest.raises(ConnectionError, match="NIXL"):
+            agent.read(other.info, [4], [4])
+        with pytest.raises(ConnectionError, match="NIXL"):
+            agent.write(other.info, [4], [4])
+    finally:
+        other.stop()
+        agent.close()
+        pool.close()
+
+
+def test_two_backends_in_one_process() -> None:
+    """The backend itself: unique agent names, its metadata, its checks, and close."""
+    a, b = make_pool(1), make_pool(2)
+    first, second = NixlBackend(a, "same"), NixlBackend(b, "same")
+    try:
+        assert first.name != second.name
+        assert first.metadata() == first.metadata()
+        info_b = b.info(nixl_metadata=second.metadata())
+        first.read(info_b, [0, 1, 2, 9], [3, 4, 5, 6], 10.0)
+        assert a.blocks is not None and b.blocks is not None
+        np.testing.assert_array_equal(a.blocks[[3, 4, 5, 6]], b.blocks[[0, 1, 2, 9]])
+        first.write(info_b, [10, 11], [62, 63], 10.0)
+        np.testing.assert_array_equal(b.blocks[[62, 63]], a.blocks[[10, 11]])
+        with pytest.raises(ValueError, match="block ids"):
+            first.read(info_b, [0], [NUM_BLOCKS], 10.0)
+        with pytest.raises(ValueError, match="peer's block ids"):
+            first.write(info_b, [0], [-1], 10.0)
+        with pytest.raises(ValueError, match="as many"):
+            first.read(info_b, [0, 1], [0], 10.0)
+        with pytest.raises(ValueError, match="host memory"):
+            NixlBackend(KvPool(shared=False), "empty")
+    finally:
+        first.close()
+        second.close()
+        first.close()  # twice is fine
+        a.close()
+        b.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        first.read(info_b, [0], [0], 10.0)
