@@ -1,0 +1,159 @@
+"""The transfer agent over shared memory and TCP, between this process and a peer process that
+owns a pool: reads and writes land byte-exact (runs and scattered blocks), `auto` picks shm on
+one host, and every bad request fails clearly without touching a pool."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvbaton.kv_transfer import KvPool, KvTransferAgent
+from kvbaton.protocols.llm import KvPoolInfo
+
+pytestmark = pytest.mark.unit
+
+LAYOUT = "bfloat16:2x2x4x1x8"
+BLOCKS = 32
+BLOCK_BYTES = 2 * 2 * 4 * 1 * 8 * 2  # 256
+
+
+def make_pool(shared: bool, seed: int) -> KvPool:
+    pool = KvPool(shared=shared)
+    buffer = pool.allocate(BLOCKS * BLOCK_BYTES)
+    pool.attach(buffer, LAYOUT, BLOCKS, BLOCK_BYTES)
+    assert pool.blocks is not None
+    pool.blocks[:] = np.random.default_rng(seed).integers(0, 256, pool.blocks.shape, np.uint8)
+    return pool
+
+
+def serve_peer(conn: Connection) -> None:
+    """The peer: a pool in shared memory, served over TCP; answers with its info, then its
+    blocks' bytes on request, until told to stop."""
+    pool = make_pool(shared=True, seed=1)
+    agent = KvTransferAgent(pool, "tcp")
+    agent.start("127.0.0.1")
+    conn.send_bytes(msgspec.msgpack.encode(agent.info()))
+    while conn.recv() == "blocks":
+        assert pool.blocks is not None
+        conn.send_bytes(pool.blocks.tobytes())
+    agent.close()
+    pool.close()
+
+
+class Peer:
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve_peer, args=(child,), daemon=True)
+        self.proc.start()
+        self.info = msgspec.msgpack.decode(self.conn.recv_bytes(), type=KvPoolInfo)
+
+    def blocks(self) -> np.ndarray:
+        self.conn.send("blocks")
+        return np.frombuffer(self.conn.recv_bytes(), np.uint8).reshape(BLOCKS, BLOCK_BYTES)
+
+    def stop(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(10)
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    peer = Peer()
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture
+def local() -> Iterator[KvTransferAgent]:
+    agent = KvTransferAgent(make_pool(shared=False, seed=2), "auto")
+    yield agent
+    agent.close()
+    agent.pool.close()
+
+
+SRC = [3, 4, 5, 9, 0, 31]  # a run, then scattered
+DST = [10, 11, 12, 1, 30, 2]
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_reads_and_writes_land_byte_exact(peer: Peer, backend: str) -> None:
+    agent = KvTransferAgent(make_pool(shared=False, seed=3), backend)
+    try:
+        ours = agent.pool.blocks
+        assert ours is not None
+        before = ours.copy()
+        theirs = peer.blocks()
+        assert agent.read(peer.info, SRC, DST) == backend
+        assert np.array_equal(ours[DST], theirs[SRC])
+        untouched = [b for b in range(BLOCKS) if b not in DST]
+        assert np.array_equal(ours[untouched], before[untouched])
+
+        ours[[7, 8]] = 0xAB
+        assert agent.write(peer.info, [7, 8], [20, 6]) == backend
+        after = peer.blocks()
+        assert (after[[20, 6]] == 0xAB).all()
+        others = [b for b in range(BLOCKS) if b not in (20, 6)]
+        assert np.array_equal(after[others], theirs[others])
+        assert agent.read(peer.info, [], []) == backend  # nothing to move
+    finally:
+        agent.close()
+        agent.pool.close()
+
+
+def test_auto_picks_shm_on_one_host_and_tcp_otherwise(peer: Peer, local: KvTransferAgent) -> None:
+    assert local.choose(peer.info) == "shm"
+    elsewhere = msgspec.structs.replace(peer.info, host="another-host")
+    assert local.choose(elsewhere) == "tcp"
+    forced = KvTransferAgent(local.pool, "shm")
+    with pytest.raises(ValueError, match="on this host"):
+        forced.choose(elsewhere)
+
+
+def test_bad_transfers_fail_clearly(peer: Peer, local: KvTransferAgent) -> None:
+    with pytest.raises(ValueError, match="layout"):
+        local.read(msgspec.structs.replace(peer.info, layout="float32:1x2x4x1x8"), [0], [0])
+    with pytest.raises(ValueError, match="as many"):
+        local.read(peer.info, [0, 1], [0])
+    with pytest.raises(ValueError, match="block ids"):
+        local.read(peer.info, [0], [BLOCKS])
+    with pytest.raises(ValueError, match="peer's block ids"):
+        local.read(peer.info, [BLOCKS], [0])
+    tcp = KvTransferAgent(local.pool, "tcp")
+    with pytest.raises(ValueError, match="serves no KV over TCP"):
+        tcp.read(msgspec.structs.replace(peer.info, tcp_address=""), [0], [0])
+
+
+def test_the_tcp_server_checks_what_the_client_cannot(peer: Peer, local: KvTransferAgent) -> None:
+    """A peer whose info lies (more blocks than it has): its server refuses, the client says
+    so, and the connection closes without harm."""
+    liar = msgspec.structs.replace(peer.info, num_blocks=BLOCKS * 2)
+    tcp = KvTransferAgent(local.pool, "tcp")
+    with pytest.raises(RuntimeError, match="refused: block ids must be in"):
+        tcp.read(liar, [BLOCKS + 1], [0])
+    assert tcp.read(peer.info, [1], [1]) == "tcp"  # the server serves on
+
+
+def test_a_pool_in_shared_memory_is_unlinked_on_close() -> None:
+    pool = make_pool(shared=True, seed=4)
+    name = pool.info().shm_name
+    assert name and os.path.exists(f"/dev/shm/{name}")
+    pool.close()
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_a_mocker_pool_moves_nothing() -> None:
+    pool = KvPool(shared=True)
+    pool.attach(None, "MockerRunner", 64, 0)
+    agent = KvTransferAgent(pool, "auto")
+    agent.start("127.0.0.1")
+    info = agent.info()
+    assert info.block_bytes == 0 and not info.shm_name and not info.tcp_address
+    assert agent.read(info, [1, 2], [3, 4]) == "none"
+    agent.close()
