@@ -23,9 +23,11 @@ def greedy(max_tokens: int = NEW) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0)
 
 
-def prefill(eng: LLMEngine, rid: str, prompt: list[int]) -> tuple[list[int], list[int]]:
+def prefill(
+    eng: LLMEngine, rid: str, prompt: list[int], params: SamplingParams | None = None
+) -> tuple[list[int], list[int]]:
     """The held request's first token and blocks."""
-    eng.add_request(rid, prompt, greedy(), hold_kv=True)
+    eng.add_request(rid, prompt, params or greedy(), hold_kv=True)
     while eng.has_unfinished():
         for out in eng.step():
             if out.request_id == rid:
@@ -51,9 +53,10 @@ def decode(
     first: list[int],
     blocks: list[int],
     ok: bool = True,
+    params: SamplingParams | None = None,
 ) -> list[int]:
     """Tokens of the decode side, the prefill's first included."""
-    dst.add_request(rid, prompt, greedy(), kv_source=blocks, output_token_ids=first)
+    dst.add_request(rid, prompt, params or greedy(), kv_source=blocks, output_token_ids=first)
     tokens = list(first)
     while True:
         outs = dst.step()
@@ -137,3 +140,18 @@ def test_given_output_tokens_are_checked(tiny_models: dict[str, Path]) -> None:
         eng.add_request("x", [1, 2], greedy(1), kv_source=[0], output_token_ids=[5])
     with pytest.raises(ValueError, match="valid"):
         eng.add_request("y", [1, 2], greedy(), kv_source=[0], output_token_ids=[10**6])
+
+
+def test_seeded_sampling_gives_the_same_tokens_disaggregated(tiny_models: dict[str, Path]) -> None:
+    """The decode side's generator continues where the prefill side's draw left it."""
+    model_dir = tiny_models["llama-tied"]
+    params = SamplingParams(max_tokens=NEW, temperature=1.0, top_p=0.9, seed=7)
+    prompt = prompts()[4]
+    whole = engine(model_dir)
+    whole.add_request("w", prompt, params)
+    expected: list[int] = []
+    while whole.has_unfinished():
+        expected += [t for out in whole.step() for t in out.token_ids]
+    p_eng, d_eng = engine(model_dir), engine(model_dir)
+    first, blocks = prefill(p_eng, "r", prompt, params)
+    assert decode(d_eng, p_eng, "r", prompt, first, blocks, params=params) == expected

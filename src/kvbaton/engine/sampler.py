@@ -23,13 +23,20 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._seeded.pop(request_id, None)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def _generator(self, seq: Sequence, vocab_size: int) -> torch.Generator:
         if seq.params.seed is None:
             return self.generator
         gen = self._seeded.get(seq.request_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(seq.params.seed)
             self._seeded[seq.request_id] = gen
+            # Tokens sampled elsewhere (a prefill worker's first token) drew from the same
+            # seed there: draw as many here, so the next token is the one serving the request
+            # whole would draw. A draw's use of the generator depends on the vocabulary's size
+            # only, not on the probabilities.
+            uniform = torch.ones(vocab_size, device=self.device)
+            for _ in range(seq.num_output_tokens):
+                torch.multinomial(uniform, 1, generator=gen)
         return gen
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -92,4 +99,4 @@ class Sampler:
             probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        return int(torch.multinomial(probs, 1, generator=self._generator(seq)))
+        return int(torch.multinomial(probs, 1, generator=self._generator(seq, probs.shape[0])))
