@@ -41,11 +41,15 @@ async def worker_load(runtime: DistributedRuntime, component: str) -> WorkerLoad
         await client.close()
 
 
+async def loads(discovery: str) -> tuple[WorkerLoad, WorkerLoad]:
+    """The prefill and the decode worker's loads."""
+    async with DistributedRuntime(discovery) as runtime:
+        return await worker_load(runtime, "prefill"), await worker_load(runtime, "backend")
+
+
 async def blocks_in_use(discovery: str) -> tuple[int, int]:
     """(prefill, decode) KV blocks in use."""
-    async with DistributedRuntime(discovery) as runtime:
-        prefill = await worker_load(runtime, "prefill")
-        decode = await worker_load(runtime, "backend")
+    prefill, decode = await loads(discovery)
     return prefill.kv_blocks_used, decode.kv_blocks_used
 
 
@@ -136,6 +140,9 @@ def test_disaggregated_tokens_equal_aggregated(disagg: Disagg) -> None:
         assert cold == whole == warm, len(prompt)
     moved = "read" if disagg.order == "prefill-first" else "wrote"
     assert re.search(rf"{moved} \d+ KV blocks .* over {disagg.backend}", disagg.log_text())
+    prefill_load, decode_load = asyncio.run(loads(disagg.discovery))
+    mover = decode_load if disagg.order == "prefill-first" else prefill_load
+    assert mover.kv_transfer_bytes > 0 and mover.kv_transfer_seconds > 0
     asyncio.run(wait_all_blocks_free(disagg.discovery))
 
 

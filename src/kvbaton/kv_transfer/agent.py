@@ -46,7 +46,7 @@ class KvTransferAgent:
         self._nixl: NixlBackend | None = None
         self._peers: dict[str, tuple[shared_memory.SharedMemory, np.ndarray]] = {}
         self._lock = threading.Lock()
-        self.bytes_moved = 0
+        self.bytes_moved = 0  # by this agent's reads and writes, since it started
         self.seconds = 0.0
 
     def start(self, host: str, name: str = "") -> None:
@@ -143,8 +143,9 @@ class KvTransferAgent:
             tcp_read(peer.tcp_address, peer.layout, src, blocks, dst, self.timeout_s)
         else:
             tcp_write(peer.tcp_address, peer.layout, src, blocks, dst, self.timeout_s)
-        self.seconds += time.perf_counter() - started
-        self.bytes_moved += len(src) * self.pool.block_bytes
+        with self._lock:  # transfers run on several threads
+            self.seconds += time.perf_counter() - started
+            self.bytes_moved += len(src) * self.pool.block_bytes
         return backend
 
     def _peer_blocks(self, peer: KvPoolInfo) -> np.ndarray:

@@ -192,3 +192,5 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     prefix_cache_hit_rate: float
     active_prefill_tokens: int = 0
     active_decode_blocks: int = 0
+    kv_transfer_bytes: int = 0  # KV this worker read or wrote for disaggregation, so far
+    kv_transfer_seconds: float = 0.0

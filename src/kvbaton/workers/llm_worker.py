@@ -216,7 +216,13 @@ class LLMWorker:
 
     def load(self) -> WorkerLoad:
         stats = dataclasses.asdict(self.engine.stats())
-        return WorkerLoad(instance_id=self.runtime.instance_id or 0, **stats)
+        agent = self.handoff.agent if self.handoff else None
+        return WorkerLoad(
+            instance_id=self.runtime.instance_id or 0,
+            kv_transfer_bytes=agent.bytes_moved if agent else 0,
+            kv_transfer_seconds=agent.seconds if agent else 0.0,
+            **stats,
+        )
 
     async def load_metrics(self, request: Any, context: Context) -> WorkerLoad:
         return self.load()
