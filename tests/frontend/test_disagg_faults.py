@@ -101,28 +101,41 @@ def client_of(frontend: Deployment) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{frontend.url}/v1", api_key="none", max_retries=0)
 
 
+@pytest.mark.parametrize("order", ["prefill-first", "decode-first"])
 async def test_a_prefill_worker_killed_mid_prefill_leaves_the_decode_worker_to_prefill(
-    chat_model: Path, spawn_worker: WorkerFactory, frontend: Deployment
+    chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path, order: str
 ) -> None:
-    prefill = mocker(spawn_worker, chat_model, "prefill", "--mocker-prefill", "0,1,0")
-    mocker(spawn_worker, chat_model, "decode", "--speedup-ratio", "10")
-    await ready(frontend, chat_model)
-    async with client_of(frontend) as client, DistributedRuntime(frontend.discovery) as rt:
-        reference = await client.completions.create(
-            model=chat_model.name, prompt=LONG[:100], max_tokens=20, extra_body={"ignore_eos": True}
-        )
-        request = asyncio.create_task(
-            client.completions.create(
-                model=chat_model.name, prompt=LONG, max_tokens=20, extra_body={"ignore_eos": True}
+    frontend = await asyncio.to_thread(
+        start_frontend, tmp_path / "discovery", NS, "--transfer-order", order
+    )
+    try:
+        prefill = mocker(spawn_worker, chat_model, "prefill", "--mocker-prefill", "0,1,0")
+        mocker(spawn_worker, chat_model, "decode", "--speedup-ratio", "10")
+        await ready(frontend, chat_model)
+        async with client_of(frontend) as client, DistributedRuntime(frontend.discovery) as rt:
+            reference = await client.completions.create(
+                model=chat_model.name,
+                prompt=LONG[:100],
+                max_tokens=20,
+                extra_body={"ignore_eos": True},
             )
-        )
-        await asyncio.sleep(0.5)  # the prefill worker is busy with the long prompt
-        prefill.send_signal(signal.SIGKILL)
-        out = await request
-        assert out.usage is not None and out.usage.completion_tokens == 20
-        assert "prefilling on the decode worker" in frontend.log_text()
-        assert reference.choices[0].text  # the deployment worked before the kill
-        await all_free(rt, "backend")
+            request = asyncio.create_task(
+                client.completions.create(
+                    model=chat_model.name,
+                    prompt=LONG,
+                    max_tokens=20,
+                    extra_body={"ignore_eos": True},
+                )
+            )
+            await asyncio.sleep(0.5)  # the prefill worker is busy with the long prompt
+            prefill.send_signal(signal.SIGKILL)
+            out = await request
+            assert out.usage is not None and out.usage.completion_tokens == 20
+            assert "prefilling on the decode worker" in frontend.log_text()
+            assert reference.choices[0].text  # the deployment worked before the kill
+            await all_free(rt, "backend")
+    finally:
+        assert await asyncio.to_thread(stop_serve, frontend.proc) == 0
 
 
 async def test_a_decode_worker_killed_mid_decode_frees_the_prefill_workers_blocks(
