@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvbaton.protocols.llm import WorkerLoad
+from kvbaton.runtime import DistributedRuntime
 from tests.tiny_models import build_chat_model
 
 READY_S = 120.0  # two cold Python starts and a model load on a loaded 2-core machine
@@ -116,6 +118,17 @@ def wait_for_health(url: str, model: str, instances: int) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{model} never had {instances} instances: {models}")
         time.sleep(0.1)
+
+
+async def worker_load(runtime: DistributedRuntime, endpoint: str) -> WorkerLoad:
+    """The load of one worker of `endpoint` ("namespace.component.load_metrics")."""
+    client = await runtime.endpoint(endpoint).client(response_type=WorkerLoad)
+    try:
+        await client.wait_for_instances(READY_S)
+        loads: list[WorkerLoad] = [x async for x in client.round_robin(None)]
+        return loads[0]
+    finally:
+        await client.close()
 
 
 def stop_serve(proc: subprocess.Popen[bytes]) -> int:

@@ -18,7 +18,13 @@ import pytest
 
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
-from tests.frontend.conftest import Deployment, start_serve, stop_serve, wait_for_health
+from tests.frontend.conftest import (
+    Deployment,
+    start_serve,
+    stop_serve,
+    wait_for_health,
+    worker_load,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -29,22 +35,11 @@ def prompts() -> list[list[int]]:
     return [[(7 * n + 3 * i) % 200 + 20 for i in range(n)] for n in PROMPT_LENGTHS]
 
 
-async def worker_load(runtime: DistributedRuntime, component: str) -> WorkerLoad:
-    client = await runtime.endpoint(f"kvbaton.{component}.load_metrics").client(
-        response_type=WorkerLoad
-    )
-    try:
-        await client.wait_for_instances(30)
-        loads: list[WorkerLoad] = [x async for x in client.round_robin(None)]
-        return loads[0]
-    finally:
-        await client.close()
-
-
 async def loads(discovery: str) -> tuple[WorkerLoad, WorkerLoad]:
     """The prefill and the decode worker's loads."""
     async with DistributedRuntime(discovery) as runtime:
-        return await worker_load(runtime, "prefill"), await worker_load(runtime, "backend")
+        prefill = await worker_load(runtime, "kvbaton.prefill.load_metrics")
+        return prefill, await worker_load(runtime, "kvbaton.backend.load_metrics")
 
 
 async def blocks_in_use(discovery: str) -> tuple[int, int]:

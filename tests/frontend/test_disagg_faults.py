@@ -19,7 +19,13 @@ import pytest
 from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest, SamplingParams, WorkerLoad
 from kvbaton.runtime import DistributedRuntime
 from tests.conftest import WorkerFactory
-from tests.frontend.conftest import Deployment, start_frontend, stop_serve, wait_for_health
+from tests.frontend.conftest import (
+    Deployment,
+    start_frontend,
+    stop_serve,
+    wait_for_health,
+    worker_load,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -48,15 +54,7 @@ def mocker(spawn: WorkerFactory, model: Path, role: str, *extra: str) -> subproc
 
 
 async def load(runtime: DistributedRuntime, component: str) -> WorkerLoad:
-    client = await runtime.endpoint(f"{NS}.{component}.load_metrics").client(
-        response_type=WorkerLoad
-    )
-    try:
-        await client.wait_for_instances(60)
-        loads: list[WorkerLoad] = [x async for x in client.round_robin(None)]
-        return loads[0]
-    finally:
-        await client.close()
+    return await worker_load(runtime, f"{NS}.{component}.load_metrics")
 
 
 async def poll(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:

@@ -157,3 +157,47 @@ def test_a_mocker_pool_moves_nothing() -> None:
     assert info.block_bytes == 0 and not info.shm_name and not info.tcp_address
     assert agent.read(info, [1, 2], [3, 4]) == "none"
     agent.close()
+
+
+def test_tcp_keeps_its_connection_and_replaces_a_broken_one(peer: Peer) -> None:
+    import socket
+
+    agent = KvTransferAgent(make_pool(shared=False, seed=5), "tcp")
+    try:
+        agent.read(peer.info, [1], [1])
+        agent.read(peer.info, [2], [2])
+        (kept,) = agent._tcp._idle[peer.info.tcp_address]  # one connection served both
+        kept.shutdown(socket.SHUT_RDWR)  # as when the server closed an idle one
+        agent.read(peer.info, SRC, DST)
+        assert agent.pool.blocks is not None
+        assert np.array_equal(agent.pool.blocks[DST], peer.blocks()[SRC])
+        (fresh,) = agent._tcp._idle[peer.info.tcp_address]
+        assert fresh is not kept
+    finally:
+        agent.close()
+        agent.pool.close()
+
+
+def test_vectored_sends_and_receives_split_and_resume_anywhere() -> None:
+    """Runs larger than a call's chunk, more pieces than a call takes, partial sends and
+    receives (a small socket buffer): every byte lands where it belongs."""
+    import socket
+    import threading
+
+    from kvbaton.kv_transfer import tcp
+
+    rng = np.random.default_rng(6)
+    source = rng.integers(0, 256, (40, 300_000), np.uint8)
+    target = np.zeros_like(source)
+    ids = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 20, 22, 39, 30, 31, 32]
+    dst = [39 - i for i in range(len(ids))]
+    left, right = socket.socketpair()
+    left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    sender = threading.Thread(target=tcp._send_blocks, args=(left, source, ids))
+    sender.start()
+    tcp._recv_blocks(right, target, dst)
+    sender.join()
+    left.close()
+    right.close()
+    assert np.array_equal(target[dst], source[ids])
+    assert not target[[b for b in range(40) if b not in dst]].any()

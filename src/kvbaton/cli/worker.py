@@ -56,7 +56,8 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> N
         view = engine.engine.kv_cache()
         pool.attach(view.buffer, view.layout, view.num_blocks, view.block_bytes)
         agent = KvTransferAgent(pool, args.kv_transfer, args.kv_transfer_timeout)
-        agent.start(runtime.settings.host, f"kvbaton-{await runtime.ensure_instance_id():x}")
+        if args.role != "agg":  # peers reach its pool (an agg worker only reads theirs)
+            agent.start(runtime.settings.host, f"kvbaton-{await runtime.ensure_instance_id():x}")
         handoff = KvHandoff(
             runtime,
             engine,
@@ -110,8 +111,8 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         "--kv-transfer",
         choices=["auto", "nixl", "shm", "tcp"],
         default="auto",
-        help="how KV blocks move between workers (auto: nixl if installed, else shm on one "
-        "host, else tcp)",
+        help="how KV blocks move between workers (auto: shm on one host, else nixl where both "
+        "have it, else tcp)",
     )
     disagg.add_argument(
         "--kv-transfer-timeout", type=float, default=30.0, help="seconds a transfer may take"

@@ -39,7 +39,7 @@ from kvbaton.router import (
     RouterSettings,
     make_router,
 )
-from kvbaton.router.disagg import decode_first, follow, prefill_first
+from kvbaton.router.disagg import Disaggregated, follow
 from kvbaton.runtime import Client, DistributedRuntime
 from kvbaton.runtime.discovery.base import PrefixWatch
 
@@ -123,12 +123,7 @@ class ServedModel:
             prefill = self._prefill_workers(request, route)
             if prefill:
                 assert self.prefill.router is not None
-                orchestrate = (
-                    decode_first
-                    if self.settings.transfer_order == "decode-first"
-                    else prefill_first
-                )
-                outputs = orchestrate(
+                outputs = Disaggregated(
                     self.prefill.router,
                     self.client,
                     request,
@@ -138,7 +133,7 @@ class ServedModel:
                     route,
                     served_by,
                     self.settings.enforce_disagg,
-                )
+                ).outputs(self.settings.transfer_order)
             else:
                 outputs = follow(
                     self.client.ordered(request, route.ranking, request_id=request_id),

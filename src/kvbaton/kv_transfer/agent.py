@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbaton.kv_transfer.pool import KvPool, attach_segment, block_runs, host_id
-from kvbaton.kv_transfer.tcp import KvTransferServer, tcp_read, tcp_write
+from kvbaton.kv_transfer.tcp import KvTransferServer, TcpClient
 from kvbaton.protocols.llm import KvPoolInfo
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ class KvTransferAgent:
         self.timeout_s = timeout_s
         self._server: KvTransferServer | None = None
         self._nixl: NixlBackend | None = None
+        self._tcp = TcpClient(timeout_s)
         self._peers: dict[str, tuple[shared_memory.SharedMemory, np.ndarray]] = {}
         self._lock = threading.Lock()
         self.bytes_moved = 0  # by this agent's reads and writes, since it started
@@ -76,6 +77,7 @@ class KvTransferAgent:
         )
 
     def close(self) -> None:
+        self._tcp.close()
         if self._server is not None:
             self._server.close()
         if self._nixl is not None:
@@ -140,9 +142,9 @@ class KvTransferAgent:
             move = self._nixl.read if op == "read" else self._nixl.write
             move(peer, src, dst, self.timeout_s)
         elif op == "read":
-            tcp_read(peer.tcp_address, peer.layout, src, blocks, dst, self.timeout_s)
+            self._tcp.read(peer.tcp_address, peer.layout, src, blocks, dst)
         else:
-            tcp_write(peer.tcp_address, peer.layout, src, blocks, dst, self.timeout_s)
+            self._tcp.write(peer.tcp_address, peer.layout, src, blocks, dst)
         with self._lock:  # transfers run on several threads
             self.seconds += time.perf_counter() - started
             self.bytes_moved += len(src) * self.pool.block_bytes

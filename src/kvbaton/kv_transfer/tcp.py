@@ -1,10 +1,13 @@
 """KV blocks over TCP, for workers that cannot share memory: a small server per worker that
 streams its pool's blocks out (READ) and receives blocks into it (WRITE), and the client calls.
 
-A transfer is one connection: a header (4-byte big-endian length, then msgpack), an answer
-header, and the raw bytes of the blocks in the order named, each block read from or written
-into the pool in place (`recv_into` a run of consecutive blocks; `sendall` of a run). Every
-socket operation has a timeout; a bad header closes the connection with an error answer."""
+A transfer is a header (4-byte big-endian length, then msgpack), an answer header, and the raw
+bytes of the blocks in the order named, each block read from or written into the pool in place
+(`recv_into` a run of consecutive blocks; `sendall` of a run). A client keeps its connections
+open for the next transfer to the same peer (a connection and a server thread per transfer
+cost more than moving a short prompt's KV), and retries once on a fresh connection when a kept
+one fails. Every socket operation has a timeout; a bad header closes the connection with an
+error answer."""
 
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import socket
 import socketserver
 import struct
 import threading
+from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -25,6 +30,8 @@ log = logging.getLogger(__name__)
 HEADER = struct.Struct(">I")
 MAX_HEADER = 16 << 20
 CHUNK = 4 << 20  # bytes per send or receive call
+MAX_IOV = 512  # views per vectored call (the system's limit is 1024)
+IDLE_TIMEOUT_S = 300.0  # a kept connection with no transfer for this long is closed
 
 
 class TransferRequest(msgspec.Struct, kw_only=True):
@@ -63,16 +70,50 @@ def _recv_header(sock: socket.socket, kind: type[msgspec.Struct]) -> msgspec.Str
     return msgspec.msgpack.decode(body, type=kind)
 
 
+def _pieces(blocks: np.ndarray, ids: list[int]) -> deque[memoryview]:
+    """The bytes of blocks `ids` in order, in place: one view per run of consecutive blocks."""
+    return deque(_bytes(blocks[start : start + n]) for start, _, n in block_runs(ids, ids))
+
+
+def _batch(pieces: deque[memoryview]) -> list[memoryview]:
+    """The next views for one vectored call, about CHUNK bytes (a piece may be split)."""
+    batch: list[memoryview] = []
+    size = 0
+    while pieces and size < CHUNK and len(batch) < MAX_IOV:
+        piece = pieces.popleft()
+        if size + len(piece) > CHUNK:
+            piece, rest = piece[: CHUNK - size], piece[CHUNK - size :]
+            pieces.appendleft(rest)
+        batch.append(piece)
+        size += len(piece)
+    return batch
+
+
+def _advance(pieces: deque[memoryview], batch: list[memoryview], done: int) -> None:
+    """Put back what a vectored call of `batch` left undone after `done` bytes."""
+    for i, piece in enumerate(batch):
+        if done < len(piece):
+            pieces.extendleft(reversed([piece[done:], *batch[i + 1 :]]))
+            return
+        done -= len(piece)
+
+
 def _send_blocks(sock: socket.socket, blocks: np.ndarray, ids: list[int]) -> None:
-    for start, _, n in block_runs(ids, ids):
-        view = _bytes(blocks[start : start + n])
-        for offset in range(0, len(view), CHUNK):
-            sock.sendall(view[offset : offset + CHUNK])
+    pieces = _pieces(blocks, ids)
+    while pieces:
+        batch = _batch(pieces)
+        _advance(pieces, batch, sock.sendmsg(batch))
 
 
 def _recv_blocks(sock: socket.socket, blocks: np.ndarray, ids: list[int]) -> None:
-    for start, _, n in block_runs(ids, ids):
-        _recv_exact(sock, _bytes(blocks[start : start + n]))
+    """Scattered blocks come in a few large reads, not one per block."""
+    pieces = _pieces(blocks, ids)
+    while pieces:
+        batch = _batch(pieces)
+        n = sock.recvmsg_into(batch)[0]
+        if n == 0:
+            raise ConnectionError("the peer closed the KV transfer connection")
+        _advance(pieces, batch, n)
 
 
 def _bytes(rows: np.ndarray) -> memoryview:
@@ -104,8 +145,22 @@ class KvTransferServer:
         self._thread.start()
 
     def _handle(self, sock: socket.socket) -> None:
-        sock.settimeout(self.timeout_s)
+        """Serve a connection's transfers, one after the other, until it closes or idles."""
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            sock.settimeout(IDLE_TIMEOUT_S)
+            try:
+                head = sock.recv(HEADER.size, socket.MSG_PEEK)
+            except OSError:
+                return
+            if not head:
+                return  # the client closed it
+            sock.settimeout(self.timeout_s)
+            if not self._transfer(sock):
+                return
+
+    def _transfer(self, sock: socket.socket) -> bool:
+        """One transfer; False when the connection is done with."""
         try:
             request = _recv_header(sock, TransferRequest)
             assert isinstance(request, TransferRequest)
@@ -119,7 +174,7 @@ class KvTransferServer:
             log.warning("KV transfer refused: %s", exc)
             with contextlib.suppress(OSError):
                 _send_header(sock, TransferAnswer(ok=False, error=str(exc)))
-            return
+            return False
         try:
             _send_header(sock, TransferAnswer(ok=True))
             if request.op == "read":
@@ -127,12 +182,75 @@ class KvTransferServer:
             else:
                 _recv_blocks(sock, pool.blocks, request.blocks)
                 _send_header(sock, TransferAnswer(ok=True))
+            return True
         except (OSError, ConnectionError) as exc:
             log.warning("KV transfer broke off: %s", exc)
+            return False
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class TcpClient:
+    """Transfers with peers' servers over connections kept open between transfers."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+
+    def read(
+        self, address: str, layout: str, src: list[int], blocks: np.ndarray, dst: list[int]
+    ) -> None:
+        """Read the peer's blocks `src` into our `blocks[dst]` (in that order)."""
+
+        def read(sock: socket.socket) -> None:
+            _send_header(sock, TransferRequest(op="read", layout=layout, blocks=src))
+            _expect_ok(sock, address)
+            _recv_blocks(sock, blocks, dst)
+
+        self._run(address, read)
+
+    def write(
+        self, address: str, layout: str, src: list[int], blocks: np.ndarray, dst: list[int]
+    ) -> None:
+        """Write our `blocks[src]` into the peer's blocks `dst` (in that order)."""
+
+        def write(sock: socket.socket) -> None:
+            _send_header(sock, TransferRequest(op="write", layout=layout, blocks=dst))
+            _expect_ok(sock, address)
+            _send_blocks(sock, blocks, src)
+            _expect_ok(sock, address)
+
+        self._run(address, write)
+
+    def _run(self, address: str, transfer: Callable[[socket.socket], None]) -> None:
+        with self._lock:
+            idle = self._idle.get(address)
+            kept = idle.pop() if idle else None
+        for sock in ([kept] if kept else []) + [None]:
+            sock = sock or _connect(address, self.timeout_s)
+            try:
+                transfer(sock)
+            except (ConnectionError, OSError) as exc:
+                sock.close()
+                if sock is kept and not isinstance(exc, TimeoutError):
+                    continue  # it idled out, or the peer restarted: once more, anew
+                raise
+            except BaseException:
+                sock.close()
+                raise
+            with self._lock:
+                self._idle.setdefault(address, []).append(sock)
+            return
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for socks in idle.values():
+            for sock in socks:
+                sock.close()
 
 
 def _connect(address: str, timeout_s: float) -> socket.socket:
@@ -147,24 +265,3 @@ def _expect_ok(sock: socket.socket, address: str) -> None:
     assert isinstance(answer, TransferAnswer)
     if not answer.ok:
         raise RuntimeError(f"KV transfer server {address} refused: {answer.error}")
-
-
-def tcp_read(
-    address: str, layout: str, src: list[int], blocks: np.ndarray, dst: list[int], timeout_s: float
-) -> None:
-    """Read the peer's blocks `src` into our `blocks[dst]` (in that order)."""
-    with _connect(address, timeout_s) as sock:
-        _send_header(sock, TransferRequest(op="read", layout=layout, blocks=src))
-        _expect_ok(sock, address)
-        _recv_blocks(sock, blocks, dst)
-
-
-def tcp_write(
-    address: str, layout: str, src: list[int], blocks: np.ndarray, dst: list[int], timeout_s: float
-) -> None:
-    """Write our `blocks[src]` into the peer's blocks `dst` (in that order)."""
-    with _connect(address, timeout_s) as sock:
-        _send_header(sock, TransferRequest(op="write", layout=layout, blocks=dst))
-        _expect_ok(sock, address)
-        _send_blocks(sock, blocks, src)
-        _expect_ok(sock, address)

@@ -19,6 +19,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 
 import msgspec
 
@@ -53,77 +54,87 @@ async def follow(
         await stream.aclose()
 
 
-async def prefill_first(
-    prefill: PrefillRouter,
-    decode: Client,
-    request: PreprocessedRequest,
-    request_id: str,
-    hints: RouteRequest,
-    candidates: list[int],
-    route: Route,
-    served_by: list[int],
-    enforce: bool,
-) -> AsyncGenerator[EngineOutput, None]:
-    params = None
-    taken = False  # a decode worker produced output: it read (or released) the blocks
-    try:
-        answer = await _prefill(prefill, request, request_id, hints, candidates, served_by, enforce)
-        if answer is not None and answer.disaggregated_params is None:
-            yield answer  # it stopped at its first token
-            return
-        if answer is not None:
-            params = answer.disaggregated_params
-            request = msgspec.structs.replace(request, disaggregated_params=params)
-            yield EngineOutput(
-                request_id=answer.request_id, token_ids=answer.token_ids, logprobs=answer.logprobs
-            )
-        stream = decode.ordered(request, route.ranking, request_id=request_id)
-        async for out in follow(stream, route, served_by):
-            taken = True
-            if params is not None and out.usage is not None:  # the prefill's cache hits
-                out.usage.cached_tokens = params.cached_tokens
-            yield out
-    finally:
-        route.done()
-        if params is not None and not taken:
-            await prefill.release(params)
+@dataclass
+class Disaggregated:
+    """One request's disaggregated path: the prefill workers to use, and its decode route."""
 
+    prefill: PrefillRouter
+    decode: Client  # the decode workers' `generate`
+    request: PreprocessedRequest
+    request_id: str
+    hints: RouteRequest
+    candidates: list[int]  # live prefill workers
+    route: Route  # the decode workers, ranked
+    served_by: list[int]
+    enforce: bool  # a failed prefill fails the request (else: prefilled on the decode worker)
 
-async def decode_first(
-    prefill: PrefillRouter,
-    decode: Client,
-    request: PreprocessedRequest,
-    request_id: str,
-    hints: RouteRequest,
-    candidates: list[int],
-    route: Route,
-    served_by: list[int],
-    enforce: bool,
-) -> AsyncGenerator[EngineOutput, None]:
-    bootstrap = msgspec.structs.replace(request, bootstrap=True)
-    outputs = follow(
-        decode.ordered(bootstrap, route.ranking, request_id=request_id), route, served_by
-    )
-    pushing: asyncio.Task[EngineOutput | None] | None = None
-    try:
-        async for out in outputs:
-            if out.kv_target is not None:
-                target = out.kv_target
-                pushed = msgspec.structs.replace(request, kv_target=target)
-                pushing = asyncio.create_task(
-                    _prefill(prefill, pushed, request_id, hints, candidates, served_by, enforce)
+    def outputs(self, order: str) -> AsyncGenerator[EngineOutput, None]:
+        return self.decode_first() if order == "decode-first" else self.prefill_first()
+
+    async def prefill_first(self) -> AsyncGenerator[EngineOutput, None]:
+        request, route = self.request, self.route
+        params = None
+        taken = False  # a decode worker produced output: it read (or released) the blocks
+        try:
+            answer = await self._prefill(request)
+            if answer is not None and answer.disaggregated_params is None:
+                yield answer  # it stopped at its first token
+                return
+            if answer is not None:
+                params = answer.disaggregated_params
+                request = msgspec.structs.replace(request, disaggregated_params=params)
+                yield EngineOutput(
+                    request_id=answer.request_id,
+                    token_ids=answer.token_ids,
+                    logprobs=answer.logprobs,
                 )
-                pushing.add_done_callback(functools.partial(_abandon_on_failure, prefill, target))
-                continue
-            if pushing is not None and pushing.done() and not pushing.cancelled():
-                error = pushing.exception()
-                if error is not None:  # PrefillError with `enforce`
-                    raise error
-            yield out
-    finally:
-        if pushing is not None and not pushing.done():
-            pushing.cancel()
-        await outputs.aclose()
+            stream = self.decode.ordered(request, route.ranking, request_id=self.request_id)
+            async for out in follow(stream, route, self.served_by):
+                taken = True
+                if params is not None and out.usage is not None:  # the prefill's cache hits
+                    out.usage.cached_tokens = params.cached_tokens
+                yield out
+        finally:
+            route.done()
+            if params is not None and not taken:
+                await self.prefill.release(params)
+
+    async def decode_first(self) -> AsyncGenerator[EngineOutput, None]:
+        bootstrap = msgspec.structs.replace(self.request, bootstrap=True)
+        stream = self.decode.ordered(bootstrap, self.route.ranking, request_id=self.request_id)
+        outputs = follow(stream, self.route, self.served_by)
+        pushing: asyncio.Task[EngineOutput | None] | None = None
+        try:
+            async for out in outputs:
+                if out.kv_target is not None:
+                    target = out.kv_target
+                    pushed = msgspec.structs.replace(self.request, kv_target=target)
+                    pushing = asyncio.create_task(self._prefill(pushed))
+                    pushing.add_done_callback(
+                        functools.partial(_abandon_on_failure, self.prefill, target)
+                    )
+                    continue
+                if pushing is not None and pushing.done() and not pushing.cancelled():
+                    error = pushing.exception()
+                    if error is not None:  # PrefillError with `enforce`
+                        raise error
+                yield out
+        finally:
+            if pushing is not None and not pushing.done():
+                pushing.cancel()
+            await outputs.aclose()
+
+    async def _prefill(self, request: PreprocessedRequest) -> EngineOutput | None:
+        """The prefill worker's answer, or None (the decode worker prefills) if it failed."""
+        try:
+            return await self.prefill.prefill(
+                request, self.request_id, self.hints, self.candidates, self.served_by
+            )
+        except PrefillError as exc:
+            if self.enforce:
+                raise
+            log.warning("request %s: %s; prefilling on the decode worker", self.request_id, exc)
+            return None
 
 
 _ABANDONING: set[asyncio.Task[None]] = set()
@@ -137,22 +148,3 @@ def _abandon_on_failure(
         abandoning = asyncio.ensure_future(prefill.abandon(target))
         _ABANDONING.add(abandoning)
         abandoning.add_done_callback(_ABANDONING.discard)
-
-
-async def _prefill(
-    prefill: PrefillRouter,
-    request: PreprocessedRequest,
-    request_id: str,
-    hints: RouteRequest,
-    candidates: list[int],
-    served_by: list[int],
-    enforce: bool,
-) -> EngineOutput | None:
-    """The prefill worker's answer, or None (the decode worker prefills) if it failed."""
-    try:
-        return await prefill.prefill(request, request_id, hints, candidates, served_by)
-    except PrefillError as exc:
-        if enforce:
-            raise
-        log.warning("request %s: %s; prefilling on the decode worker", request_id, exc)
-        return None
