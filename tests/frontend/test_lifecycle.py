@@ -139,6 +139,7 @@ async def test_serve_with_two_workers_stops_them_all_on_sigint(
         await asyncio.to_thread(wait_for_health, deployment.url, deployment.model, 2)
     finally:
         assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
+    assert "did not stop" not in deployment.log_text()  # each one stopped on its own
     status = await asyncio.to_thread(
         subprocess.run,
         [sys.executable, "-m", "kvbaton", "status", "--discovery", deployment.discovery],

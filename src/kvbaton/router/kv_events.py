@@ -75,8 +75,11 @@ class KvEventSubscriber:
                 self.indexer.remove_worker(worker)
                 self.loads.pop(worker, None)
                 log.info("worker %x left: its blocks are out of the index", worker)
-            with contextlib.suppress(TimeoutError):  # a quarantine ends without a change event
-                await asyncio.wait_for(events.wait_for_change(), RECHECK_S)
+            # A quarantine ends without a change event. (asyncio.timeout, not wait_for: under
+            # Python 3.11 and uvloop, cancelling a task inside wait_for here could hang it.)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RECHECK_S):
+                    await events.wait_for_change()
 
     async def _sync(self, worker: int) -> None:
         while True:

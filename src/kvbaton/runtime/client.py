@@ -233,8 +233,9 @@ class Client:
             if remaining <= 0:
                 raise NoInstancesError(f"no instance of {self.path} appeared within {limit:g}s")
             changed = self._changed
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), min(remaining, 1.0))
+            with contextlib.suppress(TimeoutError):  # (not wait_for: see router/kv_events.py)
+                async with asyncio.timeout(min(remaining, 1.0)):
+                    await changed.wait()
         return list(ids)
 
     # -- calls -------------------------------------------------------------------------------

@@ -221,8 +221,9 @@ class FileDiscovery(Discovery):
     async def _scanner_loop(self) -> None:
         while self._watchers:
             timeout = min(_FALLBACK_TICK_S, max(0.0, self._next_expiry - time.time()) + 0.01)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), timeout)
+            with contextlib.suppress(TimeoutError):  # (not wait_for: see router/kv_events.py)
+                async with asyncio.timeout(timeout):
+                    await self._dirty.wait()
             self._dirty.clear()
             try:
                 self._rescan_and_notify()
