@@ -93,6 +93,7 @@ class AsyncEngine:
         ] = {}
         self._lock = threading.Lock()
         self._stats = engine.stats()  # a snapshot, replaced by the step thread
+        engine.on_kv_loads = self._start_loads
         self._thread = threading.Thread(target=self._loop, name="kvbaton-engine", daemon=True)
         self._stopped = False
         self._thread.start()
@@ -266,10 +267,10 @@ class AsyncEngine:
         except ValueError as exc:  # checked before queueing; the engine's state may differ
             self._deliver(message.request_id, exc)
 
-    def _start_loads(self) -> None:
-        for load in self.engine.take_kv_loads():
-            if self.kv_loader is None:
-                self._apply(_Loaded(load.request_id, False, None))
+    def _start_loads(self, loads: list[KvLoad]) -> None:
+        for load in loads:
+            if self.kv_loader is None:  # (after the step: this may run within one)
+                self._inbox.put(_Loaded(load.request_id, False, None))
                 continue
             if self._loads is None:
                 self._loads = concurrent.futures.ThreadPoolExecutor(
@@ -323,7 +324,7 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             finally:
-                self._start_loads()
+                self._start_loads(self.engine.take_kv_loads())  # a step that failed early
                 self._stats = self.engine.stats()
             for out in outputs:
                 self._deliver(out.request_id, out)

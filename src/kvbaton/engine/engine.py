@@ -96,6 +96,8 @@ class LLMEngine:
         self.vocab_size = runner.vocab_size
         self._requests: dict[str, Sequence] = {}
         self.last_step_tokens = 0
+        # Called with the loads a step admitted, before its forward pass (else: take_kv_loads).
+        self.on_kv_loads: Callable[[list[KvLoad]], None] | None = None
         log.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
             self.model_dir.name,
@@ -204,6 +206,8 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         scheduled = self.scheduler.schedule()
+        if self.on_kv_loads is not None and self.scheduler.loads:
+            self.on_kv_loads(self.take_kv_loads())  # they overlap the forward pass
         try:
             sampled = self.runner.execute(scheduled)
         except BaseException:
