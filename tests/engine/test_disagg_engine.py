@@ -155,3 +155,50 @@ def test_seeded_sampling_gives_the_same_tokens_disaggregated(tiny_models: dict[s
     p_eng, d_eng = engine(model_dir), engine(model_dir)
     first, blocks = prefill(p_eng, "r", prompt, params)
     assert decode(d_eng, p_eng, "r", prompt, first, blocks, params=params) == expected
+
+
+def test_a_cache_the_transfer_cannot_address_moves_through_its_host_mirror(
+    tiny_models: dict[str, Path],
+) -> None:
+    """A GPU's cache: the agent moves blocks between host mirrors (here over shared memory),
+    staged out of the prefill engine's cache and into the decode engine's. Forced on the CPU
+    with `host_mirror`, so that CI runs the same calls a GPU worker makes."""
+    from kvbaton.engine import EngineConfig
+    from kvbaton.kv_transfer import KvPool, KvTransferAgent
+
+    model_dir = tiny_models["llama-tied"]
+    prompt = prompts()[5]
+    reference = run(engine(model_dir), [prompt], NEW)[0]
+    pools, engines = [], []
+    for _ in range(2):
+        pool = KvPool(shared=True)
+        config = EngineConfig(
+            model=str(model_dir), dtype="float32", block_size=8, num_kv_blocks=128
+        )
+        eng = LLMEngine(config, cache_buffer=pool.allocate, host_mirror=True)
+        view = eng.kv_cache()
+        assert view.mirrored
+        pool.attach(view.buffer, view.layout, view.num_blocks, view.block_bytes)
+        pools.append(pool)
+        engines.append(eng)
+    p_eng, d_eng = engines
+    agent = KvTransferAgent(pools[1], "shm")
+    try:
+        first, blocks = prefill(p_eng, "r", prompt)
+        assert pools[0].blocks is not None and not pools[0].blocks[blocks].any()  # not staged
+        p_eng.kv_cache().stage_out(blocks)
+        d_eng.add_request("r", prompt, greedy(), kv_source=blocks, output_token_ids=first)
+        tokens = list(first)
+        while d_eng.has_unfinished() or d_eng.scheduler.loading:
+            outs = d_eng.step()
+            for load in d_eng.take_kv_loads():
+                src = blocks[load.first_block : load.first_block + len(load.dst_blocks)]
+                assert agent.read(pools[0].info(), src, load.dst_blocks) == "shm"
+                d_eng.kv_cache().stage_in(load.dst_blocks)
+                d_eng.finish_kv_load(load.request_id, True)
+            tokens += [t for out in outs for t in out.token_ids]
+        assert tokens == reference
+    finally:
+        agent.close()
+        for pool in pools:
+            pool.close()

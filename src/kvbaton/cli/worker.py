@@ -49,8 +49,14 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> N
         from kvbaton.engine import EngineConfig
 
         publisher = KvEventPublisher()
+        config = EngineConfig(**values)
+        # Off the CPU the blocks peers move are a host mirror of the cache: only for roles
+        # that disaggregate (on the CPU the cache itself lives in the pool's buffer).
+        mirror = not config.device.startswith("cpu")
         engine = await AsyncEngine.create(
-            EngineConfig(**values), publisher.on_event, cache_buffer=pool.allocate
+            config,
+            publisher.on_event,
+            cache_buffer=pool.allocate if args.role != "agg" or not mirror else None,
         )
     if isinstance(engine, AsyncEngine):
         view = engine.engine.kv_cache()
@@ -62,6 +68,7 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> N
             runtime,
             engine,
             agent,
+            view,
             f"{args.namespace}.{component}",
             engine.block_size,
             args.kv_hold_timeout,

@@ -38,10 +38,17 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class KvCacheView:
+    """The KV cache as a transfer layer sees it. Peers move blocks in `buffer`; where that is
+    a host mirror of the cache (a GPU's), `stage_out` copies blocks from the cache to it before
+    they are read or sent, and `stage_in` back after they were written or received."""
+
     layout: str  # dtype and block shape
     num_blocks: int
     block_bytes: int  # a block, all layers, contiguous; 0: blocks with no bytes (mocker)
-    buffer: memoryview | None  # the cache's host memory, if it was given one
+    buffer: memoryview | None  # host memory of the blocks, if the engine was given some
+    mirrored: bool = False  # `buffer` mirrors the cache: stage blocks out and in
+    stage_out: Callable[[list[int]], None] = lambda ids: None
+    stage_in: Callable[[list[int]], None] = lambda ids: None
 
 
 class StepRunner(Protocol):
@@ -62,17 +69,19 @@ class LLMEngine:
         on_kv_event: Callable[[KvEvent], None] | None = None,
         runner: StepRunner | None = None,
         cache_buffer: Callable[[int], memoryview] | None = None,
+        host_mirror: bool = False,
     ) -> None:
         """With no `runner`, the model runner on `config.model` with a KV cache of
-        `config.num_kv_blocks` blocks (else as many as `kv_cache_gib` holds), in the host
-        buffer `cache_buffer(nbytes)` gives if given; a given runner needs `num_kv_blocks`."""
+        `config.num_kv_blocks` blocks (else as many as `kv_cache_gib` holds), its blocks in the
+        host buffer `cache_buffer(nbytes)` gives if given (`ModelRunner.allocate_cache`); a
+        given runner needs `num_kv_blocks`."""
         self.config = config
         self.model_dir = resolve_model(config.model)
         model_runner = None
         if runner is None:
             from kvbaton.engine.model_runner import ModelRunner  # torch only for the model
 
-            model_runner = ModelRunner.create(self.model_dir, config, cache_buffer)
+            model_runner = ModelRunner.create(self.model_dir, config, cache_buffer, host_mirror)
             num_blocks = model_runner.num_blocks
             runner = model_runner
         elif config.num_kv_blocks is None:
@@ -260,7 +269,15 @@ class LLMEngine:
         if r is None:  # a stand-in runner: blocks with no bytes
             return KvCacheView(type(self.runner).__name__, self.blocks.num_blocks, 0, None)
         per_block = r.model.kv_bytes_per_block(r.block_size)
-        return KvCacheView(r.kv_layout(), r.num_blocks, per_block, r.cache_buffer)
+        return KvCacheView(
+            r.kv_layout(),
+            r.num_blocks,
+            per_block,
+            r.cache_buffer,
+            r.mirror is not None,
+            r.stage_out,
+            r.stage_in,
+        )
 
     def clear_kv_blocks(self) -> int:
         return self.blocks.clear_kv_blocks()

@@ -60,7 +60,8 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.eos_token_ids = config.eos_token_ids
         self.cache: torch.Tensor | None = None
-        self.cache_buffer: memoryview | None = None  # the host memory under the cache
+        self.cache_buffer: memoryview | None = None  # host memory peers move blocks in
+        self.mirror: torch.Tensor | None = None  # over cache_buffer, when the cache is not
         self.block_size = 0
         self.num_blocks = 0
 
@@ -70,9 +71,9 @@ class ModelRunner:
         model_dir: Path,
         config: EngineConfig,
         cache_buffer: Callable[[int], memoryview] | None = None,
+        host_mirror: bool = False,
     ) -> ModelRunner:
-        """The runner of an engine config, its KV cache allocated (on CPU, in the buffer that
-        `cache_buffer(nbytes)` gives, if given: shared memory, say)."""
+        """The runner of an engine config, its KV cache allocated: see `allocate_cache`."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         runner = cls(
@@ -87,7 +88,7 @@ class ModelRunner:
         num_blocks = config.num_kv_blocks or int(config.kv_cache_gib * 2**30 // per_block)
         if num_blocks < 1:
             raise ValueError("kv_cache_gib is too small for one block")
-        runner.allocate_cache(num_blocks, config.block_size, cache_buffer)
+        runner.allocate_cache(num_blocks, config.block_size, cache_buffer, host_mirror)
         return runner
 
     def allocate_cache(
@@ -95,20 +96,40 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         cache_buffer: Callable[[int], memoryview] | None = None,
+        host_mirror: bool = False,
     ) -> None:
-        if cache_buffer is None or self.device.type != "cpu":
-            self.cache = self.model.allocate_cache(num_blocks, block_size)
-        else:
-            c = self.model.config
+        """With `cache_buffer(nbytes)` (shared memory, say), the blocks are in that host buffer
+        for peers to move: the cache itself on the CPU; else (on a GPU, or with `host_mirror`)
+        a mirror of the cache, which `stage_out` and `stage_in` copy blocks to and from."""
+        self.cache = None
+        c = self.model.config
+        shape = (num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim)
+        on_host = None
+        if cache_buffer is not None:
             buffer = cache_buffer(num_blocks * self.model.kv_bytes_per_block(block_size))
-            self.cache = (
-                torch.frombuffer(buffer, dtype=torch.uint8)
-                .view(self.dtype)
-                .view(num_blocks, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim)
-            )
+            on_host = torch.frombuffer(buffer, dtype=torch.uint8).view(self.dtype).view(shape)
             self.cache_buffer = buffer
+        if on_host is not None and self.device.type == "cpu" and not host_mirror:
+            self.cache = on_host
+        else:
+            self.cache = self.model.allocate_cache(num_blocks, block_size)
+            self.mirror = on_host
         self.block_size = block_size
         self.num_blocks = num_blocks
+
+    def stage_out(self, block_ids: list[int]) -> None:
+        """Copy blocks of the cache to its host mirror (before a peer moves them)."""
+        if self.mirror is not None and block_ids:
+            assert self.cache is not None
+            index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            self.mirror[index.cpu()] = self.cache[index].cpu()
+
+    def stage_in(self, block_ids: list[int]) -> None:
+        """Copy blocks of the host mirror into the cache (after a peer moved them there)."""
+        if self.mirror is not None and block_ids:
+            assert self.cache is not None
+            index = torch.tensor(block_ids, dtype=torch.long)
+            self.cache[index.to(self.device)] = self.mirror[index].to(self.device)
 
     def kv_layout(self) -> str:
         """The cache's dtype and block shape: caches exchange blocks only when equal."""

@@ -22,6 +22,9 @@ from kvbaton.protocols.llm import KvPoolInfo
 
 log = logging.getLogger(__name__)
 
+_OWNED: set[str] = set()  # segments this process created
+_LINGERING: list[shared_memory.SharedMemory] = []  # closed while viewed: never collected
+
 
 def _shm_has_room(nbytes: int) -> bool:
     root = Path("/dev/shm")
@@ -57,6 +60,7 @@ class KvPool:
             self.shared = False
         if self.shared and nbytes > 0:
             self.segment = shared_memory.SharedMemory(create=True, size=nbytes)
+            _OWNED.add(self.segment.name)
             buffer = self.segment.buf
             assert buffer is not None
             return buffer[:nbytes]
@@ -90,18 +94,23 @@ class KvPool:
         self.blocks = None
         if self.segment is not None:
             segment, self.segment = self.segment, None
-            with contextlib.suppress(BufferError):  # views of it live on: unlink anyway
+            try:
                 segment.close()
+            except BufferError:  # the engine's cache still views it: unmapped at exit
+                _LINGERING.append(segment)
             segment.unlink()
+            _OWNED.discard(segment.name)
 
 
 def attach_segment(name: str, nbytes: int) -> tuple[shared_memory.SharedMemory, np.ndarray]:
     """A peer's segment and a uint8 view of its first `nbytes` bytes. Attaching does not make
     this process an owner: its resource tracker is told to leave the segment alone."""
     segment = shared_memory.SharedMemory(name=name)
-    # Trackers differ between Python versions; a failure here only warns at exit.
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    # Trackers differ between Python versions; a failure here only warns at exit. (A segment
+    # of this process's own stays registered: its owner unlinks it.)
+    if name not in _OWNED:
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
     if segment.size < nbytes:
         segment.close()
         raise ValueError(f"shared memory {name!r} is smaller than its pool")

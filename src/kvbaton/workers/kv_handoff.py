@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvbaton.engine.engine import KvCacheView
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.kv_transfer import KvTransferAgent
 from kvbaton.llm.peer_calls import PeerCalls
@@ -73,17 +74,20 @@ class KvHandoff:
         runtime: DistributedRuntime,
         engine: HoldingEngine,
         agent: KvTransferAgent,
+        cache: KvCacheView,
         component_path: str,
         block_size: int,
         hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
     ) -> None:
-        """`component_path`: "namespace.component" of this worker (its kv_release and kv_ready
+        """`cache`: the engine's, whose blocks the agent's pool holds (or mirrors);
+        `component_path`: "namespace.component" of this worker (its kv_release and kv_ready
         endpoints)."""
         if hold_timeout_s <= 0:
             raise ValueError("the KV hold timeout must be positive")
         self.runtime = runtime
         self.engine = engine
         self.agent = agent
+        self.cache = cache
         self.release_endpoint = f"{component_path}.kv_release"
         self.notify_endpoint = f"{component_path}.kv_ready"
         self.block_size = block_size
@@ -106,9 +110,11 @@ class KvHandoff:
         await asyncio.to_thread(self.agent.close)
 
     # -- prefill side --------------------------------------------------------------------------
-    def hold(self, handle: str, out: EngineOutput, prompt_len: int) -> EngineOutput:
+    async def hold(self, handle: str, out: EngineOutput, prompt_len: int) -> EngineOutput:
         """The answer for a held request: its first token and where its KV waits."""
         assert out.kv_blocks is not None
+        if self.cache.mirrored:
+            await asyncio.to_thread(self.cache.stage_out, out.kv_blocks)
         self._held[handle] = asyncio.get_running_loop().call_later(
             self.hold_timeout_s, self._expire, handle
         )
@@ -165,6 +171,7 @@ class KvHandoff:
             if len(src) != len(load.dst_blocks):
                 raise ValueError("the prefill worker sent fewer blocks than the prompt needs")
             self._move("read", params.pool, src, load.dst_blocks, load.request_id)
+            self.cache.stage_in(load.dst_blocks)
         finally:
             assert self._loop is not None
             asyncio.run_coroutine_threadsafe(self.release_remote(fetch), self._loop)
@@ -228,7 +235,12 @@ class KvHandoff:
             room.end(False, [])
         if not room.ok:
             raise KvLoadFailed(f"room {room.name}: the prompt's KV was not written", room.token_ids)
+        self.cache.stage_in(load.dst_blocks)
         return room.token_ids
+
+    def _stage_and_write(self, target: KvTarget, src: list[int], handle: str) -> None:
+        self.cache.stage_out(src)
+        self._move("write", target.pool, src, target.block_ids, handle)
 
     async def kv_ready(self, request: Any, context: Context) -> dict[str, bool]:
         """Endpoint: a prefill worker wrote the KV of `room` (ok) or will not."""
@@ -247,9 +259,7 @@ class KvHandoff:
             try:
                 if len(src) != len(target.block_ids) or target.block_size != self.block_size:
                     raise ValueError("the decode worker's blocks do not fit this prompt's")
-                await asyncio.to_thread(
-                    self._move, "write", target.pool, src, target.block_ids, handle
-                )
+                await asyncio.to_thread(self._stage_and_write, target, src, handle)
                 ok = True
             except Exception as exc:
                 log.warning("request %s: KV write to %s failed: %s", handle, target.room, exc)

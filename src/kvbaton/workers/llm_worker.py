@@ -148,7 +148,7 @@ class LLMWorker:
                     finish = "pushed"
                 elif out.kv_blocks is not None:
                     assert self.handoff is not None
-                    out = self.handoff.hold(engine_id, out, len(request.token_ids))
+                    out = await self.handoff.hold(engine_id, out, len(request.token_ids))
                     finish = "held"
                 yield out
                 if out.finish_reason is not None:
