@@ -21,6 +21,8 @@ from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
 from tests.tiny_models import build_chat_model
 
+# The workers' torch device: the CPU unless KVBATON_TEST_DEVICE names another ("cuda").
+TEST_DEVICE = os.environ.get("KVBATON_TEST_DEVICE", "cpu")
 READY_S = 120.0  # two cold Python starts and a model load on a loaded 2-core machine
 NUM_KV_BLOCKS = 64
 _READY = re.compile(r"ready at (http://\S+)/v1")
@@ -58,6 +60,7 @@ def start_serve(model_dir: Path, discovery_dir: Path, *extra: str) -> Deployment
         "float32",
         "--num-kv-blocks",
         str(NUM_KV_BLOCKS),
+        *(["--device", TEST_DEVICE] if TEST_DEVICE != "cpu" else []),
         *extra,
     ]
     return _start(command, _READY, discovery_dir, model_dir.name)

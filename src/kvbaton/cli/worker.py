@@ -4,9 +4,16 @@ the fixed stand-in, or an echo worker of the bare runtime)."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from kvbaton.llm.model_files import served_name
 from kvbaton.runtime import DistributedRuntime
+
+if TYPE_CHECKING:  # the worker's modules are imported when it starts (none for echo)
+    from kvbaton.kv_transfer import KvPool
+    from kvbaton.workers.kv_handoff import KvHandoff
+    from kvbaton.workers.kv_publisher import KvEventPublisher
+    from kvbaton.workers.llm_worker import ServingEngine
 
 
 async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> None:
@@ -15,25 +22,43 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> N
 
         await EchoWorker(runtime, args.namespace, args.component or "backend").serve()
         return
-    from kvbaton.engine.async_engine import AsyncEngine
-    from kvbaton.kv_transfer import KvPool, KvTransferAgent
-    from kvbaton.workers.kv_handoff import KvHandoff
-    from kvbaton.workers.kv_publisher import KvEventPublisher
-    from kvbaton.workers.llm_worker import LLMWorker, ServingEngine
+    from kvbaton.kv_transfer import KvPool
+    from kvbaton.workers.llm_worker import LLMWorker
 
     check_engine_flags(args)
-    engine: ServingEngine
-    publisher = None
-    handoff = None
     component = args.component or ("prefill" if args.role == "prefill" else "backend")
     # A prefill or decode worker's pool lives in shared memory, for peers on this host.
     pool = KvPool(shared=args.role != "agg" and args.kv_transfer != "tcp")
+    try:
+        engine, publisher = await _engine(args, pool)
+        worker = LLMWorker(
+            runtime,
+            engine,
+            served_name=args.served_model_name or served_name(args.model),
+            namespace=args.namespace,
+            component=component,
+            kv_events=publisher,
+            role=args.role,
+            handoff=await _handoff(args, runtime, engine, pool, component),
+        )
+        await worker.serve()
+    finally:
+        pool.close()  # also when the engine or the agent fails to start
+
+
+async def _engine(
+    args: argparse.Namespace, pool: KvPool
+) -> tuple[ServingEngine, KvEventPublisher | None]:
+    """The engine the flags ask for, and the publisher of its KV events (if it has any)."""
+    from kvbaton.workers.kv_publisher import KvEventPublisher
+
     values = {n: getattr(args, n) for n in ENGINE_FLAGS if getattr(args, n) is not None}
     if args.engine == "fixed":
         from kvbaton.workers.fixed_engine import FixedTokensEngine
 
-        engine = FixedTokensEngine(args.model, [int(t) for t in args.fixed_tokens.split(",")])
-    elif args.engine == "mocker":
+        return FixedTokensEngine(args.model, [int(t) for t in args.fixed_tokens.split(",")]), None
+    publisher = KvEventPublisher()
+    if args.engine == "mocker":
         from kvbaton.mocker import MockerTiming, create_mocker_engine
         from kvbaton.mocker.runner import mocker_config
         from kvbaton.mocker.timing import parse_coefficients
@@ -43,53 +68,50 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> N
             **({"decode": parse_coefficients(args.mocker_decode)} if args.mocker_decode else {}),
             speedup_ratio=args.speedup_ratio or 1.0,
         )
-        publisher = KvEventPublisher()
         engine = await create_mocker_engine(mocker_config(**values), timing, publisher.on_event)
-    else:
-        from kvbaton.engine import EngineConfig
+        return engine, publisher
+    from kvbaton.engine import AsyncEngine, EngineConfig
 
-        publisher = KvEventPublisher()
-        config = EngineConfig(**values)
-        # Off the CPU the blocks peers move are a host mirror of the cache: only for roles
-        # that disaggregate (on the CPU the cache itself lives in the pool's buffer).
-        mirror = not config.device.startswith("cpu")
-        engine = await AsyncEngine.create(
-            config,
-            publisher.on_event,
-            cache_buffer=pool.allocate if args.role != "agg" or not mirror else None,
-        )
-    if isinstance(engine, AsyncEngine):
-        view = engine.engine.kv_cache()
-        pool.attach(view.buffer, view.layout, view.num_blocks, view.block_bytes)
-        agent = KvTransferAgent(pool, args.kv_transfer, args.kv_transfer_timeout)
-        if args.role != "agg":  # peers reach its pool (an agg worker only reads theirs)
-            agent.start(runtime.settings.host, f"kvbaton-{await runtime.ensure_instance_id():x}")
-        handoff = KvHandoff(
-            runtime,
-            engine,
-            agent,
-            view,
-            f"{args.namespace}.{component}",
-            engine.block_size,
-            args.kv_hold_timeout,
-        )
-        engine.kv_loader = handoff.load
-    elif args.role != "agg":
-        raise ValueError(f"--role {args.role} needs --engine torch or mocker")
-    worker = LLMWorker(
+    config = EngineConfig(**values)
+    # Off the CPU the blocks peers move are a host mirror of the cache: only for roles that
+    # disaggregate (on the CPU the cache itself lives in the pool's buffer).
+    mirror = not config.device.startswith("cpu")
+    cache_buffer = pool.allocate if args.role != "agg" or not mirror else None
+    return await AsyncEngine.create(config, publisher.on_event, cache_buffer), publisher
+
+
+async def _handoff(
+    args: argparse.Namespace,
+    runtime: DistributedRuntime,
+    engine: ServingEngine,
+    pool: KvPool,
+    component: str,
+) -> KvHandoff | None:
+    """The KV transfer of an engine with a KV cache (the built-in one, the mocker)."""
+    from kvbaton.engine.async_engine import AsyncEngine
+    from kvbaton.kv_transfer import KvTransferAgent
+    from kvbaton.workers.kv_handoff import KvHandoff
+
+    if not isinstance(engine, AsyncEngine):
+        if args.role != "agg":
+            raise ValueError(f"--role {args.role} needs --engine torch or mocker")
+        return None
+    view = engine.engine.kv_cache()
+    pool.attach(view.buffer, view.layout, view.num_blocks, view.block_bytes)
+    agent = KvTransferAgent(pool, args.kv_transfer, args.kv_transfer_timeout)
+    if args.role != "agg":  # peers reach its pool (an agg worker only reads theirs)
+        agent.start(runtime.settings.host, f"kvbaton-{await runtime.ensure_instance_id():x}")
+    handoff = KvHandoff(
         runtime,
         engine,
-        served_name=args.served_model_name or served_name(args.model),
-        namespace=args.namespace,
-        component=component,
-        kv_events=publisher,
-        role=args.role,
-        handoff=handoff,
+        agent,
+        view,
+        f"{args.namespace}.{component}",
+        engine.block_size,
+        args.kv_hold_timeout,
     )
-    try:
-        await worker.serve()
-    finally:
-        pool.close()
+    engine.kv_loader = handoff.load
+    return handoff
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:
