@@ -51,7 +51,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -67,6 +66,7 @@ from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model, served_na
 from kvbaton.mocker.timing import MockerTiming
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
+from serving import log, pct, sse_chunks, stop
 
 MODES = ("agg", "disagg")
 STARTUP_S = 180.0
@@ -75,10 +75,6 @@ BLOCKS_FREE_S = 20.0
 NAMESPACE = "kvbaton"
 _READY = re.compile(r"ready at (http://\S+)/v1")
 _FIRST_TOKEN_ID = 256  # prompts avoid the tokenizer's special and byte tokens (if it has more)
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def first_id(vocab_size: int) -> int:
@@ -141,15 +137,9 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], result
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())!r}")
         result.worker = response.headers.get("x-kvbaton-worker", "")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
+        async for now, chunk in sse_chunks(response):
             if not result.ttft:  # the first event comes with the first token
                 result.ttft = now - started
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
             if chunk.get("usage"):
                 result.output_tokens = chunk["usage"]["completion_tokens"]
             if chunk["choices"] and chunk["choices"][0].get("text"):
@@ -233,16 +223,6 @@ def ready_url(proc: subprocess.Popen[str]) -> str | None:
         if m := _READY.search(line):
             return m.group(1)
     return None
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 async def wait_for_workers(url: str, model: str, mode: str) -> tuple[list[str], list[str]]:
@@ -337,9 +317,6 @@ def cpu_seconds(serve_pid: int) -> dict[str, float]:
 
 
 # -- figures -----------------------------------------------------------------------------------
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def figures(results: list[Result], wall: float, stall: float) -> dict[str, float]:

@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -49,6 +47,7 @@ from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model, served_na
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.router import KvRouter
 from kvbaton.router.indexer import KvIndexer
+from serving import log, pct, sse_chunks, stop
 
 MODES = {
     "round-robin": ["--router-mode", "round-robin"],
@@ -59,10 +58,6 @@ STARTUP_S = 180.0
 REQUEST_TIMEOUT_S = 120.0
 _READY = re.compile(r"ready at (http://\S+)/v1")
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- the workload ------------------------------------------------------------------------------
@@ -129,15 +124,9 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], result
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())!r}")
         result.worker = response.headers["x-kvbaton-worker"]
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
+        async for now, chunk in sse_chunks(response):
             if not result.ttft:  # the first event comes with the first token
                 result.ttft = now - started
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
             if chunk.get("usage"):
                 usage = chunk["usage"]
                 result.prompt_tokens = usage["prompt_tokens"]
@@ -229,16 +218,6 @@ def start_serve(args: argparse.Namespace, mode: str) -> tuple[subprocess.Popen[s
     raise RuntimeError(f"kvbaton serve ({mode}) did not start")
 
 
-def stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 async def wait_for_workers(url: str, model: str, workers: int) -> None:
     async with httpx.AsyncClient() as client:
         deadline = time.monotonic() + STARTUP_S
@@ -249,9 +228,6 @@ async def wait_for_workers(url: str, model: str, workers: int) -> None:
 
 
 # -- figures -----------------------------------------------------------------------------------
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def best_hit_rate(results: list[Result], tokenizer: Tokenizer, block_size: int) -> float:

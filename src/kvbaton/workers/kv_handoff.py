@@ -27,7 +27,7 @@ from kvbaton.engine.engine import KvCacheView
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.kv_transfer import KvTransferAgent
 from kvbaton.llm.peer_calls import PeerCalls
-from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput, KvTarget
+from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput, KvPoolInfo, KvTarget
 from kvbaton.runtime import Context, DistributedRuntime
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,9 @@ class KvHandoff:
             asyncio.run_coroutine_threadsafe(self.release_remote(fetch), self._loop)
         return None
 
-    def _move(self, op: str, peer: Any, src: list[int], dst: list[int], request_id: str) -> None:
+    def _move(
+        self, op: str, peer: KvPoolInfo, src: list[int], dst: list[int], request_id: str
+    ) -> None:
         started = time.perf_counter()
         move = self.agent.read if op == "read" else self.agent.write
         backend = move(peer, src, dst)
