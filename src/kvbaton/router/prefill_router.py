@@ -9,7 +9,6 @@ released at the prefill worker (`release`), or its hold timeout frees them."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 from kvbaton.llm.peer_calls import PeerCalls
@@ -21,8 +20,6 @@ from kvbaton.protocols.llm import (
 )
 from kvbaton.router.policies import Router, RouteRequest
 from kvbaton.runtime import Client, DistributedRuntime
-
-log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_TIMEOUT_S = 300.0
 
