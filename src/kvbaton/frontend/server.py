@@ -7,7 +7,6 @@ each SSE event leaves as soon as it is written."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import socket
 from collections.abc import Callable, Generator
 
@@ -19,8 +18,6 @@ from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager
 from kvbaton.router import RouterMetrics, RouterSettings
 from kvbaton.runtime import DistributedRuntime
-
-log = logging.getLogger(__name__)
 
 
 class _Server(uvicorn.Server):

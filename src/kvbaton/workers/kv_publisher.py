@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvbaton.protocols.kv import KvEvent, KvEventBatch
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import Context
-
-log = logging.getLogger(__name__)
 
 MAX_BACKLOG = 100_000  # events queued for one subscriber before it is cut off
 LOAD_INTERVAL_S = 0.05  # how often load is looked at; it is sent when it changed

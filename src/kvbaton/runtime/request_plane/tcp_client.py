@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import logging
 import time
 from collections import deque
 from typing import Any
@@ -29,8 +28,6 @@ from kvbaton.runtime.errors import (
 from kvbaton.runtime.request_plane.connection import FrameConnection
 from kvbaton.runtime.request_plane.framing import payload_decoder
 from kvbaton.runtime.settings import RuntimeSettings
-
-log = logging.getLogger(__name__)
 
 DEADLINE_SLACK_S = 0.5  # past the deadline, wait this long for the server's own error frame
 
