@@ -201,3 +201,27 @@ def test_vectored_sends_and_receives_split_and_resume_anywhere() -> None:
     right.close()
     assert np.array_equal(target[dst], source[ids])
     assert not target[[b for b in range(40) if b not in dst]].any()
+
+
+def test_a_tcp_peer_that_never_answers_times_out(local: KvTransferAgent) -> None:
+    import socket
+    import time
+
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, never answers
+    try:
+        host, port = silent.getsockname()[:2]
+        peer = KvPoolInfo(
+            layout=LAYOUT,
+            num_blocks=BLOCKS,
+            block_bytes=BLOCK_BYTES,
+            host="elsewhere",
+            tcp_address=f"{host}:{port}",
+        )
+        agent = KvTransferAgent(local.pool, "tcp", timeout_s=0.5)
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            agent.read(peer, [0], [0])
+        assert time.monotonic() - started < 5
+        agent.close()
+    finally:
+        silent.close()
