@@ -7,6 +7,7 @@ client leaving while the KV is on its way, held KV nobody comes for; and the fro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -76,11 +77,14 @@ async def all_free(runtime: DistributedRuntime, *components: str) -> None:
     await poll(free, 30, f"blocks still in use: {used}")
 
 
-@pytest.fixture
-async def frontend(tmp_path: Path) -> AsyncIterator[Deployment]:
-    deployment = await asyncio.to_thread(start_frontend, tmp_path / "discovery", NS)
-    yield deployment
-    assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
+@contextlib.asynccontextmanager
+async def running_frontend(tmp_path: Path, *flags: str) -> AsyncIterator[Deployment]:
+    """`kvbaton frontend` on the test's discovery directory, stopped (cleanly) at the end."""
+    deployment = await asyncio.to_thread(start_frontend, tmp_path / "discovery", NS, *flags)
+    try:
+        yield deployment
+    finally:
+        assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
 
 
 async def ready(frontend: Deployment, model: Path, prefill: bool = True) -> None:
@@ -103,10 +107,7 @@ def client_of(frontend: Deployment) -> openai.AsyncOpenAI:
 async def test_a_prefill_worker_killed_mid_prefill_leaves_the_decode_worker_to_prefill(
     chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path, order: str
 ) -> None:
-    frontend = await asyncio.to_thread(
-        start_frontend, tmp_path / "discovery", NS, "--transfer-order", order
-    )
-    try:
+    async with running_frontend(tmp_path, "--transfer-order", order) as frontend:
         prefill = mocker(spawn_worker, chat_model, "prefill", "--mocker-prefill", "0,1,0")
         mocker(spawn_worker, chat_model, "decode", "--speedup-ratio", "10")
         await ready(frontend, chat_model)
@@ -132,41 +133,37 @@ async def test_a_prefill_worker_killed_mid_prefill_leaves_the_decode_worker_to_p
             assert "prefilling on the decode worker" in frontend.log_text()
             assert reference.choices[0].text  # the deployment worked before the kill
             await all_free(rt, "backend")
-    finally:
-        assert await asyncio.to_thread(stop_serve, frontend.proc) == 0
 
 
 async def test_a_decode_worker_killed_mid_decode_frees_the_prefill_workers_blocks(
-    chat_model: Path, spawn_worker: WorkerFactory, frontend: Deployment
+    chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path
 ) -> None:
-    mocker(spawn_worker, chat_model, "prefill", "--speedup-ratio", "10")
-    decode = mocker(spawn_worker, chat_model, "decode", "--mocker-decode", "0,0,50")
-    await ready(frontend, chat_model)
-    async with client_of(frontend) as client, DistributedRuntime(frontend.discovery) as rt:
-        stream = await client.completions.create(
-            model=chat_model.name,
-            prompt=LONG[:300],
-            max_tokens=200,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        with pytest.raises(openai.APIError, match="worker"):
-            count = 0
-            async for _ in stream:
-                count += 1
-                if count == 3:
-                    decode.send_signal(signal.SIGKILL)
-        await all_free(rt, "prefill")
+    async with running_frontend(tmp_path) as frontend:
+        mocker(spawn_worker, chat_model, "prefill", "--speedup-ratio", "10")
+        decode = mocker(spawn_worker, chat_model, "decode", "--mocker-decode", "0,0,50")
+        await ready(frontend, chat_model)
+        async with client_of(frontend) as client, DistributedRuntime(frontend.discovery) as rt:
+            stream = await client.completions.create(
+                model=chat_model.name,
+                prompt=LONG[:300],
+                max_tokens=200,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            with pytest.raises(openai.APIError, match="worker"):
+                count = 0
+                async for _ in stream:
+                    count += 1
+                    if count == 3:
+                        decode.send_signal(signal.SIGKILL)
+            await all_free(rt, "prefill")
 
 
 @pytest.mark.parametrize("order", ["prefill-first", "decode-first"])
 async def test_a_client_leaving_while_the_kv_is_on_its_way_frees_everything(
     chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path, order: str
 ) -> None:
-    frontend = await asyncio.to_thread(
-        start_frontend, tmp_path / "discovery", NS, "--transfer-order", order
-    )
-    try:
+    async with running_frontend(tmp_path, "--transfer-order", order) as frontend:
         mocker(spawn_worker, chat_model, "prefill", "--mocker-prefill", "0,1,0")
         mocker(spawn_worker, chat_model, "decode")
         await ready(frontend, chat_model)
@@ -183,8 +180,6 @@ async def test_a_client_leaving_while_the_kv_is_on_its_way_frees_everything(
             with pytest.raises(asyncio.CancelledError):
                 await request
             await all_free(rt, "prefill", "backend")
-    finally:
-        assert await asyncio.to_thread(stop_serve, frontend.proc) == 0
 
 
 async def test_held_kv_nobody_fetches_is_freed_after_the_hold_timeout(
@@ -208,27 +203,19 @@ async def test_held_kv_nobody_fetches_is_freed_after_the_hold_timeout(
 async def test_enforce_disagg_refuses_without_a_prefill_worker(
     chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path
 ) -> None:
-    frontend = await asyncio.to_thread(
-        start_frontend, tmp_path / "discovery", NS, "--enforce-disagg"
-    )
-    try:
+    async with running_frontend(tmp_path, "--enforce-disagg") as frontend:
         mocker(spawn_worker, chat_model, "decode")
         await ready(frontend, chat_model, prefill=False)
         async with client_of(frontend) as client:
             with pytest.raises(openai.APIStatusError) as refused:
                 await client.completions.create(model=chat_model.name, prompt="Hi", max_tokens=2)
         assert refused.value.status_code == 503 and "prefill" in refused.value.message
-    finally:
-        assert await asyncio.to_thread(stop_serve, frontend.proc) == 0
 
 
 async def test_short_uncached_prompts_are_prefilled_on_the_decode_worker(
     chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path
 ) -> None:
-    frontend = await asyncio.to_thread(
-        start_frontend, tmp_path / "discovery", NS, "--max-local-prefill-tokens", "64"
-    )
-    try:
+    async with running_frontend(tmp_path, "--max-local-prefill-tokens", "64") as frontend:
         mocker(spawn_worker, chat_model, "prefill", "--speedup-ratio", "10")
         mocker(spawn_worker, chat_model, "decode", "--speedup-ratio", "10")
         await ready(frontend, chat_model)
@@ -240,5 +227,3 @@ async def test_short_uncached_prompts_are_prefilled_on_the_decode_worker(
                 )
                 served = raw.headers["x-kvbaton-worker"].split(",")
                 assert len(served) == workers, (length, served)
-    finally:
-        assert await asyncio.to_thread(stop_serve, frontend.proc) == 0
