@@ -312,11 +312,11 @@ class AsyncEngine:
                     applied = True
             except queue.Empty:
                 pass
-            if applied:  # a long step may follow: let the load report show what came in
-                self._stats = self.engine.stats()
             if not self.engine.has_unfinished():
                 self._stats = self.engine.stats()
                 continue
+            if applied:  # a long step may follow: let the load report show what came in
+                self._stats = self.engine.stats()
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a broken step fails its requests, not the process

@@ -158,8 +158,7 @@ class ServedModel:
             return []
         limit = self.settings.max_local_prefill_tokens
         if limit > 0 and route.ranking:
-            overlaps: dict[int, int] = getattr(route, "overlaps", {})
-            cached = overlaps.get(route.ranking[0], 0) * self.card.kv_block_size
+            cached = route.overlaps.get(route.ranking[0], 0) * self.card.kv_block_size
             if len(request.token_ids) - cached < limit:
                 return []
         return live

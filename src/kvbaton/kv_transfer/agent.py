@@ -45,6 +45,7 @@ class KvTransferAgent:
         self._server: KvTransferServer | None = None
         self._nixl: NixlBackend | None = None
         self._tcp = TcpClient(timeout_s)
+        self._info: KvPoolInfo | None = None
         self._peers: dict[str, tuple[shared_memory.SharedMemory, np.ndarray]] = {}
         self._lock = threading.Lock()
         self.bytes_moved = 0  # by this agent's reads and writes, since it started
@@ -54,6 +55,7 @@ class KvTransferAgent:
         """Serve the pool over TCP on `host` (a pool with bytes, unless another backend is
         forced), and register it with NIXL (`name`: the agent's, unique) if that is installed
         and not ruled out."""
+        self._info = None
         if self.pool.blocks is None:
             if self.backend in ("nixl", "shm") and self.pool.block_bytes:
                 raise ValueError(f"{self.backend} needs the KV pool in host memory")
@@ -71,10 +73,13 @@ class KvTransferAgent:
                 log.info("NIXL is unusable here (%s): KV moves over shm or tcp", exc)
 
     def info(self) -> KvPoolInfo:
-        return self.pool.info(
-            tcp_address=self._server.address if self._server else "",
-            nixl_metadata=self._nixl.metadata() if self._nixl else b"",
-        )
+        """How peers reach the pool (made once: it changes only at `start`)."""
+        if self._info is None:
+            self._info = self.pool.info(
+                tcp_address=self._server.address if self._server else "",
+                nixl_metadata=self._nixl.metadata() if self._nixl else b"",
+            )
+        return self._info
 
     def close(self) -> None:
         self._tcp.close()

@@ -28,9 +28,8 @@ class KvRoute(Route):
         block_hashes: list[int],
         overlaps: dict[int, int],
     ) -> None:
-        super().__init__(router, request, ranking)
+        super().__init__(router, request, ranking, overlaps)
         self.block_hashes = block_hashes
-        self.overlaps = overlaps  # worker id -> leading blocks it caches
 
 
 class KvRouter(Router):

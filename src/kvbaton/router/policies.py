@@ -26,12 +26,20 @@ class RouteRequest:
 
 
 class Route:
-    """One routed request. `ranking` is the order to try workers in."""
+    """One routed request. `ranking` is the order to try workers in; `overlaps`, where the
+    router knows them, each worker's leading blocks of the prompt already cached."""
 
-    def __init__(self, router: Router, request: RouteRequest, ranking: list[int]) -> None:
+    def __init__(
+        self,
+        router: Router,
+        request: RouteRequest,
+        ranking: list[int],
+        overlaps: dict[int, int] | None = None,
+    ) -> None:
         self.router = router
         self.request = request
         self.ranking = ranking
+        self.overlaps = overlaps or {}
         self.worker_id: int | None = None
         self._done = False
 
