@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.servers import EtcdServer, NatsServer, running
+
 WorkerFactory = Callable[..., subprocess.Popen[bytes]]
 
 
@@ -59,3 +61,16 @@ def spawn_worker(tmp_path: Path, discovery_url: str) -> Iterator[WorkerFactory]:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One etcd for the session (tests use their own key prefixes through namespaces)."""
+    with running(EtcdServer(tmp_path_factory.mktemp("etcd"))) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    with running(NatsServer(tmp_path_factory.mktemp("nats"))) as server:
+        yield server

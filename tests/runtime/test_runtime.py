@@ -1,5 +1,6 @@
 """The runtime's face in one process: serving, routing, errors, cancellation, deadlines,
-shutdown. Every test runs on each discovery backend."""
+shutdown. Every test runs on each discovery backend (with the tcp request plane) and on each
+request plane (with mem discovery)."""
 
 from __future__ import annotations
 
@@ -34,16 +35,38 @@ pytestmark = pytest.mark.unit
 RuntimeFactory = Callable[..., Awaitable[DistributedRuntime]]
 
 
-@pytest.fixture(params=["mem", "file"])
-async def make_runtime(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> AsyncIterator[RuntimeFactory]:
-    url = f"mem://{uuid.uuid4().hex}" if request.param == "mem" else f"file://{tmp_path}/d"
+BACKENDS = ["mem/tcp", "file/tcp"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backends(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    """RuntimeSettings fields for a discovery backend and a request plane."""
+    discovery, plane = request.param.split("/")
+    settings: dict[str, Any] = {"request_plane": plane}
+    if discovery == "mem":
+        settings["discovery"] = f"mem://{uuid.uuid4().hex}"
+    elif discovery == "file":
+        settings["discovery"] = f"file://{tmp_path}/d"
+    else:
+        etcd = request.getfixturevalue("etcd_server")
+        settings["discovery"] = f"{etcd.url}/t-{uuid.uuid4().hex}"
+    if plane == "nats":
+        settings["nats_url"] = request.getfixturevalue("nats_server").url
+    return settings
+
+
+@pytest.fixture
+def plane(backends: dict[str, Any]) -> str:
+    return str(backends["request_plane"])
+
+
+@pytest.fixture
+async def make_runtime(backends: dict[str, Any]) -> AsyncIterator[RuntimeFactory]:
     runtimes: list[DistributedRuntime] = []
 
     async def make(**overrides: Any) -> DistributedRuntime:
         overrides.setdefault("lease_ttl", 2.0)
-        runtime = DistributedRuntime(url, **overrides)
+        runtime = DistributedRuntime(**{**backends, **overrides})
         runtimes.append(runtime)
         return runtime
 
@@ -236,7 +259,11 @@ async def test_deadline_stops_the_handler(make_runtime: RuntimeFactory) -> None:
     assert 0.15 < time.monotonic() - t0 < 1.0
 
 
-async def test_500_concurrent_streams_share_one_connection(make_runtime: RuntimeFactory) -> None:
+async def test_500_concurrent_streams_share_one_connection(
+    make_runtime: RuntimeFactory, plane: str
+) -> None:
+    """(Over http a request is one POST: those share a pool of connections, not one.)"""
+
     async def count(request: int, ctx: Context) -> AsyncIterator[int]:
         for i in range(5):
             await asyncio.sleep(0.01)
@@ -254,7 +281,9 @@ async def test_500_concurrent_streams_share_one_connection(make_runtime: Runtime
     results = await asyncio.gather(*(one(n) for n in range(500)))
     assert results == [[n * 10 + i for i in range(5)] for n in range(500)]
     assert len(caller.request_client.connections()) == 1
-    assert len(server._server.connections) == 1  # type: ignore[union-attr]
+    assert caller.request_client.open_streams() == 0
+    if plane != "http":
+        assert len(server._server.connections) == 1  # type: ignore[union-attr]
 
 
 async def test_shutdown_drains_in_flight_streams_and_refuses_new_ones(
@@ -275,13 +304,12 @@ async def test_shutdown_drains_in_flight_streams_and_refuses_new_ones(
     shutdown = asyncio.create_task(server.shutdown())
     await asyncio.sleep(0.01)
     # A request that arrives while draining is refused and never runs.
-    conn = next(iter(caller.request_client._conns.values()))
-    stream = conn.open(
+    assert server._server is not None
+    stream = await caller.request_client.open_stream(
+        server._server.address,
         "ns.c.slow",
         msgspec.Raw(msgspec.msgpack.encode(None)),
-        "late",
-        None,
-        msgspec.msgpack.Decoder(),
+        request_id="late",
     )
     with pytest.raises(ShuttingDownError):
         async for _ in stream:
@@ -416,7 +444,7 @@ async def test_the_caller_enforces_its_deadline_when_the_server_never_answers(
     with pytest.raises(DeadlineExceededError):
         await collect(client.round_robin(None, timeout=0.2))
     assert time.monotonic() - t0 < 5  # bounded: the slack past the deadline is 0.5 s
-    assert not runtime.request_client._conns[instance.address].streams  # cancelled, not kept
+    assert runtime.request_client.open_streams() == 0  # cancelled, not kept
     mute.close()
 
 
@@ -431,8 +459,7 @@ async def test_an_oversized_request_is_refused_and_leaves_nothing_behind(
     for _ in range(3):
         with pytest.raises(FrameError, match="over the limit"):
             await client.round_robin("x" * 4096)
-    (conn,) = server.request_client._conns.values()
-    assert conn.streams == {}
+    assert server.request_client.open_streams() == 0
     assert len(await collect(client.round_robin("small again"))) == 3
 
 

@@ -29,7 +29,7 @@ from kvbaton.runtime.errors import (
 )
 from kvbaton.runtime.names import EndpointPath
 from kvbaton.runtime.request_plane.framing import encode_payload
-from kvbaton.runtime.request_plane.tcp_client import Stream
+from kvbaton.runtime.request_plane.stream import Stream
 
 if TYPE_CHECKING:
     from kvbaton.runtime.distributed import DistributedRuntime

@@ -20,7 +20,13 @@ from kvbaton.protocols.discovery import Instance
 from kvbaton.runtime.client import Client
 from kvbaton.runtime.discovery import Discovery, open_discovery
 from kvbaton.runtime.names import EndpointPath, check_name
-from kvbaton.runtime.request_plane import Handler, TcpRequestClient, TcpRequestServer
+from kvbaton.runtime.nats_connections import NatsConnections
+from kvbaton.runtime.request_plane import (
+    FrameServer,
+    Handler,
+    RequestClients,
+    make_request_server,
+)
 from kvbaton.runtime.settings import RuntimeSettings
 
 log = logging.getLogger(__name__)
@@ -46,8 +52,10 @@ class DistributedRuntime:
             if isinstance(discovery, Discovery)
             else open_discovery(self.settings.discovery)
         )
-        self.request_client = TcpRequestClient(self.settings)
-        self._server: TcpRequestServer | None = None
+        self.nats = NatsConnections(self.settings)
+        """This process's NATS connections (nats request plane, nats event plane)."""
+        self.request_client = RequestClients(self.settings, self.nats)
+        self._server: FrameServer | None = None
         self._lease_id: int | None = None
         self._setup_lock = asyncio.Lock()
         self._clients: list[Client] = []
@@ -84,12 +92,12 @@ class DistributedRuntime:
         """The lease id of this process once it serves something, else None."""
         return self._lease_id
 
-    async def _serving_setup(self) -> tuple[TcpRequestServer, int]:
+    async def _serving_setup(self) -> tuple[FrameServer, int]:
         async with self._setup_lock:  # shutdown takes it too: no setup outlives a shutdown
             if self._closed:
                 raise RuntimeError("the runtime is shut down")
             if self._server is None:
-                server = TcpRequestServer(self.settings)
+                server = make_request_server(self.settings, self.nats)
                 await server.start()
                 self._server = server
             if self._lease_id is None:
@@ -111,7 +119,7 @@ class DistributedRuntime:
             endpoint=path.endpoint,
             instance_id=lease_id,
             address=server.address,
-            transport="tcp",
+            transport=server.transport,
             pid=os.getpid(),
             hostname=socket.gethostname(),
             registered_at=time.time(),
@@ -170,6 +178,7 @@ class DistributedRuntime:
         finally:
             await self.request_client.close()
             await self.discovery.close()
+            await self.nats.close()
 
 
 class Namespace:

@@ -1,0 +1,84 @@
+"""The NATS connections of one process: one per server URL, shared by the request plane (both
+sides) and the event plane.
+
+Invariants: the first connection to a server fails with ConnectError within `connect_timeout`
+when the server cannot be reached; once connected, a connection reconnects forever (nats-py
+re-subscribes every subscription and keeps what is published meanwhile in its pending buffer),
+so a server restart costs its users a pause, not a rebuild."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import nats
+from nats.aio.client import Client as NatsClient
+
+from kvbaton.runtime.errors import ConnectError
+from kvbaton.runtime.settings import RuntimeSettings
+
+log = logging.getLogger(__name__)
+
+RECONNECT_WAIT_S = 0.25
+PING_INTERVAL_S = 2  # the client notices a dead server after 2 missed pings
+
+
+class NatsConnections:
+    def __init__(self, settings: RuntimeSettings) -> None:
+        self.settings = settings
+        self._conns: dict[str, asyncio.Task[NatsClient]] = {}
+
+    async def get(self, url: str) -> NatsClient:
+        """The connection to `url`, made on first use; ConnectError if it cannot be made."""
+        task = self._conns.get(url)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = asyncio.create_task(self._connect(url), name=f"nats-connect {url}")
+            self._conns[url] = task
+        return await asyncio.shield(task)
+
+    async def _connect(self, url: str) -> NatsClient:
+        async def disconnected() -> None:
+            log.warning("NATS %s: disconnected; reconnecting", url)
+
+        async def reconnected() -> None:
+            log.info("NATS %s: reconnected", url)
+
+        async def error(exc: Exception) -> None:
+            log.debug("NATS %s: %s", url, exc)
+
+        try:
+            return await nats.connect(
+                url,
+                connect_timeout=self.settings.connect_timeout,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=RECONNECT_WAIT_S,
+                ping_interval=PING_INTERVAL_S,
+                max_outstanding_pings=2,
+                disconnected_cb=disconnected,
+                reconnected_cb=reconnected,
+                error_cb=error,
+            )
+        except Exception as exc:  # nats-py raises its own NoServersError, TimeoutError, OSError
+            reason = str(exc) or type(exc).__name__
+            raise ConnectError(f"cannot connect to NATS at {url}: {reason}") from exc
+
+    async def close(self) -> None:
+        """Flush what is pending and close every connection (bounded)."""
+        tasks, self._conns = list(self._conns.values()), {}
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+                continue
+            if task.cancelled() or task.exception() is not None:
+                continue
+            conn = task.result()
+            try:
+                async with asyncio.timeout(2.0):
+                    await conn.drain()
+            except Exception as exc:  # a server that is down: close without waiting
+                log.debug("NATS drain failed (%s); closing", exc)
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1.0):
+                        await conn.close()

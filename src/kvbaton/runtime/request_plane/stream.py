@@ -1,0 +1,189 @@
+"""The calling side of the request plane, whatever carries its frames: a `ClientConnection` over
+an asyncio transport carries any number of concurrent `Stream`s, multiplexed by stream id. Each
+transport's client (tcp, nats, http) makes the connections and keeps them in its pool."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from typing import Any, Protocol
+
+import msgspec
+
+from kvbaton.protocols.frames import Cancel, Credit, Data, End, Error, ErrorKind, Frame, Request
+from kvbaton.runtime.errors import (
+    BadRequestError,
+    DeadlineExceededError,
+    EndpointNotFoundError,
+    FrameError,
+    HandlerError,
+    RuntimeServiceError,
+    ShuttingDownError,
+    StreamBrokenError,
+)
+from kvbaton.runtime.request_plane.connection import FrameConnection
+from kvbaton.runtime.settings import RuntimeSettings
+
+DEADLINE_SLACK_S = 0.5  # past the deadline, wait this long for the server's own error frame
+
+_ERRORS: dict[str, type[RuntimeServiceError]] = {
+    ErrorKind.NOT_FOUND: EndpointNotFoundError,
+    ErrorKind.SHUTTING_DOWN: ShuttingDownError,
+    ErrorKind.DEADLINE: DeadlineExceededError,
+    ErrorKind.BAD_REQUEST: BadRequestError,
+}
+
+
+def error_from_frame(frame: Error) -> RuntimeServiceError:
+    cls = _ERRORS.get(frame.kind)
+    return cls(frame.message) if cls is not None else HandlerError(frame.message, frame.error_type)
+
+
+class Stream:
+    """The responses of one request, as an async iterator of decoded items.
+
+    Ends with StopAsyncIteration after the `End` frame; raises the error an `Error` frame carries,
+    or StreamBrokenError when the connection goes first. `cancel()`, or cancellation of the task
+    that reads it, sends `Cancel` to the handler. The connection holds every open stream, so an
+    abandoned one is cancelled by its owner (`ResponseStream`), never by garbage collection.
+    """
+
+    def __init__(
+        self,
+        conn: ClientConnection,
+        stream_id: int,
+        decoder: msgspec.msgpack.Decoder[Any],
+        deadline: float | None = None,
+        window: int = 0,
+    ) -> None:
+        self._conn = conn
+        self._deadline = deadline
+        self._grant_every = max(1, window // 2) if window else 0
+        self._read = 0  # responses read since the last Credit
+        self.stream_id = stream_id
+        self._decoder = decoder
+        # Responses not yet read, then possibly the end: End, Error or a StreamBrokenError.
+        self._items: deque[msgspec.Raw | End | Error | BaseException] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self.done = False
+
+    def _push(self, frame: Data | End | Error | BaseException) -> None:
+        if isinstance(frame, Data):
+            self._items.extend(frame.payloads)
+        else:
+            self._items.append(frame)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> Any:
+        while not self._items:
+            if self.done:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                if self._deadline is None:
+                    await self._waiter
+                else:  # the server enforces it too; this side holds even if the server hangs
+                    remaining = self._deadline - time.time() + DEADLINE_SLACK_S
+                    await asyncio.wait_for(self._waiter, max(0.0, remaining))
+            except TimeoutError:
+                self.cancel()
+                raise DeadlineExceededError("deadline exceeded (no answer)") from None
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
+        if type(item) is msgspec.Raw:
+            if self._grant_every:
+                self._read += 1
+                if self._read >= self._grant_every:
+                    self._conn.send(Credit(self.stream_id, self._read))
+                    self._read = 0
+            return self._decoder.decode(item)
+        self.done = True
+        if isinstance(item, End):
+            raise StopAsyncIteration
+        if isinstance(item, Error):
+            raise error_from_frame(item)
+        assert isinstance(item, BaseException)
+        raise item
+
+    def cancel_threadsafe(self) -> None:
+        """`cancel` from any thread (a finalizer may run on one that is not the loop's)."""
+        if not self.done:
+            self._conn.loop.call_soon_threadsafe(self.cancel)
+
+    def cancel(self) -> None:
+        """Stop the remote handler (idempotent; a no-op after the stream ended)."""
+        if self.done:
+            return
+        self.done = True
+        self._items.clear()
+        if self._conn.streams.pop(self.stream_id, None) is not None:
+            self._conn.send(Cancel(self.stream_id))
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+
+class ConnectionPool(Protocol):
+    settings: RuntimeSettings
+
+    def discard(self, conn: ClientConnection) -> None:
+        """Forget a connection that closed."""
+
+
+class ClientConnection(FrameConnection):
+    window: int | None = None  # per-stream window; None: the settings' stream_window
+
+    def __init__(self, pool: ConnectionPool, address: str) -> None:
+        super().__init__(pool.settings.max_frame_bytes)
+        self.pool = pool
+        self.address = address
+        self.streams: dict[int, Stream] = {}
+        self._ids = itertools.count(1)
+
+    def open(
+        self,
+        endpoint: str,
+        payload: msgspec.Raw,
+        request_id: str,
+        deadline: float | None,
+        decoder: msgspec.msgpack.Decoder[Any],
+    ) -> Stream:
+        if self.closed:
+            raise StreamBrokenError(f"connection to {self.address} lost")
+        window = self.pool.settings.stream_window if self.window is None else self.window
+        stream = Stream(self, next(self._ids), decoder, deadline, window)
+        self.send(Request(stream.stream_id, endpoint, request_id, payload, deadline, window))
+        self.streams[stream.stream_id] = stream
+        return stream
+
+    def frame_received(self, frame: Frame) -> None:
+        if isinstance(frame, Request | Cancel | Credit):
+            raise FrameError(f"unexpected {type(frame).__name__} frame from a server")
+        stream = self.streams.get(frame.stream_id)
+        if stream is None:
+            return  # cancelled by us; late frames are dropped
+        if not isinstance(frame, Data):
+            del self.streams[frame.stream_id]
+        stream._push(frame)
+
+    def connection_closed(self, exc: BaseException | None) -> None:
+        self.pool.discard(self)
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream._push(
+                StreamBrokenError(
+                    f"stream {stream.stream_id} to {self.address} broke before its end: "
+                    f"{exc or 'connection closed'}"
+                )
+            )
