@@ -21,8 +21,15 @@ log = logging.getLogger("kvbaton")
 
 def _runtime_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("runtime (flags win over KVBATON_* variables)")
-    group.add_argument("--discovery", help="file:///dir (default: a per-user dir) or mem://name")
-    group.add_argument("--request-plane", help="tcp (default)")
+    group.add_argument(
+        "--discovery",
+        help="file:///dir (default: a per-user dir), mem://name or etcd://host:port[,host:port]",
+    )
+    group.add_argument("--request-plane", help="tcp (default), http or nats (at --nats-url)")
+    group.add_argument(
+        "--event-plane", help="direct (default: no broker), nats or nats://host:port"
+    )
+    group.add_argument("--nats-url", help="the NATS server (default nats://127.0.0.1:4222)")
     group.add_argument("--host", help="address to bind and advertise (default 127.0.0.1)")
     group.add_argument("--request-plane-port", dest="port", type=int, help="default: any free port")
     group.add_argument("--lease-ttl", type=float, help="seconds (default 10)")
@@ -46,7 +53,7 @@ def _http_flags(parser: argparse.ArgumentParser, *port_aliases: str) -> None:
 
 def runtime_settings(args: argparse.Namespace) -> RuntimeSettings:
     """Flags given on the command line, then KVBATON_* variables, then defaults."""
-    names = ("discovery", "request_plane", "host", "port", "lease_ttl")
+    names = ("discovery", "request_plane", "event_plane", "nats_url", "host", "port", "lease_ttl")
     overrides = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     return RuntimeSettings(**overrides)
 
