@@ -4,6 +4,7 @@ them (`x-kvbaton-worker`) and the prompt tokens served from its cache."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,6 +102,12 @@ def test_kv_mode_sends_a_prompt_back_to_the_worker_that_cached_it(mockers: Deplo
     assert (
         f'kvbaton_router_requests_total{{mode="kv",model="{model}",worker="{worker}"}}' in metrics
     )
+    indexed = re.search(
+        rf'kvbaton_router_indexed_blocks{{component="[^"]+",model="{model}",worker="{worker}"}}'
+        r" (\d+)",
+        metrics,
+    )
+    assert indexed is not None and int(indexed.group(1)) >= cached // 4  # the fox's blocks
 
 
 def test_a_request_can_name_its_worker(mockers: Deployment) -> None:

@@ -89,6 +89,7 @@ def make_router(
         overlap_weight=settings.overlap_weight,
         temperature=settings.temperature,
         subscriber=subscriber,
+        component=card.endpoint.rsplit(".", 1)[0],
     )
 
 

@@ -46,8 +46,10 @@ class KvRouter(Router):
         temperature: float = 0.0,
         subscriber: KvEventSubscriber | None = None,
         seed: int | None = None,
+        component: str = "",
     ) -> None:
-        """`subscriber`: the workers' KV events feeding `indexer` (and their loads)."""
+        """`subscriber`: the workers' KV events feeding `indexer` (and their loads);
+        `component`: "namespace.component" of the workers (a label of the metrics)."""
         super().__init__(model, metrics)
         if overlap_weight < 0 or temperature < 0:
             raise ValueError("overlap_weight and temperature must be >= 0")
@@ -56,6 +58,7 @@ class KvRouter(Router):
         self.overlap_weight = overlap_weight
         self.temperature = temperature
         self.subscriber = subscriber
+        self.component = component
         # worker id -> its last load report
         self.loads: dict[int, WorkerLoad] = subscriber.loads if subscriber else {}
         self.active = ActiveSequences()
@@ -64,10 +67,14 @@ class KvRouter(Router):
             self.mode = "kv-approx"
 
     async def start(self) -> None:
+        if self.metrics is not None:
+            self.metrics.watch_index(self.model, self.component, self.indexer)
         if self.subscriber is not None:
             await self.subscriber.start()
 
     async def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.watch_index(self.model, self.component, None)
         if self.subscriber is not None:
             await self.subscriber.close()
 

@@ -1,8 +1,37 @@
-"""The router's Prometheus metrics: decision time, overlap found, worker chosen."""
+"""The router's Prometheus metrics: decision time, overlap found, worker chosen, and the
+blocks its KV index holds per worker (read from the index when scraped)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class IndexView(Protocol):
+    @property
+    def workers(self) -> list[int]: ...
+
+    def tree_size(self, worker_id: int) -> int: ...
+
+
+class _IndexedBlocks(Collector):
+    def __init__(self) -> None:
+        self.indexes: dict[tuple[str, str], IndexView] = {}  # (model, component) -> index
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "kvbaton_router_indexed_blocks",
+            "Blocks the router's KV index holds for each worker",
+            labels=["model", "component", "worker"],
+        )
+        for (model, component), index in list(self.indexes.items()):
+            for worker in index.workers:
+                family.add_metric([model, component, f"{worker:x}"], index.tree_size(worker))
+        yield family
 
 
 class RouterMetrics:
@@ -28,3 +57,13 @@ class RouterMetrics:
             [*labels, "worker"],
             registry=registry,
         )
+        self._indexed = _IndexedBlocks()
+        registry.register(self._indexed)
+
+    def watch_index(self, model: str, component: str, index: IndexView | None) -> None:
+        """Export `index`'s blocks per worker of `component` ("namespace.component");
+        None stops exporting."""
+        if index is None:
+            self._indexed.indexes.pop((model, component), None)
+        else:
+            self._indexed.indexes[(model, component)] = index
