@@ -1,4 +1,5 @@
-"""The discovery contract, run against every backend; then what only file discovery does."""
+"""The discovery contract, run against every backend (etcd on the session's etcd server, under a
+key prefix of its own per test); then what only file discovery does."""
 
 from __future__ import annotations
 
@@ -18,14 +19,19 @@ from kvbaton.runtime.discovery import (
     WatchEvent,
     open_discovery,
 )
+from kvbaton.runtime.discovery.etcd import EtcdDiscovery
+from tests.servers import EtcdServer
 
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(params=["mem", "file"])
+@pytest.fixture(params=["mem", "file", "etcd"])
 async def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "mem":
         return f"mem://{uuid.uuid4().hex}"
+    if request.param == "etcd":
+        server: EtcdServer = request.getfixturevalue("etcd_server")
+        return f"{server.url}/t-{uuid.uuid4().hex}"
     return f"file://{tmp_path / 'disc'}"
 
 
@@ -184,6 +190,19 @@ def test_open_discovery_urls(tmp_path: Path) -> None:
     assert isinstance(open_discovery(str(tmp_path)), FileDiscovery)
     with pytest.raises(ValueError, match="unknown discovery backend"):
         open_discovery("zookeeper://x")
+
+
+def test_open_discovery_etcd_urls() -> None:
+    disc = open_discovery("etcd://10.0.0.1:2381,etcd-b,[::1]:2390/kvb/prod/")
+    assert isinstance(disc, EtcdDiscovery)
+    assert disc.root == "/kvb/prod"
+    assert disc._full("/services/a") == b"/kvb/prod/services/a"
+    assert disc._strip(b"/kvb/prod/services/a") == "/services/a"
+    assert [c._host for c in disc._clients] == ["10.0.0.1", "etcd-b", "[::1]"]
+    assert [c._port for c in disc._clients] == [2381, 2379, 2390]
+    bare = open_discovery("etcd://127.0.0.1:2379")
+    assert isinstance(bare, EtcdDiscovery)
+    assert bare.root == "" and bare._range("") == (b"\0", b"\0")
 
 
 async def test_closing_wakes_a_reader_waiting_on_the_watch(url: str) -> None:

@@ -19,8 +19,13 @@ __all__ = [
 
 
 def open_discovery(url: str) -> Discovery:
-    """`mem://name`, `file:///abs/dir` or a bare directory path."""
+    """`mem://name`, `file:///abs/dir`, a bare directory path, or
+    `etcd://host:port[,host:port...][/key-prefix]`."""
     parsed = urlparse(url)
+    if parsed.scheme == "etcd":
+        from kvbaton.runtime.discovery.etcd import EtcdDiscovery  # grpc loads only when used
+
+        return EtcdDiscovery.from_url(url)
     if parsed.scheme == "mem":
         return MemDiscovery(parsed.netloc or parsed.path or "default")
     if parsed.scheme == "file":
@@ -30,4 +35,7 @@ def open_discovery(url: str) -> Discovery:
         return FileDiscovery(path)
     if parsed.scheme == "" and url:
         return FileDiscovery(url)
-    raise ValueError(f"unknown discovery backend {url!r}; supported: file:///dir, mem://name")
+    raise ValueError(
+        f"unknown discovery backend {url!r}; supported: file:///dir, mem://name, "
+        "etcd://host:port[,host:port...][/prefix]"
+    )
