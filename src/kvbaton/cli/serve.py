@@ -114,6 +114,8 @@ def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
         {
             "KVBATON_DISCOVERY": discovery,
             "KVBATON_REQUEST_PLANE": settings.request_plane,
+            "KVBATON_EVENT_PLANE": settings.event_plane,
+            "KVBATON_NATS_URL": settings.nats_url,
             "KVBATON_HOST": settings.host,
             "KVBATON_LEASE_TTL": str(settings.lease_ttl),
         }
