@@ -64,7 +64,7 @@ def make_request_server(settings: RuntimeSettings, nats: NatsConnections) -> Fra
 
         return NatsRequestServer(settings, nats)
     if settings.request_plane == "http":
-        from kvbaton.runtime.request_plane.http_plane import HttpRequestServer
+        from kvbaton.runtime.request_plane.http_server import HttpRequestServer
 
         return HttpRequestServer(settings)
     return TcpRequestServer(settings)
@@ -88,7 +88,7 @@ class RequestClients:
 
                 client = NatsRequestClient(self.settings, self._nats)
             elif scheme == "http":
-                from kvbaton.runtime.request_plane.http_plane import HttpRequestClient
+                from kvbaton.runtime.request_plane.http_client import HttpRequestClient
 
                 client = HttpRequestClient(self.settings)
             else:
