@@ -1,11 +1,13 @@
-"""Broker-free KV events: a router's index follows a worker's cache through the worker's
-`kv_events` stream, starting from its `kv_dump`; a gap re-syncs it from a new dump; a worker
-that leaves is taken out. A mocker worker and a subscriber run in one process, on mem
-discovery and the real request plane."""
+"""KV events, on both event planes (broker-free `direct`, and `nats` on a real nats-server): a
+router's index follows a worker's cache through the worker's events, starting from its
+`kv_dump`; a gap re-syncs it from a new dump; a worker that leaves is taken out. A mocker
+worker and a subscriber run in one process, on mem discovery and the real request plane.
+(What only NATS has, a server restart and lost messages: test_nats_events.py.)"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -49,11 +51,12 @@ class Setup:
         return self.indexer.find_matches(hash_blocks(prompt, BLOCK))
 
 
-@pytest.fixture
-async def setup(mocker_model: Path) -> AsyncIterator[Setup]:
+@contextlib.asynccontextmanager
+async def kv_setup(mocker_model: Path, event_plane: str = "direct") -> AsyncIterator[Setup]:
+    """A mocker worker and a (not yet started) subscriber on `event_plane`."""
     url = f"mem://{uuid.uuid4().hex}"
-    worker_rt = DistributedRuntime(url, lease_ttl=2.0)
-    router_rt = DistributedRuntime(url, lease_ttl=2.0)
+    worker_rt = DistributedRuntime(url, lease_ttl=2.0, event_plane=event_plane)
+    router_rt = DistributedRuntime(url, lease_ttl=2.0, event_plane=event_plane)
     publisher = KvEventPublisher()
     config = mocker_config(model=str(mocker_model), num_kv_blocks=64, block_size=BLOCK)
     engine = await create_mocker_engine(
@@ -72,6 +75,13 @@ async def setup(mocker_model: Path) -> AsyncIterator[Setup]:
         await router_rt.shutdown()
         await worker_rt.shutdown()
         await asyncio.wait_for(serving, 10)
+
+
+@pytest.fixture(params=["direct", "nats"])
+async def setup(request: pytest.FixtureRequest, mocker_model: Path) -> AsyncIterator[Setup]:
+    plane = request.getfixturevalue("nats_server").url if request.param == "nats" else "direct"
+    async with kv_setup(mocker_model, plane) as setup:
+        yield setup
 
 
 async def test_the_index_follows_events_and_load_arrives(setup: Setup) -> None:

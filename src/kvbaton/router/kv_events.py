@@ -1,5 +1,6 @@
-"""Follows the KV events of every live worker of one component, broker-free: a subscription to
-each worker's `kv_events` endpoint over the request plane, started from a `kv_dump`.
+"""Follows the KV events of every live worker of one component. Broker-free (the `direct` event
+plane): a subscription to each worker's `kv_events` endpoint over the request plane, started
+from a `kv_dump`. On a NATS event plane: `kv_events_nats.py`, with the same invariants.
 
 Invariants: for each worker the index holds its dump plus every event after the dump, applied
 in event-id order; a gap in the ids (or a broken stream) re-syncs that worker from a new dump; a
@@ -15,7 +16,9 @@ import logging
 from kvbaton.protocols.kv import KvDump, KvEventBatch
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.router.indexer import KvIndexer
+from kvbaton.router.kv_events_nats import NatsKvEvents
 from kvbaton.runtime import Client, DistributedRuntime
+from kvbaton.runtime.event_plane import EventPlane
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +49,20 @@ class KvEventSubscriber:
         self._dumps: Client | None = None
         self._workers: dict[int, asyncio.Task[None]] = {}
         self._follow: asyncio.Task[None] | None = None
+        self._nats: NatsKvEvents | None = None
+
+    def _dumped(self) -> None:
+        self.dumps += 1
 
     async def start(self) -> None:
+        """Start following the workers (ConnectError if the NATS event plane is not there)."""
+        plane = EventPlane.of(self.runtime)
+        if plane is not None:
+            self._nats = NatsKvEvents(
+                self.runtime, plane, self.component, self.indexer, self.loads, self._dumped
+            )
+            await self._nats.start()
+            return
         self._events = await self.runtime.endpoint(f"{self.component}.kv_events").client(
             response_type=KvEventBatch
         )
@@ -57,6 +72,8 @@ class KvEventSubscriber:
         self._follow = asyncio.create_task(self._follow_workers(self._events))
 
     async def close(self) -> None:
+        if self._nats is not None:
+            await self._nats.close()
         tasks = [t for t in [self._follow, *self._workers.values()] if t is not None]
         for task in tasks:
             task.cancel()

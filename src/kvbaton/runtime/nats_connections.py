@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from typing import Any
 
-import nats
 from nats.aio.client import Client as NatsClient
 
 from kvbaton.runtime.errors import ConnectError
@@ -28,6 +29,21 @@ class NatsConnections:
     def __init__(self, settings: RuntimeSettings) -> None:
         self.settings = settings
         self._conns: dict[str, asyncio.Task[NatsClient]] = {}
+        self._listeners: list[Callable[[str, bool], None]] = []
+
+    def add_listener(self, listener: Callable[[str, bool], None]) -> Callable[[], None]:
+        """Call `listener(url, connected)` when a connection is lost (False) and when it is
+        back (True): what was in flight meanwhile may be lost, in either direction. Returns
+        the function that removes the listener."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def _tell(self, url: str, connected: bool) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(url, connected)
+            except Exception:
+                log.exception("NATS connection listener failed")
 
     async def get(self, url: str) -> NatsClient:
         """The connection to `url`, made on first use; ConnectError if it cannot be made."""
@@ -38,31 +54,46 @@ class NatsConnections:
         return await asyncio.shield(task)
 
     async def _connect(self, url: str) -> NatsClient:
+        conn = NatsClient()
+
         async def disconnected() -> None:
-            log.warning("NATS %s: disconnected; reconnecting", url)
+            if not conn.is_closed and not conn.is_draining:
+                log.warning("NATS %s: disconnected; reconnecting", url)
+            self._tell(url, False)
 
         async def reconnected() -> None:
             log.info("NATS %s: reconnected", url)
+            self._tell(url, True)
 
         async def error(exc: Exception) -> None:
             log.debug("NATS %s: %s", url, exc)
 
+        options: dict[str, Any] = {  # (nats-py annotates its seconds as int; floats work)
+            "connect_timeout": self.settings.connect_timeout,
+            "allow_reconnect": True,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": RECONNECT_WAIT_S,
+            "ping_interval": PING_INTERVAL_S,
+            "max_outstanding_pings": 2,
+            "disconnected_cb": disconnected,
+            "reconnected_cb": reconnected,
+            "error_cb": error,
+        }
+        # nats-py, told to reconnect forever, retries a first connection forever as well:
+        # the first one is bounded here.
         try:
-            return await nats.connect(
-                url,
-                connect_timeout=self.settings.connect_timeout,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=RECONNECT_WAIT_S,
-                ping_interval=PING_INTERVAL_S,
-                max_outstanding_pings=2,
-                disconnected_cb=disconnected,
-                reconnected_cb=reconnected,
-                error_cb=error,
-            )
+            async with asyncio.timeout(self.settings.connect_timeout):
+                await conn.connect(url, **options)
         except Exception as exc:  # nats-py raises its own NoServersError, TimeoutError, OSError
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await conn.close()
             reason = str(exc) or type(exc).__name__
-            raise ConnectError(f"cannot connect to NATS at {url}: {reason}") from exc
+            raise ConnectError(
+                f"cannot connect to NATS at {url} within {self.settings.connect_timeout:g}s: "
+                f"{reason}"
+            ) from exc
+        return conn
 
     async def close(self) -> None:
         """Flush what is pending and close every connection (bounded)."""

@@ -1,26 +1,40 @@
-"""A worker's event stream, broker-free: routers subscribe to the worker's `kv_events` endpoint
-over the request plane and receive its KV events and load; `kv_dump` gives them the whole cache
-to start from.
+"""A worker's event stream. Broker-free, routers subscribe to the worker's `kv_events` endpoint
+over the request plane and receive its KV events and load; on a NATS event plane the worker
+`publish`es the same batches on its subject instead. Either way `kv_dump` (an endpoint) gives
+routers the whole cache to start from.
 
 Invariants: a subscriber receives every event emitted after its subscription began, in event-id
 order, batched; the first message of a subscription is sent as soon as it is registered (so a
 subscriber that reads it, then asks for a dump, misses nothing between the two); a subscriber
 that falls `MAX_BACKLOG` events behind has its stream ended with an error, and re-syncs from a
-dump; every subscription ends when the runtime shuts down."""
+dump; every subscription ends when the runtime shuts down. Published batches leave in event-id
+order, each under the event plane's size limit; the load goes out when it changed and at least
+every `LOAD_REFRESH_S` (a router that subscribes later learns it too); an event lost on the way
+(a failed publish) shows as a gap in the ids, which routers heal with a dump."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
+
+import msgspec
 
 from kvbaton.protocols.kv import KvEvent, KvEventBatch
 from kvbaton.protocols.llm import WorkerLoad
-from kvbaton.runtime import Context
+from kvbaton.runtime import Component, Context
+from kvbaton.runtime.event_plane import EventPlane, event_subject
 
 MAX_BACKLOG = 100_000  # events queued for one subscriber before it is cut off
 LOAD_INTERVAL_S = 0.05  # how often load is looked at; it is sent when it changed
+LOAD_REFRESH_S = 1.0  # published: the load is sent at least this often, changed or not
+
+log = logging.getLogger(__name__)
+_encode = msgspec.msgpack.Encoder().encode
 
 _CLOSED = object()
 _BEHIND = object()
@@ -98,3 +112,65 @@ class KvEventPublisher:
                 yield KvEventBatch(events=events, load=load)
         finally:
             self._subscribers.discard(sub)
+
+    async def sender(
+        self, component: Component, instance_id: int
+    ) -> Callable[[], Coroutine[Any, Any, None]]:
+        """What sends the stream of `component`'s instance: its `kv_events` endpoint (broker-free)
+        or `publish` on its subject of the NATS event plane (ConnectError if NATS is not
+        there). Call it to run it."""
+        runtime = component.namespace.runtime
+        plane = EventPlane.of(runtime)
+        if plane is None:
+            endpoint = component.endpoint("kv_events")
+            return functools.partial(endpoint.serve_endpoint, self.subscribe)
+        namespace = component.namespace.name
+        subject = event_subject(namespace, component.name, "kv_events", instance_id)
+        max_bytes = await plane.max_payload()  # connects
+
+        async def send(data: bytes) -> None:
+            await plane.publish(subject, data)
+
+        return functools.partial(self.publish, send, max_bytes)
+
+    async def publish(self, send: Callable[[bytes], Awaitable[None]], max_bytes: int) -> None:
+        """Send the event stream through `send` (msgpack KvEventBatch-es of at most `max_bytes`,
+        one or more per wake-up, in order) until `close()`."""
+        sub = _Subscriber()
+        self._subscribers.add(sub)
+        sub.ready.set()  # the load at once, if known
+        load_sent = -LOAD_REFRESH_S
+        try:
+            while sub.state is not _CLOSED:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(LOAD_REFRESH_S):
+                        await sub.ready.wait()
+                sub.ready.clear()
+                if sub.state is _BEHIND:  # the plane is stuck: drop; routers see the gap
+                    log.warning("KV events: %d unsent events dropped", len(sub.events))
+                    sub.events, sub.state = [], None
+                events, sub.events = sub.events, []
+                load, sub.load = sub.load, None
+                now = time.monotonic()
+                if load is None and now - load_sent >= LOAD_REFRESH_S:
+                    load = self._load
+                if load is not None:
+                    load_sent = now
+                if events or load is not None:
+                    for data in _encoded(events, load, max_bytes):
+                        try:
+                            await send(data)
+                        except Exception as exc:  # down too long, or too big: routers re-sync
+                            log.warning("KV events: a batch was not published: %s", exc)
+        finally:
+            self._subscribers.discard(sub)
+
+
+def _encoded(events: list[KvEvent], load: WorkerLoad | None, max_bytes: int) -> list[bytes]:
+    """The batch, split in halves until each part fits in `max_bytes` (the load rides on the
+    last part; a single event too big for the plane stays one message, and fails)."""
+    data = _encode(KvEventBatch(events=events, load=load))
+    if len(data) <= max_bytes or len(events) <= 1:
+        return [data]
+    half = len(events) // 2
+    return _encoded(events[:half], None, max_bytes) + _encoded(events[half:], load, max_bytes)

@@ -1,6 +1,8 @@
 """The LLM worker: one engine behind the endpoints `generate`, `clear_kv_blocks`, `load_metrics`
 and `tokenizer_files` (and `kv_events` and `kv_dump` when it publishes KV events, `kv_release`
-as a prefill worker, `kv_ready` as a worker that decodes), and a model card in discovery.
+as a prefill worker, `kv_ready` as a worker that decodes), and a model card in discovery. On a
+NATS event plane its KV events and load go out on its subject instead of the `kv_events`
+endpoint (`kv_dump` stays an endpoint).
 
 Roles: "agg" runs whole requests; "prefill" runs each request to its first token and answers
 with where its KV waits, or writes it where a decode worker waits for it (`kv_handoff.py`);
@@ -273,6 +275,9 @@ class LLMWorker:
         """Publish the model card, then serve until the runtime shuts down."""
         try:
             instance_id = await self.runtime.ensure_instance_id()
+            kv_stream = None
+            if self.kv_events is not None:  # before the card: no card without its events
+                kv_stream = await self.kv_events.sender(self.component, instance_id)
             key = model_card_key(self.namespace, self.served_name, instance_id)
             await self.runtime.publish(key, self.card(instance_id).to_json())
             endpoint = self.component.endpoint
@@ -290,10 +295,10 @@ class LLMWorker:
                     serving.append(endpoint("kv_release").serve_endpoint(self.handoff.kv_release))
                 else:
                     serving.append(endpoint("kv_ready").serve_endpoint(self.handoff.kv_ready))
-            if self.kv_events is not None:
+            if self.kv_events is not None and kv_stream is not None:
                 self.kv_events.start(self.load)
                 serving += [
-                    endpoint("kv_events").serve_endpoint(self.kv_events.subscribe),
+                    kv_stream(),
                     endpoint("kv_dump").serve_endpoint(self.kv_dump),
                     self._end_subscriptions(self.kv_events),
                 ]
