@@ -66,15 +66,17 @@ def start_serve(model_dir: Path, discovery_dir: Path, *extra: str) -> Deployment
     return _start(command, _READY, discovery_dir, model_dir.name)
 
 
-def start_frontend(discovery_dir: Path, namespace: str, *extra: str) -> Deployment:
-    """`kvbaton frontend` alone on a free port; returns once it listens."""
+def start_frontend(discovery: Path | str, namespace: str, *extra: str) -> Deployment:
+    """`kvbaton frontend` alone on a free port; returns once it listens. `discovery`: a
+    directory (file discovery) or a discovery URL."""
     command = ["frontend", "--namespace", namespace, *extra]
-    return _start(command, _LISTENING, discovery_dir, "")
+    return _start(command, _LISTENING, discovery, "")
 
 
 def _start(
-    command: list[str], ready_line: re.Pattern[str], discovery_dir: Path, model: str
+    command: list[str], ready_line: re.Pattern[str], discovery: Path | str, model: str
 ) -> Deployment:
+    url = f"file://{discovery}" if isinstance(discovery, Path) else discovery
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -84,13 +86,13 @@ def _start(
             "--http-port",
             "0",
             "--discovery",
-            f"file://{discovery_dir}",
+            url,
         ],
         env=clean_env() | {"KVBATON_LEASE_TTL": "3"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    deployment = Deployment(proc, "", f"file://{discovery_dir}", model)
+    deployment = Deployment(proc, "", url, model)
     ready = threading.Event()
 
     def read() -> None:
