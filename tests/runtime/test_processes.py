@@ -40,7 +40,7 @@ TTL = 2.0
 STARTUP_S = 30.0  # a cold Python start on a loaded 2-core machine
 
 
-DEPLOYMENTS = ["file/tcp", "etcd/tcp", "file/http"]
+DEPLOYMENTS = ["file/tcp", "etcd/tcp", "file/nats", "file/http"]
 every_deployment = pytest.mark.parametrize("backends", DEPLOYMENTS, indirect=True)
 # etcd looks for expired leases every 500 ms: a key may outlive its TTL by that much.
 EXPIRY_SLACK_S = {"file": 0.3, "etcd": 0.8}

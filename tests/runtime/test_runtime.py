@@ -35,7 +35,7 @@ pytestmark = pytest.mark.unit
 RuntimeFactory = Callable[..., Awaitable[DistributedRuntime]]
 
 
-BACKENDS = ["mem/tcp", "file/tcp", "etcd/tcp", "mem/http"]
+BACKENDS = ["mem/tcp", "file/tcp", "etcd/tcp", "mem/nats", "mem/http"]
 
 
 @pytest.fixture(params=BACKENDS)

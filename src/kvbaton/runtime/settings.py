@@ -81,7 +81,7 @@ class RuntimeSettings(BaseSettings):
     @field_validator("nats_url")
     @classmethod
     def _nats_url(cls, value: str) -> str:
-        if not value.startswith(("nats://", "tls://")):
+        if not value.startswith("nats://"):
             raise ValueError(f"not a NATS URL: {value!r} (nats://host:port)")
         return value
 
