@@ -38,3 +38,28 @@ def test_bad_values_are_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv("KVBATON_LEASE_TTL")
     with pytest.raises(ValueError, match="unknown request plane"):
         RuntimeSettings(request_plane="carrier-pigeon")
+
+
+def test_the_distributed_backends_are_chosen_by_flags_or_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVBATON_REQUEST_PLANE", "nats")
+    monkeypatch.setenv("KVBATON_NATS_URL", "nats://127.0.0.1:4333")
+    args = build_parser().parse_args(
+        ["worker", "--discovery", "etcd://127.0.0.1:2379,127.0.0.1:2380", "--event-plane", "nats"]
+    )
+    settings = runtime_settings(args)
+    assert settings.discovery == "etcd://127.0.0.1:2379,127.0.0.1:2380"
+    assert settings.request_plane == "nats"
+    assert settings.event_plane_url == "nats://127.0.0.1:4333"  # `nats`: the one NATS server
+    args = build_parser().parse_args(
+        ["frontend", "--request-plane", "http", "--event-plane", "nats://127.0.0.1:4444"]
+    )
+    settings = runtime_settings(args)
+    assert settings.request_plane == "http"
+    assert settings.event_plane_url == "nats://127.0.0.1:4444"
+    assert RuntimeSettings(event_plane="direct").event_plane_url is None
+    with pytest.raises(ValueError, match="unknown event plane"):
+        RuntimeSettings(event_plane="kafka://somewhere")
+    with pytest.raises(ValueError, match="not a NATS URL"):
+        RuntimeSettings(nats_url="http://127.0.0.1:4222")
