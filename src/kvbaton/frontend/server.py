@@ -6,9 +6,7 @@ each SSE event leaves as soon as it is written."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 
 import uvicorn
 
@@ -18,27 +16,7 @@ from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager
 from kvbaton.router import RouterMetrics, RouterSettings
 from kvbaton.runtime import DistributedRuntime
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield  # the process's own signal handling stops the server (`should_exit`)
-
-
-def listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
-        sock.bind((host, port))
-        sock.listen(1024)
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
+from kvbaton.runtime.request_plane.http_server import EmbeddedUvicorn, listen
 
 
 class FrontendServer:
@@ -68,7 +46,7 @@ class FrontendServer:
             timeout_keep_alive=30,
             timeout_graceful_shutdown=10,
         )
-        self.server = _Server(config)
+        self.server = EmbeddedUvicorn(config)
 
     async def serve(self, on_ready: Callable[[str], None] | None = None) -> None:
         """Serve until `stop()`; then close the model manager (the runtime is the caller's)."""

@@ -199,7 +199,9 @@ def _later_frame(conn: ServerConnection, frame: Frame) -> None:
     conn.frame_received(frame)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket for uvicorn (port 0: a free one), TCP_NODELAY for every accepted
+    connection."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -214,14 +216,18 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Uvicorn(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+class EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside a process that handles its own signals (and stops it itself)."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
-        yield  # the process's signals are its own; `closed()` stops this server
+        yield
+
+
+class _Uvicorn(EmbeddedUvicorn):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -250,7 +256,7 @@ class HttpRequestServer(FrameServer):
     _serving: asyncio.Task[None] | None = None
 
     async def start(self) -> str:
-        sock = _listen(self.settings.host, self.settings.port)
+        sock = listen(self.settings.host, self.settings.port)
         config = uvicorn.Config(
             self._asgi,
             http="httptools",

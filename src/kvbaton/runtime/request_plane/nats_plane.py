@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import math
@@ -46,7 +45,7 @@ from kvbaton.runtime.request_plane.nats_transport import (
     parse_address,
 )
 from kvbaton.runtime.request_plane.server import FrameServer, ServerConnection
-from kvbaton.runtime.request_plane.stream import ClientConnection, Stream
+from kvbaton.runtime.request_plane.stream import ClientConnection, Dials, Stream
 from kvbaton.runtime.settings import RuntimeSettings
 
 log = logging.getLogger(__name__)
@@ -333,7 +332,7 @@ class NatsRequestClient:
         self._carrier_lock = asyncio.Lock()
         self._conns: dict[str, ClientConnection] = {}
         self._links: dict[str, NatsTransport] = {}  # the transport of each of _conns
-        self._connecting: dict[str, asyncio.Task[_Dialed]] = {}
+        self._connect = Dials(self._dial)
 
     async def open_stream(
         self,
@@ -377,19 +376,6 @@ class NatsRequestClient:
             stream.cancel()
             raise
         return stream
-
-    async def _connect(self, address: str) -> _Dialed:
-        task = self._connecting.get(address)
-        if task is None:
-            task = asyncio.create_task(self._dial(address))
-            self._connecting[address] = task
-            task.add_done_callback(functools.partial(self._dialed, address))
-        return await asyncio.shield(task)
-
-    def _dialed(self, address: str, task: asyncio.Task[_Dialed]) -> None:
-        del self._connecting[address]
-        if not task.cancelled():
-            task.exception()  # retrieved here: every caller may have been cancelled meanwhile
 
     async def _carrier(self, url: str) -> ClientCarrier:
         async with self._carrier_lock:
@@ -449,8 +435,7 @@ class NatsRequestClient:
             self._links.pop(conn.address, None)
 
     async def close(self) -> None:
-        for task in list(self._connecting.values()):
-            task.cancel()
+        self._connect.cancel()
         for conn in list(self._conns.values()):
             conn.close()
         self._conns.clear()

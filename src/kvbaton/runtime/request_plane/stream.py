@@ -5,10 +5,12 @@ transport's client (tcp, nats, http) makes the connections and keeps them in its
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections import deque
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -187,3 +189,32 @@ class ClientConnection(FrameConnection):
                     f"{exc or 'connection closed'}"
                 )
             )
+
+
+T = TypeVar("T")
+
+
+class Dials(Generic[T]):
+    """One dial per address at a time: concurrent callers share it, and a caller that is
+    cancelled leaves it running for the others."""
+
+    def __init__(self, dial: Callable[[str], Awaitable[T]]) -> None:
+        self._dial = dial
+        self._running: dict[str, asyncio.Task[T]] = {}
+
+    async def __call__(self, address: str) -> T:
+        task = self._running.get(address)
+        if task is None:
+            task = asyncio.ensure_future(self._dial(address))
+            self._running[address] = task
+            task.add_done_callback(functools.partial(self._done, address))
+        return await asyncio.shield(task)
+
+    def _done(self, address: str, task: asyncio.Task[T]) -> None:
+        del self._running[address]
+        if not task.cancelled():
+            task.exception()  # retrieved here: every caller may have been cancelled meanwhile
+
+    def cancel(self) -> None:
+        for task in list(self._running.values()):
+            task.cancel()

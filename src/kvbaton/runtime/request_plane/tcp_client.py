@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 from typing import Any
 from urllib.parse import urlparse
 
@@ -11,7 +10,7 @@ import msgspec
 
 from kvbaton.runtime.errors import ConnectError
 from kvbaton.runtime.request_plane.framing import payload_decoder
-from kvbaton.runtime.request_plane.stream import ClientConnection, Stream
+from kvbaton.runtime.request_plane.stream import ClientConnection, Dials, Stream
 from kvbaton.runtime.settings import RuntimeSettings
 
 
@@ -21,7 +20,7 @@ class TcpRequestClient:
     def __init__(self, settings: RuntimeSettings) -> None:
         self.settings = settings
         self._conns: dict[str, ClientConnection] = {}
-        self._connecting: dict[str, asyncio.Task[ClientConnection]] = {}
+        self._connect = Dials(self._dial)
 
     async def open_stream(
         self,
@@ -38,19 +37,6 @@ class TcpRequestClient:
         if conn is None or conn.closed:
             conn = await self._connect(address)
         return conn.open(endpoint, payload, request_id, deadline, payload_decoder(response_type))
-
-    async def _connect(self, address: str) -> ClientConnection:
-        task = self._connecting.get(address)
-        if task is None:
-            task = asyncio.create_task(self._dial(address))
-            self._connecting[address] = task
-            task.add_done_callback(functools.partial(self._dialed, address))
-        return await asyncio.shield(task)
-
-    def _dialed(self, address: str, task: asyncio.Task[ClientConnection]) -> None:
-        del self._connecting[address]
-        if not task.cancelled():
-            task.exception()  # retrieved here: every caller may have been cancelled meanwhile
 
     async def _dial(self, address: str) -> ClientConnection:
         parsed = urlparse(address)
@@ -81,8 +67,7 @@ class TcpRequestClient:
             del self._conns[conn.address]
 
     async def close(self) -> None:
-        for task in list(self._connecting.values()):
-            task.cancel()
+        self._connect.cancel()
         for conn in list(self._conns.values()):
             conn.close()
         self._conns.clear()
