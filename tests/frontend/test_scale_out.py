@@ -5,7 +5,8 @@ discovery and the NATS event plane, each server run by the test on random loopba
 What it shows: requests succeed; `kill -9` of a decode worker takes it out of routing within
 the lease TTL and its blocks out of the router's index; restarting etcd, and separately NATS,
 mid-load loses no registered instance once they are back (workers re-register, the router
-re-subscribes), and no request hangs."""
+re-subscribes), and no request hangs. Requests travel on the tcp request plane, and then on
+the nats one."""
 
 from __future__ import annotations
 
@@ -46,17 +47,21 @@ class Cluster:
     etcd: EtcdServer
     nats: NatsServer
     discovery: str
+    request_plane: str
     flags: list[str]  # the runtime flags every process takes
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+@pytest.fixture(params=["tcp", "nats"])
+def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
+    """etcd and NATS; requests on the tcp plane, or through NATS too."""
     with (
         running(EtcdServer(tmp_path / "etcd")) as etcd,
         running(NatsServer(tmp_path / "nats")) as nats,
     ):
         discovery = f"{etcd.url}/kvbaton-{uuid.uuid4().hex[:8]}"
-        yield Cluster(etcd, nats, discovery, ["--event-plane", nats.url])
+        flags = ["--event-plane", nats.url, "--nats-url", nats.url]
+        flags += ["--request-plane", request.param]
+        yield Cluster(etcd, nats, discovery, request.param, flags)
 
 
 @pytest.fixture
@@ -226,7 +231,10 @@ async def test_serving_on_etcd_and_nats_survives_kills_and_server_restarts(
             await asyncio.sleep(2.0)
             await load.stop()
             assert load.ok > 0
-            assert not load.failed, load.failed[:3]
+            # Streams carried by NATS break while it is down (their requests fail with an
+            # error, none hangs: see Load); everything else goes on untouched.
+            if restart is cluster.etcd or cluster.request_plane != "nats":
+                assert not load.failed, load.failed[:3]
 
             async def all_back() -> bool:
                 d, p = await health(http)
