@@ -208,17 +208,20 @@ async def test_serving_on_etcd_and_nats_survives_kills_and_server_restarts(
         victim_proc = decode[0]
         victim_proc.send_signal(signal.SIGKILL)
         victim_proc.wait(10)
-        t0 = time.monotonic()
 
         async def victim_gone() -> bool:
             d, _ = await health(http)
             return len(d) == 1
 
-        await until(victim_gone, TTL + 2, "the killed decode worker out of routing")
+        # (etcd looks for expired leases every 500 ms; this polls every 100 ms)
+        await until(victim_gone, TTL + 0.8, "the killed decode worker out of routing")
         (survivor,) = (await health(http))[0]
         (victim,) = decode_ids - {survivor}
-        assert victim not in await indexed(http)
-        assert time.monotonic() - t0 <= TTL + 2
+
+        async def victim_unindexed() -> bool:
+            return victim not in await indexed(http)
+
+        await until(victim_unindexed, 0.5, "the killed worker's blocks out of the index")
         await asyncio.gather(*(chat(client, model, 100 + i) for i in range(8)))
 
         # Restart etcd mid-load, then NATS mid-load: nothing registered is lost, nothing hangs.
