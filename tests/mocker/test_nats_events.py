@@ -115,6 +115,11 @@ async def test_published_batches_keep_their_order_fit_the_plane_and_carry_the_lo
     await asyncio.wait_for(publishing, 5)
     assert [e.event_id for b in sent for e in b.events] == list(range(60))
     assert len([b for b in sent if b.events]) > 1 and max(sizes) <= 300
+    # The last part of each batch says which event was the last one sent, and so do the
+    # refreshes after it (the parts before it say nothing: their successor is on its way).
+    assert sent[-1].last_event_id == 59 and not sent[-1].events
+    told = [b for b in sent if b.events and b.last_event_id is not None]
+    assert told and all(b.last_event_id == b.events[-1].event_id for b in told)
 
 
 async def test_a_nats_server_that_is_not_there_is_a_connect_error(mocker_model: Path) -> None:
@@ -160,6 +165,11 @@ async def test_events_go_by_nats_and_lost_or_strange_messages_are_handled(
             lost = BlockRemoved(event_id=last + 2, block_hashes=hashes)
             await plane.publish(own, encode(KvEventBatch(events=[lost])))
             await wait_until(lambda: setup.subscriber.dumps == 2, what="a re-sync")
+            # A quiet worker whose last events were lost: no later event shows the gap, but
+            # its next message says which event it sent last; that brings a dump too.
+            quiet = KvEventBatch(last_event_id=(await dump_of(setup)).last_event_id + 3)
+            await plane.publish(own, encode(quiet))
+            await wait_until(lambda: setup.subscriber.dumps == 3, what="a re-sync when quiet")
         await wait_until(lambda: setup.matches(prompt) == {setup.worker_id: 2}, what="re-sync")
         assert setup.indexer.workers == [setup.worker_id]
         loads = setup.subscriber.loads
@@ -167,7 +177,7 @@ async def test_events_go_by_nats_and_lost_or_strange_messages_are_handled(
         second = list(range(80, 89))
         await setup.run(second)  # events flow again after the re-sync
         await wait_until(lambda: setup.matches(second) == {setup.worker_id: 2}, what="events")
-        assert setup.subscriber.dumps == 2
+        assert setup.subscriber.dumps == 3
 
 
 async def test_the_index_converges_after_a_nats_restart(mocker_model: Path, tmp_path: Path) -> None:

@@ -44,7 +44,10 @@ class KvDump(msgspec.Struct, kw_only=True):
 
 class KvEventBatch(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One message of a worker's event stream: the KV events since the last message, in
-    order, and its load when that changed."""
+    order, and its load when that changed. `last_event_id`: the id of the last event the worker
+    had emitted when it sent this message (on a lossy event plane, a subscriber that is behind
+    it lost events even if no later event comes to show the gap)."""
 
     events: list[KvEvent] = msgspec.field(default_factory=list)
     load: WorkerLoad | None = None
+    last_event_id: int | None = None

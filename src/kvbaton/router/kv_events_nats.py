@@ -178,6 +178,9 @@ class NatsKvEvents:
                     self._resync(worker_id, worker, "too many events during its dump")
             else:
                 self._apply(worker_id, worker, batch.events)
+                last = batch.last_event_id
+                if worker.expected is not None and last is not None and last >= worker.expected:
+                    self._resync(worker_id, worker, f"event {last} was sent, not received")
             if batch.load is not None:
                 self.loads[worker_id] = batch.load
 

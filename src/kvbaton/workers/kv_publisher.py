@@ -140,6 +140,7 @@ class KvEventPublisher:
         self._subscribers.add(sub)
         sub.ready.set()  # the load at once, if known
         load_sent = -LOAD_REFRESH_S
+        last_event_id: int | None = None  # of the events sent so far
         try:
             while sub.state is not _CLOSED:
                 with contextlib.suppress(TimeoutError):
@@ -148,6 +149,7 @@ class KvEventPublisher:
                 sub.ready.clear()
                 if sub.state is _BEHIND:  # the plane is stuck: drop; routers see the gap
                     log.warning("KV events: %d unsent events dropped", len(sub.events))
+                    last_event_id = sub.events[-1].event_id
                     sub.events, sub.state = [], None
                 events, sub.events = sub.events, []
                 load, sub.load = sub.load, None
@@ -156,8 +158,10 @@ class KvEventPublisher:
                     load = self._load
                 if load is not None:
                     load_sent = now
+                if events:
+                    last_event_id = events[-1].event_id
                 if events or load is not None:
-                    for data in _encoded(events, load, max_bytes):
+                    for data in _encoded(events, load, last_event_id, max_bytes):
                         try:
                             await send(data)
                         except Exception as exc:  # down too long, or too big: routers re-sync
@@ -166,11 +170,16 @@ class KvEventPublisher:
             self._subscribers.discard(sub)
 
 
-def _encoded(events: list[KvEvent], load: WorkerLoad | None, max_bytes: int) -> list[bytes]:
-    """The batch, split in halves until each part fits in `max_bytes` (the load rides on the
-    last part; a single event too big for the plane stays one message, and fails)."""
-    data = _encode(KvEventBatch(events=events, load=load))
+def _encoded(
+    events: list[KvEvent], load: WorkerLoad | None, last_event_id: int | None, max_bytes: int
+) -> list[bytes]:
+    """The batch, split in halves until each part fits in `max_bytes` (the load and the last
+    event id ride on the last part; a single event too big for the plane stays one message,
+    and fails)."""
+    data = _encode(KvEventBatch(events=events, load=load, last_event_id=last_event_id))
     if len(data) <= max_bytes or len(events) <= 1:
         return [data]
     half = len(events) // 2
-    return _encoded(events[:half], None, max_bytes) + _encoded(events[half:], load, max_bytes)
+    return _encoded(events[:half], None, None, max_bytes) + _encoded(
+        events[half:], load, last_event_id, max_bytes
+    )
