@@ -16,7 +16,7 @@ from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager
 from kvbaton.router import RouterMetrics, RouterSettings
 from kvbaton.runtime import DistributedRuntime
-from kvbaton.runtime.request_plane.http_server import EmbeddedUvicorn, listen
+from kvbaton.runtime.http_embed import EmbeddedUvicorn, listen
 
 
 class FrontendServer:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -78,10 +78,23 @@ class NatsKvEvents:
         self._dumps = await self.runtime.endpoint(f"{self.component}.kv_dump").client(
             response_type=KvDump
         )
+        sub, dumps = self._sub, self._dumps
         self._tasks = [
-            asyncio.create_task(self._read(self._sub)),
-            asyncio.create_task(self._follow_workers(self._dumps)),
+            asyncio.create_task(self._keep_running(lambda: self._read(sub))),
+            asyncio.create_task(self._keep_running(lambda: self._follow_workers(dumps))),
         ]
+
+    async def _keep_running(self, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run `loop` until closed; a failure is logged, every worker is re-synced (what was
+        applied may be partial) and the loop goes on: the index never silently stops."""
+        while not self._closed:
+            try:
+                await loop()
+                return
+            except Exception:
+                log.exception("following the kv events of %s failed; re-syncing", self.component)
+                self._resync_all("a failure while following")
+                await asyncio.sleep(RESYNC_DELAY_S)
 
     async def close(self) -> None:
         self._closed = True

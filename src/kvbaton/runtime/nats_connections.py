@@ -30,6 +30,7 @@ class NatsConnections:
         self.settings = settings
         self._conns: dict[str, asyncio.Task[NatsClient]] = {}
         self._listeners: list[Callable[[str, bool], None]] = []
+        self._closed = False
 
     def add_listener(self, listener: Callable[[str, bool], None]) -> Callable[[], None]:
         """Call `listener(url, connected)` when a connection is lost (False) and when it is
@@ -46,7 +47,10 @@ class NatsConnections:
                 log.exception("NATS connection listener failed")
 
     async def get(self, url: str) -> NatsClient:
-        """The connection to `url`, made on first use; ConnectError if it cannot be made."""
+        """The connection to `url`, made on first use; ConnectError if it cannot be made (or
+        the connections were closed)."""
+        if self._closed:
+            raise ConnectError(f"the NATS connections of this process are closed ({url})")
         task = self._conns.get(url)
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             task = asyncio.create_task(self._connect(url), name=f"nats-connect {url}")
@@ -66,7 +70,12 @@ class NatsConnections:
             self._tell(url, True)
 
         async def error(exc: Exception) -> None:
-            log.debug("NATS %s: %s", url, exc)
+            # Refused reconnection attempts are expected while the server is down (the
+            # disconnect was logged); what else goes wrong (a slow consumer dropping messages,
+            # a protocol error) is worth a warning.
+            expected = isinstance(exc, OSError)  # (nats-py's TimeoutError is one)
+            level = logging.DEBUG if expected else logging.WARNING
+            log.log(level, "NATS %s: %r", url, exc)
 
         options: dict[str, Any] = {  # (nats-py annotates its seconds as int; floats work)
             "connect_timeout": self.settings.connect_timeout,
@@ -78,16 +87,21 @@ class NatsConnections:
             "disconnected_cb": disconnected,
             "reconnected_cb": reconnected,
             "error_cb": error,
+            # A publish that finds the pending buffer full waits for the flusher: at most this
+            # long (it raises then), not until the server is back.
+            "flush_timeout": self.settings.connect_timeout,
         }
         # nats-py, told to reconnect forever, retries a first connection forever as well:
         # the first one is bounded here.
         try:
             async with asyncio.timeout(self.settings.connect_timeout):
                 await conn.connect(url, **options)
-        except Exception as exc:  # nats-py raises its own NoServersError, TimeoutError, OSError
+        except BaseException as exc:  # NoServersError, TimeoutError, OSError; or cancelled
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
                     await conn.close()
+            if not isinstance(exc, Exception):
+                raise
             reason = str(exc) or type(exc).__name__
             raise ConnectError(
                 f"cannot connect to NATS at {url} within {self.settings.connect_timeout:g}s: "
@@ -96,11 +110,13 @@ class NatsConnections:
         return conn
 
     async def close(self) -> None:
-        """Flush what is pending and close every connection (bounded)."""
+        """Flush what is pending and close every connection (bounded). Later `get`s fail."""
+        self._closed = True
         tasks, self._conns = list(self._conns.values()), {}
         for task in tasks:
             if not task.done():
-                task.cancel()
+                task.cancel()  # `_connect` closes what it had made
+                await asyncio.gather(task, return_exceptions=True)
                 continue
             if task.cancelled() or task.exception() is not None:
                 continue

@@ -8,7 +8,8 @@ order, batched; the first message of a subscription is sent as soon as it is reg
 subscriber that reads it, then asks for a dump, misses nothing between the two); a subscriber
 that falls `MAX_BACKLOG` events behind has its stream ended with an error, and re-syncs from a
 dump; every subscription ends when the runtime shuts down. Published batches leave in event-id
-order, each under the event plane's size limit; the load goes out when it changed and at least
+order, split to fit the event plane's size limit (an event too big for it alone fails, and
+routers see the gap); the load goes out when it changed and at least
 every `LOAD_REFRESH_S` (a router that subscribes later learns it too); an event lost on the way
 (a failed publish) shows as a gap in the ids, which routers heal with a dump."""
 
@@ -141,6 +142,7 @@ class KvEventPublisher:
         sub.ready.set()  # the load at once, if known
         load_sent = -LOAD_REFRESH_S
         last_event_id: int | None = None  # of the events sent so far
+        failed = 0  # batches not published since the last one that was
         try:
             while sub.state is not _CLOSED:
                 with contextlib.suppress(TimeoutError):
@@ -165,7 +167,13 @@ class KvEventPublisher:
                         try:
                             await send(data)
                         except Exception as exc:  # down too long, or too big: routers re-sync
-                            log.warning("KV events: a batch was not published: %s", exc)
+                            if not failed:
+                                log.warning("KV events: publishing fails (%s); retrying", exc)
+                            failed += 1
+                        else:
+                            if failed:
+                                log.info("KV events: published again (%d batches lost)", failed)
+                            failed = 0
         finally:
             self._subscribers.discard(sub)
 

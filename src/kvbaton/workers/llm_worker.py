@@ -295,7 +295,8 @@ class LLMWorker:
                     serving.append(endpoint("kv_release").serve_endpoint(self.handoff.kv_release))
                 else:
                     serving.append(endpoint("kv_ready").serve_endpoint(self.handoff.kv_ready))
-            if self.kv_events is not None and kv_stream is not None:
+            if self.kv_events is not None:
+                assert kv_stream is not None
                 self.kv_events.start(self.load)
                 serving += [
                     kv_stream(),

@@ -316,11 +316,12 @@ class EtcdDiscovery(Discovery):
                 if value is not None and _lease_not_found(exc):
                     lease.etcd_id = None
                     raise _LeaseLost from exc
-                lease.dirty.discard(key)  # refused, not unreachable: trying again won't help
-                if value is not None:
-                    del lease.keys[key]
+                if lease.keys.get(key) is value:  # (not changed meanwhile: then it is dirty)
+                    lease.dirty.discard(key)  # refused, not unreachable: trying again won't help
+                    lease.keys.pop(key, None)
                 raise
-            lease.dirty.discard(key)
+            if lease.keys.get(key) is value:  # a put or delete meanwhile leaves it dirty
+                lease.dirty.discard(key)
 
     def _write_op(
         self, key: str, value: bytes | None, etcd_id: int | None

@@ -77,8 +77,7 @@ class RequestClients:
     def __init__(self, settings: RuntimeSettings, nats: NatsConnections) -> None:
         self.settings = settings
         self._nats = nats
-        self.tcp = TcpRequestClient(settings)
-        self._planes: dict[str, PlaneClient] = {"tcp": self.tcp}
+        self._planes: dict[str, PlaneClient] = {"tcp": TcpRequestClient(settings)}
 
     def plane(self, scheme: str) -> PlaneClient:
         client = self._planes.get(scheme)

@@ -324,11 +324,15 @@ class HttpRequestClient:
                 peer.release(http)
                 raise ConnectError(f"{peer.address}: the client is closed")
             answer = http.start(exchange, first)
+            # The server answers with its headers before the handler starts: no headers within
+            # connect_timeout means nothing ran (a peer that accepted and hangs).
+            limit = self.settings.connect_timeout
+            by_deadline = deadline is not None and deadline - time.time() + DEADLINE_SLACK_S < limit
+            if by_deadline:
+                assert deadline is not None
+                limit = deadline - time.time() + DEADLINE_SLACK_S
             try:
-                if deadline is None:
-                    return cast(tuple[int, bytes], await answer)
-                remaining = deadline - time.time() + DEADLINE_SLACK_S
-                return cast(tuple[int, bytes], await asyncio.wait_for(answer, max(0.0, remaining)))
+                return cast(tuple[int, bytes], await asyncio.wait_for(answer, max(0.0, limit)))
             except _NoAnswer as exc:
                 exchange.http = None
                 if reused and not exc.got_bytes and not exchange.is_closing():
@@ -337,7 +341,9 @@ class HttpRequestClient:
                     raise StreamBrokenError(f"{peer.address}: {exc}") from None
                 raise ConnectError(f"{peer.address}: {exc}") from None
             except TimeoutError:
-                raise DeadlineExceededError("deadline exceeded (no answer)") from None
+                if by_deadline:
+                    raise DeadlineExceededError("deadline exceeded (no answer)") from None
+                raise ConnectError(f"{peer.address}: no answer within {limit:g}s") from None
 
     def discard(self, conn: ClientConnection) -> None:
         """A POST ended (ConnectionPool)."""

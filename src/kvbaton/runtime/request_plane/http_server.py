@@ -30,10 +30,9 @@ plane's connection classes over virtual transports, so the semantics are tcp's:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Generator, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import uvicorn
@@ -42,6 +41,7 @@ from kvbaton.protocols.frames import Frame, Request
 from kvbaton.runtime.errors import (
     FrameError,
 )
+from kvbaton.runtime.http_embed import EmbeddedUvicorn, listen
 from kvbaton.runtime.request_plane.framing import HEADER, FrameDecoder
 from kvbaton.runtime.request_plane.http_wire import CONTENT_TYPE, PATH, too_big
 from kvbaton.runtime.request_plane.server import CANCEL_WAIT_S, FrameServer, ServerConnection
@@ -199,31 +199,6 @@ def _later_frame(conn: ServerConnection, frame: Frame) -> None:
     conn.frame_received(frame)
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket for uvicorn (port 0: a free one), TCP_NODELAY for every accepted
-    connection."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
-
-
-class EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn inside a process that handles its own signals (and stops it itself)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
 class _Uvicorn(EmbeddedUvicorn):
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
@@ -360,7 +335,12 @@ class HttpRequestServer(FrameServer):
         frames: list[Frame] = []
         more = True
         while not frames and more:
-            message = await receive()
+            try:  # a caller that sends headers and then nothing holds no task for long
+                async with asyncio.timeout(self.settings.connect_timeout):
+                    message = await receive()
+            except TimeoutError:
+                await _reply(send, 408, "no Request frame came in time", close=True)
+                return None
             if message["type"] != "http.request":
                 return None
             body: bytes = message.get("body", b"")

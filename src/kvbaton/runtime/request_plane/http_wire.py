@@ -1,5 +1,5 @@
-"""What both sides of the HTTP request plane agree on: the path, the content type, the limit's
-wording. (The plane itself: http_server.py and http_client.py.)"""
+"""What both sides of the HTTP request plane agree on: the path and the content type (and the
+server's wording of the frame limit). The plane itself: http_server.py and http_client.py."""
 
 from __future__ import annotations
 

@@ -81,6 +81,19 @@ class Carrier:
     def reconnects(self) -> int:
         return self.nc.stats["reconnects"]
 
+    async def subscribe(self) -> None:
+        raise NotImplementedError
+
+    async def start(self) -> None:
+        """Subscribe; on any failure (or a cancel) stop again, leaving nothing running."""
+        try:
+            await self.subscribe()
+        except BaseException as exc:
+            await self.aclose()
+            if not isinstance(exc, Exception):
+                raise
+            raise ConnectError(f"cannot subscribe at NATS {self.url}: {exc!r}") from exc
+
     # -- sending -----------------------------------------------------------------------------
     def mark(self, link: NatsTransport) -> None:
         if link not in self._dirty:
@@ -118,8 +131,11 @@ class Carrier:
                         log.debug("nats request plane: could not publish to %s: %s", subject, exc)
                 dirty, self._dirty = self._dirty, {}
                 for link in dirty:
-                    await link.send_pending()
-            except Exception:  # a bug; keep sending for the other connections
+                    try:
+                        await link.send_pending()
+                    except Exception:  # a bug; keep sending for the other connections
+                        log.exception("nats request plane: sending for %s failed", link.key)
+            except Exception:  # a bug; keep sending
                 log.exception("nats request plane: sender failed")
 
     # -- receiving ---------------------------------------------------------------------------
@@ -262,11 +278,7 @@ class NatsRequestServer(FrameServer):
         carrier = ServerCarrier(self, nc, url, subject)
         self.settings = carrier.settings  # frames capped to one message
         self._server = carrier
-        try:
-            await carrier.subscribe()
-        except Exception as exc:
-            await carrier.aclose()
-            raise ConnectError(f"cannot subscribe at NATS {url}: {exc!r}") from exc
+        await carrier.start()
         self.address = f"{url}/{subject}"
         return self.address
 
@@ -354,6 +366,8 @@ class NatsRequestClient:
             conn = None
         if conn is None or link is None or conn.closed or link.done:
             conn, link = await self._connect(address)
+        if not link.carrier.nc.is_connected:  # it would only be queued, and break
+            raise ConnectError(f"cannot reach {address}: the NATS connection is down")
         delivery = link.expect_delivery()
         try:
             stream = conn.open(
@@ -383,11 +397,7 @@ class NatsRequestClient:
             if carrier is None:
                 nc = await self._nats.get(url)  # ConnectError if it cannot be reached
                 carrier = ClientCarrier(self, nc, url)
-                try:
-                    await carrier.subscribe()
-                except Exception as exc:
-                    await carrier.aclose()
-                    raise ConnectError(f"cannot subscribe at NATS {url}: {exc!r}") from exc
+                await carrier.start()
                 self._carriers[url] = carrier
             return carrier
 

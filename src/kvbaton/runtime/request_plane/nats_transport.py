@@ -92,11 +92,7 @@ def pack_message(kind: int, seq: int, frames: bytes = b"") -> bytes:
 def parse_address(address: str) -> tuple[str, str]:
     """`nats://host:port/kvbaton.rp.<hex>` -> (NATS URL, subject); ConnectError if it is not."""
     url, sep, subject = address.rpartition("/")
-    if (
-        not sep
-        or not url.startswith(("nats://", "tls://"))
-        or not subject.startswith(SUBJECT_PREFIX)
-    ):
+    if not sep or not url.startswith("nats://") or not subject.startswith(SUBJECT_PREFIX):
         raise ConnectError(f"not a nats request-plane address: {address!r}")
     return url, subject
 

@@ -144,8 +144,6 @@ class ConnectionPool(Protocol):
 
 
 class ClientConnection(FrameConnection):
-    window: int | None = None  # per-stream window; None: the settings' stream_window
-
     def __init__(self, pool: ConnectionPool, address: str) -> None:
         super().__init__(pool.settings.max_frame_bytes)
         self.pool = pool
@@ -163,7 +161,7 @@ class ClientConnection(FrameConnection):
     ) -> Stream:
         if self.closed:
             raise StreamBrokenError(f"connection to {self.address} lost")
-        window = self.pool.settings.stream_window if self.window is None else self.window
+        window = self.pool.settings.stream_window
         stream = Stream(self, next(self._ids), decoder, deadline, window)
         self.send(Request(stream.stream_id, endpoint, request_id, payload, deadline, window))
         self.streams[stream.stream_id] = stream
