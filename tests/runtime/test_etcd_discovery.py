@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import aetcd  # type: ignore[import-untyped]
+import aetcd
 import pytest
 
 from kvbaton.runtime.discovery import PrefixWatch, WatchEvent, open_discovery
@@ -189,3 +189,21 @@ async def test_reads_fail_and_close_returns_in_bounded_time_with_etcd_stopped(
     await asyncio.wait_for(disc.close(), 10)
     assert time.monotonic() - t0 < 3.0
     assert [e async for e in watch] == []
+
+
+async def test_a_delete_during_the_put_of_its_key_wins(handles: list[EtcdDiscovery]) -> None:
+    """The put's write is on its way when the delete comes: etcd ends without the key (the
+    delete is not lost to the put's bookkeeping), and a put after it stays."""
+    writer, reader, _ = handles
+    lease = await writer.grant_lease(10)
+    for i in range(20):
+        key = f"/services/ns/c/race-{i}"
+        await asyncio.gather(writer.put(key, b"v", lease), writer.delete(key))
+        t0 = time.monotonic()
+        while key in await reader.get_prefix("/services/ns/c/race-"):
+            assert time.monotonic() - t0 < 5, f"{key} outlived its delete"
+            await asyncio.sleep(0.05)
+    await writer.put("/services/ns/c/race-last", b"kept", lease)
+    assert await reader.get_prefix("/services/ns/c/race-last") == {
+        "/services/ns/c/race-last": b"kept"
+    }
