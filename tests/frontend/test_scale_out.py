@@ -32,7 +32,7 @@ from tests.frontend.conftest import Deployment, clean_env, start_frontend, stop_
 from tests.helpers import collect
 from tests.servers import EtcdServer, NatsServer, running
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 NS = "t"
 TTL = 3.0
@@ -117,6 +117,7 @@ async def indexed(http: httpx.AsyncClient) -> dict[str, int]:
 
 
 async def until(check, timeout: float, what: str) -> float:  # type: ignore[no-untyped-def]
+    print(f"{time.strftime('%H:%M:%S')} waiting for: {what}", flush=True)  # shown on a failure
     t0 = time.monotonic()
     while not await check():
         if time.monotonic() - t0 > timeout:
@@ -226,6 +227,7 @@ async def test_serving_on_etcd_and_nats_survives_kills_and_server_restarts(
 
         # Restart etcd mid-load, then NATS mid-load: nothing registered is lost, nothing hangs.
         for restart in (cluster.etcd, cluster.nats):
+            print(f"{time.strftime('%H:%M:%S')} restarting {type(restart).__name__}", flush=True)
             load = Load(client, model)
             await asyncio.sleep(1.0)
             await asyncio.to_thread(restart.stop)

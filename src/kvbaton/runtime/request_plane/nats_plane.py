@@ -45,7 +45,12 @@ from kvbaton.runtime.request_plane.nats_transport import (
     parse_address,
 )
 from kvbaton.runtime.request_plane.server import FrameServer, ServerConnection
-from kvbaton.runtime.request_plane.stream import ClientConnection, Dials, Stream
+from kvbaton.runtime.request_plane.stream import (
+    ClientConnection,
+    ConnectionsByAddress,
+    Dials,
+    Stream,
+)
 from kvbaton.runtime.settings import RuntimeSettings
 
 log = logging.getLogger(__name__)
@@ -334,15 +339,14 @@ class ClientCarrier(Carrier):
 _Dialed = tuple[ClientConnection, NatsTransport]
 
 
-class NatsRequestClient:
+class NatsRequestClient(ConnectionsByAddress):
     """One virtual connection per server address, through the NATS server the address names."""
 
     def __init__(self, settings: RuntimeSettings, nats: NatsConnections) -> None:
-        self.settings = settings
+        super().__init__(settings)
         self._nats = nats
         self._carriers: dict[str, ClientCarrier] = {}
         self._carrier_lock = asyncio.Lock()
-        self._conns: dict[str, ClientConnection] = {}
         self._links: dict[str, NatsTransport] = {}  # the transport of each of _conns
         self._connect = Dials(self._dial)
 
@@ -432,17 +436,10 @@ class NatsRequestClient:
         """The open virtual connection to `address`, if any (for tests and diagnostics)."""
         return self._links.get(address)
 
-    def connections(self) -> list[str]:
-        """Addresses with an open connection."""
-        return [a for a, c in self._conns.items() if not c.closed]
-
-    def open_streams(self) -> int:
-        return sum(len(c.streams) for c in self._conns.values())
-
     def discard(self, conn: ClientConnection) -> None:
         if self._conns.get(conn.address) is conn:
-            del self._conns[conn.address]
             self._links.pop(conn.address, None)
+        super().discard(conn)
 
     async def close(self) -> None:
         self._connect.cancel()

@@ -143,6 +143,25 @@ class ConnectionPool(Protocol):
         """Forget a connection that closed."""
 
 
+class ConnectionsByAddress:
+    """A client's connections, one per peer address (tcp, nats); a `ConnectionPool`."""
+
+    def __init__(self, settings: RuntimeSettings) -> None:
+        self.settings = settings
+        self._conns: dict[str, ClientConnection] = {}
+
+    def connections(self) -> list[str]:
+        """Addresses with an open connection."""
+        return [a for a, c in self._conns.items() if not c.closed]
+
+    def open_streams(self) -> int:
+        return sum(len(c.streams) for c in self._conns.values())
+
+    def discard(self, conn: ClientConnection) -> None:
+        if self._conns.get(conn.address) is conn:
+            del self._conns[conn.address]
+
+
 class ClientConnection(FrameConnection):
     def __init__(self, pool: ConnectionPool, address: str) -> None:
         super().__init__(pool.settings.max_frame_bytes)

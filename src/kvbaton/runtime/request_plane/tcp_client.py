@@ -10,16 +10,20 @@ import msgspec
 
 from kvbaton.runtime.errors import ConnectError
 from kvbaton.runtime.request_plane.framing import payload_decoder
-from kvbaton.runtime.request_plane.stream import ClientConnection, Dials, Stream
+from kvbaton.runtime.request_plane.stream import (
+    ClientConnection,
+    ConnectionsByAddress,
+    Dials,
+    Stream,
+)
 from kvbaton.runtime.settings import RuntimeSettings
 
 
-class TcpRequestClient:
+class TcpRequestClient(ConnectionsByAddress):
     """Pool of client connections, one per peer address."""
 
     def __init__(self, settings: RuntimeSettings) -> None:
-        self.settings = settings
-        self._conns: dict[str, ClientConnection] = {}
+        super().__init__(settings)
         self._connect = Dials(self._dial)
 
     async def open_stream(
@@ -54,17 +58,6 @@ class TcpRequestClient:
             raise ConnectError(f"cannot connect to {address}: {exc or 'timed out'}") from exc
         self._conns[address] = conn
         return conn
-
-    def connections(self) -> list[str]:
-        """Addresses with an open connection."""
-        return [a for a, c in self._conns.items() if not c.closed]
-
-    def open_streams(self) -> int:
-        return sum(len(c.streams) for c in self._conns.values())
-
-    def discard(self, conn: ClientConnection) -> None:
-        if self._conns.get(conn.address) is conn:
-            del self._conns[conn.address]
 
     async def close(self) -> None:
         self._connect.cancel()
