@@ -12,6 +12,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvbaton import __version__
+from kvbaton.cli.planner import add_planner_flags
+from kvbaton.cli.profile import add_profile_flags
 from kvbaton.cli.routing import add_router_flags, router_settings
 from kvbaton.cli.worker import add_worker_flags
 from kvbaton.runtime import DistributedRuntime, RuntimeSettings
@@ -148,6 +150,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status(runtime_settings(args), args.namespace)
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from kvbaton.cli.profile import profile_command
+
+    return profile_command(args, runtime_settings(args))
+
+
+def cmd_planner(args: argparse.Namespace) -> int:
+    from kvbaton.cli.planner import run_planner
+
+    runtime = DistributedRuntime(settings=runtime_settings(args))
+
+    async def main() -> None:
+        try:
+            await run_planner(args, runtime)
+        finally:
+            await runtime.shutdown()
+
+    run_until_signal(main, runtime.shutdown)
+    return 0
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     from kvbaton.llm.model_files import pull
 
@@ -221,6 +244,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_flags(worker)
     _runtime_flags(worker)
     worker.set_defaults(func=cmd_worker)
+
+    profile = sub.add_parser(
+        "profile", help="measure a worker's prefill or decode curve for the planner"
+    )
+    add_profile_flags(profile)
+    _runtime_flags(profile)
+    profile.set_defaults(func=cmd_profile, log_level="WARNING")
+
+    planner = sub.add_parser(
+        "planner", help="scale the prefill and decode pools to meet TTFT and ITL targets"
+    )
+    add_planner_flags(planner)
+    _runtime_flags(planner)
+    planner.set_defaults(func=cmd_planner)
 
     pull = sub.add_parser("pull", help="fetch and convert a model into the local cache")
     pull.add_argument("model", nargs="?", default="smollm2")

@@ -1,0 +1,143 @@
+"""Load predictors: each interval the planner feeds one number (a request rate, a mean prompt or
+output length) and asks for the next interval's value.
+
+Invariants, for every predictor here:
+- `predict()` before any observation is 0.0;
+- `predict()` is always a finite float >= 0 (the quantities forecast are rates and lengths);
+- a non-finite observation (NaN, +-inf) is ignored: one bad metric must not poison the state
+  for the rest of the run.
+
+Three predictors, by name in `PREDICTORS`:
+- "constant": the last value seen;
+- "moving-average": the mean of the last `window` values;
+- "holt": Holt's double exponential smoothing (level + trend), one interval ahead, so a ramp is
+  followed rather than lagged.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+_MAX = sys.float_info.max
+
+
+def _output(value: float) -> float:
+    """A prediction made safe: finite and >= 0 (NaN -> 0, +inf -> the largest float)."""
+    if math.isnan(value) or value <= 0.0:
+        return 0.0
+    return min(value, _MAX)
+
+
+@runtime_checkable
+class Predictor(Protocol):
+    """Forecasts a non-negative quantity one interval ahead."""
+
+    def observe(self, value: float) -> None:
+        """Record the value measured over the interval that just ended."""
+
+    def predict(self) -> float:
+        """The value expected over the next interval: finite, >= 0; 0.0 with no observation."""
+
+
+class ConstantPredictor:
+    """Predicts the last value observed."""
+
+    def __init__(self) -> None:
+        self._last = 0.0
+
+    def observe(self, value: float) -> None:
+        if math.isfinite(value):
+            self._last = value
+
+    def predict(self) -> float:
+        return _output(self._last)
+
+
+class MovingAveragePredictor:
+    """Predicts the mean of the last `window` values observed (fewer until `window` are in)."""
+
+    def __init__(self, window: int = 5) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"moving-average window must be an integer >= 1 (got {window!r})")
+        self.window = window
+        self._values: deque[float] = deque(maxlen=window)
+
+    def observe(self, value: float) -> None:
+        if math.isfinite(value):
+            self._values.append(value)
+
+    def predict(self) -> float:
+        if not self._values:
+            return 0.0
+        n = len(self._values)
+        # Divided before summing, so that a window of huge values cannot overflow to inf.
+        return _output(sum(v / n for v in self._values))
+
+
+class HoltPredictor:
+    """Holt's linear (double exponential) smoothing, forecasting one interval ahead.
+
+    level_t = alpha * y_t + (1 - alpha) * (level_{t-1} + trend_{t-1})
+    trend_t = beta * (level_t - level_{t-1}) + (1 - beta) * trend_{t-1}
+    forecast = max(0, level_t + trend_t)
+
+    Initialised from the first two observations (level = y_1, then trend = y_2 - y_1, level =
+    y_2), so that a linear ramp is forecast exactly from the second observation on. If the state
+    ever overflows (absurd inputs), it restarts from the latest observation.
+    """
+
+    def __init__(self, alpha: float = 0.5, beta: float = 0.3) -> None:
+        for name, v in (("alpha", alpha), ("beta", beta)):
+            if not (isinstance(v, int | float) and 0.0 < v <= 1.0):
+                raise ValueError(f"holt {name} must be in (0, 1] (got {v!r})")
+        self.alpha = float(alpha)
+        self.beta = float(beta)
+        self._level = 0.0
+        self._trend = 0.0
+        self._seen = 0
+
+    def observe(self, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        if self._seen == 0:
+            level, trend = value, 0.0
+        elif self._seen == 1:
+            level, trend = value, value - self._level
+        else:
+            level = self.alpha * value + (1.0 - self.alpha) * (self._level + self._trend)
+            trend = self.beta * (level - self._level) + (1.0 - self.beta) * self._trend
+        if not (math.isfinite(level) and math.isfinite(trend)):
+            level, trend = value, 0.0
+        self._level, self._trend = level, trend
+        self._seen = min(self._seen + 1, 2)
+
+    def predict(self) -> float:
+        if self._seen == 0:
+            return 0.0
+        return _output(self._level + self._trend)
+
+
+PREDICTORS: dict[str, Callable[..., Predictor]] = {
+    "constant": ConstantPredictor,
+    "moving-average": MovingAveragePredictor,
+    "holt": HoltPredictor,
+}
+
+
+def make_predictor(name: str, **options: Any) -> Predictor:
+    """The predictor registered as `name`, built with `options` (e.g. window=5, alpha=0.5).
+
+    Raises ValueError for an unknown name, an unknown option or a bad option value."""
+    try:
+        factory = PREDICTORS[name]
+    except KeyError:
+        known = ", ".join(sorted(PREDICTORS))
+        raise ValueError(f"unknown predictor {name!r} (known: {known})") from None
+    try:
+        return factory(**options)
+    except TypeError as e:
+        raise ValueError(f"bad options for predictor {name!r}: {options!r} ({e})") from e

@@ -1,0 +1,130 @@
+"""The load predictors (`predictors.py`): constant, moving average, Holt; the registry."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvbaton.planner.predictors import (
+    PREDICTORS,
+    ConstantPredictor,
+    HoltPredictor,
+    MovingAveragePredictor,
+    Predictor,
+    make_predictor,
+)
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("name", sorted(PREDICTORS))
+def test_no_observation_predicts_zero(name: str) -> None:
+    p = make_predictor(name)
+    assert isinstance(p, Predictor)
+    assert p.predict() == 0.0
+
+
+def test_constant_predicts_the_last_value() -> None:
+    p = ConstantPredictor()
+    for v in (3.0, 7.5, 2.0):
+        p.observe(v)
+    assert p.predict() == 2.0
+
+
+def test_moving_average_over_its_window() -> None:
+    p = MovingAveragePredictor(window=3)
+    p.observe(3.0)
+    assert p.predict() == 3.0  # fewer than `window` values: the mean of those seen
+    p.observe(6.0)
+    assert p.predict() == pytest.approx(4.5)
+    for v in (9.0, 12.0):
+        p.observe(v)
+    assert p.predict() == pytest.approx((6.0 + 9.0 + 12.0) / 3)  # 3.0 left the window
+
+
+def test_holt_follows_a_ramp_with_small_error() -> None:
+    p = HoltPredictor(alpha=0.5, beta=0.3)
+    errors = []
+    for t in range(30):
+        value = 10.0 + 5.0 * t
+        if t >= 2:
+            errors.append(abs(p.predict() - value))
+        p.observe(value)
+    assert max(errors) < 1e-9  # exact on a linear ramp once initialised from two points
+    assert p.predict() == pytest.approx(10.0 + 5.0 * 30)
+
+
+def test_holt_follows_a_noisy_ramp_better_than_the_moving_average() -> None:
+    holt, avg = HoltPredictor(), MovingAveragePredictor(window=5)
+    holt_err = avg_err = 0.0
+    for t in range(60):
+        value = 100.0 + 4.0 * t + (3.0 if t % 2 else -3.0)
+        if t >= 10:
+            holt_err += abs(holt.predict() - value)
+            avg_err += abs(avg.predict() - value)
+        holt.observe(value)
+        avg.observe(value)
+    assert holt_err / 50 < 8.0  # within ~2 intervals' growth, noise included
+    assert holt_err < avg_err / 2
+
+
+def test_holt_never_predicts_negative_on_a_falling_ramp() -> None:
+    p = HoltPredictor(alpha=0.9, beta=0.9)
+    for v in (100.0, 60.0, 20.0, 0.0, 0.0):
+        p.observe(v)
+        assert p.predict() >= 0.0
+    assert p.predict() == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(PREDICTORS))
+def test_non_finite_observations_are_ignored(name: str) -> None:
+    p = make_predictor(name)
+    p.observe(4.0)
+    before = p.predict()
+    for bad in (math.nan, math.inf, -math.inf):
+        p.observe(bad)
+    assert p.predict() == before
+
+
+@given(
+    name=st.sampled_from(sorted(PREDICTORS)),
+    values=st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=40),
+)
+def test_predictions_are_always_finite_and_non_negative(name: str, values: list[float]) -> None:
+    p = make_predictor(name)
+    for v in values:
+        p.observe(v)
+        out = p.predict()
+        assert math.isfinite(out) and out >= 0.0
+
+
+def test_registry_names_and_options() -> None:
+    assert set(PREDICTORS) == {"constant", "moving-average", "holt"}
+    p = make_predictor("moving-average", window=2)
+    assert isinstance(p, MovingAveragePredictor) and p.window == 2
+    h = make_predictor("holt", alpha=0.2, beta=0.1)
+    assert isinstance(h, HoltPredictor) and (h.alpha, h.beta) == (0.2, 0.1)
+
+
+def test_unknown_name_is_rejected_with_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown predictor 'arima'.*constant, holt"):
+        make_predictor("arima")
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("constant", {"window": 3}),
+        ("moving-average", {"window": 0}),
+        ("moving-average", {"window": 2.5}),
+        ("holt", {"alpha": 0.0}),
+        ("holt", {"beta": 1.5}),
+        ("holt", {"gamma": 0.1}),
+    ],
+)
+def test_bad_options_are_rejected(name: str, options: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        make_predictor(name, **options)
