@@ -95,19 +95,28 @@ def run_until_signal(
         asyncio.run(runner())
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
-    from kvbaton.cli.worker import run_worker
-
+def run_on_runtime(
+    args: argparse.Namespace,
+    body: Callable[[argparse.Namespace, DistributedRuntime], Awaitable[Any]],
+) -> int:
+    """Run `body` on a runtime made from the flags until it ends or a signal shuts the runtime
+    down (gracefully: deregister, drain); the runtime is shut down either way."""
     runtime = DistributedRuntime(settings=runtime_settings(args))
 
     async def main() -> None:
         try:
-            await run_worker(args, runtime)
+            await body(args, runtime)
         finally:
             await runtime.shutdown()
 
     run_until_signal(main, runtime.shutdown)
     return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from kvbaton.cli.worker import run_worker
+
+    return run_on_runtime(args, run_worker)
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:
@@ -159,16 +168,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_planner(args: argparse.Namespace) -> int:
     from kvbaton.cli.planner import run_planner
 
-    runtime = DistributedRuntime(settings=runtime_settings(args))
-
-    async def main() -> None:
-        try:
-            await run_planner(args, runtime)
-        finally:
-            await runtime.shutdown()
-
-    run_until_signal(main, runtime.shutdown)
-    return 0
+    return run_on_runtime(args, run_planner)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
