@@ -481,3 +481,44 @@ async def test_dry_run_alone_counts_and_unknown_names_are_refused(
     await connector.close()
     with pytest.raises(ValueError, match="unknown connector 'swarm'"):
         make_connector("swarm")
+
+
+@pytest.fixture(scope="module")
+def mocker_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_models import build_chat_model
+
+    return build_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat")
+
+
+async def test_a_mocker_worker_stopped_mid_request_finishes_it_first(
+    tmp_path: Path, mocker_model_dir: Path
+) -> None:
+    """What the local connector's scale-down relies on for LLM workers: SIGTERM deregisters
+    the worker at once, and the requests it is running finish on its engine before it stops."""
+    from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest, SamplingParams
+
+    discovery = f"file://{tmp_path / 'discovery'}"
+    args = [
+        "--role", "decode", "--engine", "mocker", "--model", str(mocker_model_dir),
+        "--max-model-len", "4096", "--namespace", "t", f"--discovery={discovery}",
+    ]  # fmt: skip
+    connector = LocalConnector({"decode": args}, env=_clean_env(), log_dir=tmp_path / "logs")
+    async with DistributedRuntime(discovery) as runtime:
+        generate = await runtime.endpoint("t.backend.generate").client(response_type=EngineOutput)
+        try:
+            await connector.scale("decode", 1)
+            (worker,) = await generate.wait_for_instances(60)
+            request = PreprocessedRequest(
+                model=mocker_model_dir.name,
+                token_ids=list(range(20, 84)),
+                sampling=SamplingParams(max_tokens=300, min_tokens=300, ignore_eos=True),
+            )
+            stream = generate.direct(request, worker)
+            tokens = len((await anext(stream)).token_ids)
+            await connector.scale("decode", 0)  # SIGTERM while it decodes (about 2 s to go)
+            async for output in stream:
+                tokens += len(output.token_ids)
+            assert tokens == 300
+            await wait_until(lambda: not generate.instance_ids(), 5, "the worker gone")
+        finally:
+            await connector.close()

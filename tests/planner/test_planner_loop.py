@@ -125,6 +125,8 @@ METRICS = """\
 kvbaton_frontend_requests_total{model="m",route="chat",status="200"} 90.0
 kvbaton_frontend_requests_total{model="m",route="chat",status="400"} 10.0
 kvbaton_frontend_requests_total{model="other",route="chat",status="200"} 1000.0
+# TYPE kvbaton_frontend_inflight_requests gauge
+kvbaton_frontend_inflight_requests{model="m"} 20.0
 # TYPE kvbaton_frontend_input_tokens counter
 kvbaton_frontend_input_tokens_total{model="m"} 50000.0
 # TYPE kvbaton_frontend_output_tokens counter
@@ -157,7 +159,8 @@ def test_an_interval_is_the_difference_of_two_looks() -> None:
     observation = interval(
         FrontendTotals(at=10.0), now, [worker(3, 0.5), worker(1, 0.3)], [worker(9, 0.0)]
     )
-    assert observation.request_rate == pytest.approx(10.0)
+    # Arrivals: the 100 that finished and the 20 still in flight, over 10 s.
+    assert observation.request_rate == pytest.approx(12.0)
     assert observation.avg_input_tokens == pytest.approx(500)
     assert observation.avg_output_tokens == pytest.approx(100)
     assert observation.ttft_ms == pytest.approx(200)

@@ -1,5 +1,5 @@
-"""What the planner sees each interval: the frontend's Prometheus metrics (request rate, input
-and output lengths, TTFT, ITL) and each worker's load (queue, prefix-cache hits).
+"""What the planner sees each interval: the frontend's Prometheus metrics (request arrival rate,
+input and output lengths, TTFT, ITL) and each worker's load (queue, prefix-cache hits).
 
 Invariants: an `Observation` covers the time between two looks; rates and means come from the
 differences of the frontend's counters and histogram sums, so they describe that interval only
@@ -40,6 +40,7 @@ class FrontendTotals:
     ttft_count: float = 0.0
     itl_sum: float = 0.0
     itl_count: float = 0.0
+    in_flight: float = 0.0
 
 
 _SAMPLES = {
@@ -50,6 +51,7 @@ _SAMPLES = {
     f"{PREFIX}time_to_first_token_seconds_count": "ttft_count",
     f"{PREFIX}inter_token_latency_seconds_sum": "itl_sum",
     f"{PREFIX}inter_token_latency_seconds_count": "itl_count",
+    f"{PREFIX}inflight_requests": "in_flight",
 }
 
 
@@ -143,7 +145,10 @@ def interval(
 ) -> Observation:
     """The Observation between two looks, with the workers' loads at the second."""
     seconds = max(now.at - before.at, 1e-9)
-    requests = now.requests - before.requests
+    requests = now.requests - before.requests  # finished in the interval
+    # Arrivals, not completions: those still in flight count too (an overloaded deployment
+    # finishes fewer requests than it is sent; planning on its throughput would never grow it).
+    arrivals = max(0.0, requests + now.in_flight - before.in_flight)
     ttft_n = now.ttft_count - before.ttft_count
     itl_n = now.itl_count - before.itl_count
     # Prompts are prefilled (and found in the cache) on the prefill workers when there are any.
@@ -153,7 +158,7 @@ def interval(
     )
     return Observation(
         interval_s=seconds,
-        request_rate=requests / seconds,
+        request_rate=arrivals / seconds,
         avg_input_tokens=(now.input_tokens - before.input_tokens) / requests if requests else 0.0,
         avg_output_tokens=(now.output_tokens - before.output_tokens) / requests
         if requests

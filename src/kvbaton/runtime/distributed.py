@@ -155,6 +155,16 @@ class DistributedRuntime:
     async def wait_for_shutdown(self) -> None:
         await self._stopped.wait()
 
+    async def drained(self) -> None:
+        """Once shutting down: return when the streams this process serves have ended (or the
+        drain timeout passed), so that what they need (an engine) can be stopped after them."""
+        server = self._server
+        if server is None:
+            return
+        tasks = {t for t in server.tasks if t is not asyncio.current_task()}
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.settings.drain_timeout)
+
     async def shutdown(self) -> None:
         """Graceful: deregister, stop accepting, drain, cancel the rest, close. Idempotent."""
         if self._closed:

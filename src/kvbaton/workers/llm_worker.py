@@ -305,6 +305,8 @@ class LLMWorker:
                 ]
             await asyncio.gather(*serving)
         finally:
+            # Requests in flight finish on the engine first (the runtime refuses new ones).
+            await self.runtime.drained()
             await self.engine.shutdown()
             if self.handoff is not None:
                 await self.handoff.close()
