@@ -12,8 +12,8 @@ events, from the first to the last). A request that fails or ends short is lost.
 
 Each configuration is its own deployment on a private file discovery directory: `kvbaton
 frontend` on a free port and mocker workers (`kvbaton worker --engine mocker --role prefill|
-decode`, started and stopped by PID through the planner's `LocalConnector`) on a tiny chat model
-the benchmark writes into a temporary directory (`--model DIR` to use another). The mocker's
+decode`, started and stopped by PID through the planner's `LocalConnector`) on the tokenizer and
+config of `--model` (default smollm2, pulled if missing; the mocker reads no weights). The mocker's
 timings are Dynamo's defaults divided by `--speedup-ratio` (below 1: slower, so that the
 mocker's time, not the 2 cores' Python, is what saturates). Prefill workers take one prompt per
 step (`--max-num-batched-tokens` = the prompt length), which is what the planner's model of a
@@ -60,6 +60,7 @@ from typing import Any
 
 import httpx
 
+from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model
 from kvbaton.mocker.timing import MockerTiming
 from kvbaton.planner.connectors.local import LocalConnector
 from kvbaton.planner.observer import Observer
@@ -79,61 +80,6 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 4096
 CONFIGS = ("fixed-1P1D", "fixed-peak", "planner")
 _LISTENING = re.compile(r"OpenAI API at (http://\S+)/v1")
-
-
-# -- the model ---------------------------------------------------------------------------------
-CHATML_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CORPUS = [
-    "The capital of France is Paris. The capital of Japan is Tokyo.",
-    "def add(a, b):\n    return a + b  # numbers 0123456789",
-    "Once upon a time, a small model answered every question with random words.",
-]
-
-
-def build_model(path: Path) -> Path:
-    """A tiny chat model directory the mocker can serve: a byte-level BPE tokenizer with a
-    ChatML template and a Llama config (no weights: the mocker reads the config only)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=384,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    fast.chat_template = CHATML_TEMPLATE
-    fast.save_pretrained(path)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": len(fast),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": MAX_MODEL_LEN,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
-        "bos_token_id": None,
-        "eos_token_id": fast.eos_token_id,
-        "pad_token_id": 0,
-        "torch_dtype": "float32",
-    }
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    return path
 
 
 def vocab_size(model_dir: Path) -> int:
@@ -189,7 +135,7 @@ def model_profile(args: argparse.Namespace) -> Profile:
         usage = min(1.0, b * blocks / args.decode_kv_blocks)
         decode.append(ProfilePoint(b, timing.decode_ms(usage) / s))
     return Profile(
-        engine="mocker", model="tiny-chat", prefill=prefill, decode=decode, decode_context=args.isl
+        engine="mocker", model=args.model, prefill=prefill, decode=decode, decode_context=args.isl
     )
 
 
@@ -549,36 +495,27 @@ def goodput(results: list[Result], targets: Targets, osl: int) -> float:
 
 # -- main --------------------------------------------------------------------------------------
 async def run(args: argparse.Namespace) -> int:
-    own_model: Path | None = None
-    if args.model is None:
-        own_model = Path(tempfile.mkdtemp(prefix="kvbaton-bench-model-"))
-        model_dir = build_model(own_model / "tiny-chat")
-    else:
-        model_dir = Path(args.model)
-    try:
-        profile = load_profile(args.profile) if args.profile else model_profile(args)
-        targets = targets_for(args, profile)
-        peak = peak_size(args, profile, targets)
-        p_cap = prefill_capacity(profile, targets, args.isl) / args.isl
-        d_cap = decode_capacity(profile, targets) / args.osl
-        log(
-            f"profile ({'from ' + args.profile if args.profile else 'the mocker timing model'}): "
-            f"prefill of {args.isl} tokens {prefill_ms(profile, args.isl):.0f} ms, decode ITL at "
-            f"batch 1 {profile.decode[0].ms:.0f} ms; targets TTFT {targets.ttft_ms:.0f} ms, ITL "
-            f"{targets.itl_ms:.0f} ms; one worker sustains {p_cap:.2f} req/s (prefill), "
-            f"{d_cap:.2f} req/s (decode); peak {args.base_rate * args.peak_factor:g} req/s -> "
-            f"{peak[0]} prefill + {peak[1]} decode"
+    model_dir = resolve_model(args.model)
+    profile = load_profile(args.profile) if args.profile else model_profile(args)
+    targets = targets_for(args, profile)
+    peak = peak_size(args, profile, targets)
+    p_cap = prefill_capacity(profile, targets, args.isl) / args.isl
+    d_cap = decode_capacity(profile, targets) / args.osl
+    log(
+        f"profile ({'from ' + args.profile if args.profile else 'the mocker timing model'}): "
+        f"prefill of {args.isl} tokens {prefill_ms(profile, args.isl):.0f} ms, decode ITL at "
+        f"batch 1 {profile.decode[0].ms:.0f} ms; targets TTFT {targets.ttft_ms:.0f} ms, ITL "
+        f"{targets.itl_ms:.0f} ms; one worker sustains {p_cap:.2f} req/s (prefill), "
+        f"{d_cap:.2f} req/s (decode); peak {args.base_rate * args.peak_factor:g} req/s -> "
+        f"{peak[0]} prefill + {peak[1]} decode"
+    )
+    requests = trace(args, vocab_size(model_dir))
+    sizes = {"fixed-1P1D": (1, 1), "fixed-peak": peak, "planner": (1, 1)}
+    runs = []
+    for config in args.configs:
+        runs.append(
+            await one_run(args, config, model_dir, requests, sizes[config], profile, targets)
         )
-        requests = trace(args, vocab_size(model_dir))
-        sizes = {"fixed-1P1D": (1, 1), "fixed-peak": peak, "planner": (1, 1)}
-        runs = []
-        for config in args.configs:
-            runs.append(
-                await one_run(args, config, model_dir, requests, sizes[config], profile, targets)
-            )
-    finally:
-        if own_model is not None:
-            shutil.rmtree(own_model, ignore_errors=True)
     return report(args, runs, targets, peak, len(requests))
 
 
@@ -661,7 +598,9 @@ def main() -> None:
         "--predictor", default="constant", choices=["constant", "moving-average", "holt"]
     )
     parser.add_argument("--window", type=int, default=3, help="moving-average intervals")
-    parser.add_argument("--model", help="a model directory (default: a tiny one, built)")
+    parser.add_argument(
+        "--model", default="smollm2", help="whose tokenizer and config the mocker uses"
+    )
     parser.add_argument("--profile", help="a `kvbaton profile` file (default: the timing model)")
     parser.add_argument(
         "--configs", default=",".join(CONFIGS), help=f"which runs, of {','.join(CONFIGS)}"
@@ -671,6 +610,8 @@ def main() -> None:
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}")
+    if args.model in KNOWN_MODELS:
+        pull(args.model, progress=log)
     try:
         sys.exit(asyncio.run(run(args)))
     except KeyboardInterrupt:
