@@ -18,14 +18,14 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-
 from kvbaton.runtime.names import check_name
 from kvbaton.runtime.nats_connections import NatsConnections
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (nats-py is imported by the connection, when one is made)
+    from nats.aio.client import Client as NatsClient
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+
     from kvbaton.runtime.distributed import DistributedRuntime
 
 log = logging.getLogger(__name__)

@@ -12,12 +12,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
-
-from nats.aio.client import Client as NatsClient
+from typing import TYPE_CHECKING, Any
 
 from kvbaton.runtime.errors import ConnectError
 from kvbaton.runtime.settings import RuntimeSettings
+
+if TYPE_CHECKING:  # nats-py (with aiohttp) costs ~0.3 s to import: only processes using NATS pay
+    from nats.aio.client import Client as NatsClient
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class NatsConnections:
         return await asyncio.shield(task)
 
     async def _connect(self, url: str) -> NatsClient:
+        from nats.aio.client import Client as NatsClient
+
         conn = NatsClient()
 
         async def disconnected() -> None:
