@@ -127,3 +127,27 @@ def test_load_counts_prefill_and_decode(mocker_model: Path) -> None:
     mocker.engine.add_request("b", list(range(30, 50)), SamplingParams(max_tokens=4))
     mocker.engine.step()  # b finds a's 4 full blocks in the cache and shares them
     assert mocker.engine.stats().active_decode_blocks == 5 + 2  # a's tail grew; b's own tail
+
+
+def test_a_request_resent_with_its_outputs_in_its_prompt_goes_on_with_the_same_tokens(
+    mocker_model: Path,
+) -> None:
+    """What migration relies on: the outputs so far, appended to the prompt, lead to the same
+    next tokens (and a disaggregated decode worker, given the first token, to the same rest)."""
+    prompt = list(range(30, 45))
+    whole = Mocker(mocker_model).run({"r": prompt}, SamplingParams(max_tokens=12, seed=7))["r"]
+    resent = Mocker(mocker_model).run(
+        {"r": prompt + whole[:5]}, SamplingParams(max_tokens=7, seed=7)
+    )["r"]
+    assert resent == whole[5:]
+    other_seed = Mocker(mocker_model).run({"r": prompt}, SamplingParams(max_tokens=12, seed=8))
+    assert other_seed["r"] != whole
+    engine = Mocker(mocker_model).engine
+    engine.add_request(
+        "d", prompt, SamplingParams(max_tokens=12, seed=7), output_token_ids=whole[:1]
+    )
+    rest: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            rest += out.token_ids
+    assert rest == whole[1:]

@@ -1,10 +1,11 @@
 """The mocker's step runner: the engine's scheduler and block manager decide what a step does,
 this runner only waits as long as the step would take (`MockerTiming`) and picks its tokens.
 
-Invariants: a request's output tokens depend only on its prompt and seed (deterministic across
-runs, batches and processes); they are never a special token of the model's tokenizer, and
-never EOS (like Dynamo's mocker, a request runs to `max_tokens` unless a stop token id of its
-own comes up)."""
+Invariants: each output token depends only on the tokens before it (prompt and outputs) and the
+request's seed (deterministic across runs, batches and processes; a request migrated with its
+outputs so far appended to its prompt goes on with the tokens it would have had); they are never
+a special token of the model's tokenizer, and never EOS (like Dynamo's mocker, a request runs to
+`max_tokens` unless a stop token id of its own comes up)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 from array import array
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvbaton.engine.async_engine import AsyncEngine
 from kvbaton.engine.block_manager import BlockManager
@@ -73,7 +75,7 @@ class MockerRunner:
         self._choices = [t for t in range(vocab_size) if t not in never]
         if not self._choices:
             raise ValueError(f"{model_dir} leaves no token id to generate")
-        self._bases: dict[str, int] = {}
+        self._hashes: dict[str, Any] = {}  # request id -> blake2b of its seed and tokens so far
         self.busy_seconds = 0.0  # simulated time of all steps so far
 
     def step_seconds(self, output: SchedulerOutput) -> float:
@@ -98,16 +100,21 @@ class MockerRunner:
         return {i.seq.request_id: self._token(i.seq) for i in output.scheduled if i.samples}
 
     def forget(self, request_id: str) -> None:
-        self._bases.pop(request_id, None)
+        self._hashes.pop(request_id, None)
 
     def _token(self, seq: Sequence) -> int:
-        base = self._bases.get(seq.request_id)
-        if base is None:
-            digest = hashlib.blake2b(digest_size=8)
-            digest.update(array("I", seq.token_ids[: seq.num_prompt_tokens]).tobytes())
-            digest.update(str(seq.params.seed).encode())
-            base = self._bases[seq.request_id] = int.from_bytes(digest.digest(), "little")
-        return self._choices[_mix(base + seq.num_output_tokens) % len(self._choices)]
+        """A token from the hash of the seed and every token before it. The hash is kept per
+        request and extended by each token it picks (blake2b's updates compose: hashing
+        a then b equals hashing a + b), so a token costs O(1), not O(length)."""
+        digest = self._hashes.get(seq.request_id)
+        if digest is None:
+            digest = hashlib.blake2b(str(seq.params.seed).encode(), digest_size=8)
+            digest.update(array("I", seq.token_ids).tobytes())
+            self._hashes[seq.request_id] = digest
+        value = int.from_bytes(digest.copy().digest(), "little")
+        token = self._choices[_mix(value) % len(self._choices)]
+        digest.update(array("I", (token,)).tobytes())
+        return token
 
 
 def mocker_config(**overrides: object) -> EngineConfig:
