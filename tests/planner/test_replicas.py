@@ -184,8 +184,10 @@ def test_non_finite_predictions_count_as_zero() -> None:
     assert any("predicted request rate nan is out of range: using 0" in r for r in d.reasons)
 
 
-def queued(ttft_ms: float, queued_prefill: int) -> Observation:
-    return Observation(interval_s=10, ttft_ms=ttft_ms, queued_prefill=queued_prefill)
+def queued(ttft_ms: float, queued_prefill: int, serving: int = 2) -> Observation:
+    return Observation(
+        interval_s=10, ttft_ms=ttft_ms, queued_prefill=queued_prefill, prefill_workers=serving
+    )
 
 
 def test_queueing_over_the_ttft_target_adds_a_prefill_worker() -> None:
@@ -207,6 +209,13 @@ def test_no_queueing_reaction(obs: Observation, policy: dict[str, Any]) -> None:
     d = decide(planner(**policy), rate=10, current=(2, 1), obs=obs)
     assert d.prefill == 2  # held: the model wants 1, within the patience
     assert not any(r.startswith("queueing") for r in d.reasons)
+
+
+def test_no_queueing_reaction_while_prefill_workers_asked_for_are_starting() -> None:
+    # 2 asked for, 1 serves: the queue waits for the second rather than ask for a third.
+    d = decide(planner(), rate=10, current=(2, 1), obs=queued(500, 3, serving=1))
+    assert d.prefill == 2
+    assert any("1 prefill worker(s) asked for are not serving yet" in r for r in d.reasons)
 
 
 def test_the_queueing_reaction_respects_the_maximum() -> None:

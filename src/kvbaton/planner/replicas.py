@@ -6,7 +6,9 @@ Each interval, `ReplicaPlanner.decide` goes through these steps, in order:
    costs t(uncached tokens)); decode demand = rate * osl output tokens/s, over
    `decode_capacity`; each count is the ceiling of demand / capacity (0 with no demand);
 2. queueing reaction: measured TTFT over the target with requests queued at the prefill workers
-   asks for at least current prefill + `queue_step`, whatever the model says;
+   asks for at least current prefill + `queue_step`, whatever the model says, once every prefill
+   worker asked for serves (the observation counts them; until then the queue is theirs to
+   drain, and asking for more would overshoot);
 3. bounds: each count clamped to [min, max] of its role; if the two exceed the total budget,
    the budget is shared in proportion to the wanted counts, each at least its min;
 4. pacing, per role: scale up at once by at most `max_step`; scale down only after the wanted
@@ -239,12 +241,20 @@ class ReplicaPlanner:
         # 2. The queueing reaction.
         obs = observation
         if pol.queue_reaction and obs.ttft_ms > tg.ttft_ms and obs.queued_prefill > 0:
-            floor = current["prefill"] + pol.queue_step
-            want["prefill"] = max(want["prefill"], floor)
-            reasons.append(
+            queueing = (
                 f"queueing: measured TTFT {obs.ttft_ms:g} ms > target {tg.ttft_ms:g} ms with "
-                f"{obs.queued_prefill} queued: prefill wanted at least {floor}"
+                f"{obs.queued_prefill} queued"
             )
+            starting = current["prefill"] - obs.prefill_workers
+            if starting > 0:  # the queue is theirs to drain first
+                reasons.append(
+                    f"{queueing}, but {starting} prefill worker(s) asked for are not serving "
+                    "yet: no more until they are"
+                )
+            else:
+                floor = current["prefill"] + pol.queue_step
+                want["prefill"] = max(want["prefill"], floor)
+                reasons.append(f"{queueing}: prefill wanted at least {floor}")
 
         # 3. Bounds and budget.
         for role, (lo, hi) in bounds.items():
