@@ -12,6 +12,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvbaton import __version__
+from kvbaton.cli.frontend_flags import (
+    add_frontend_flags,
+    api_key,
+    busy_thresholds,
+    canary_settings,
+    migration_settings,
+)
 from kvbaton.cli.planner import add_planner_flags
 from kvbaton.cli.profile import add_profile_flags
 from kvbaton.cli.routing import add_router_flags, router_settings
@@ -35,6 +42,13 @@ def _runtime_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", help="address to bind and advertise (default 127.0.0.1)")
     group.add_argument("--request-plane-port", dest="port", type=int, help="default: any free port")
     group.add_argument("--lease-ttl", type=float, help="seconds (default 10)")
+    group.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="on SIGTERM: deregister, then let in-flight requests finish this long before "
+        "cutting them (a frontend migrates them to another worker; default 10)",
+    )
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
@@ -55,7 +69,16 @@ def _http_flags(parser: argparse.ArgumentParser, *port_aliases: str) -> None:
 
 def runtime_settings(args: argparse.Namespace) -> RuntimeSettings:
     """Flags given on the command line, then KVBATON_* variables, then defaults."""
-    names = ("discovery", "request_plane", "event_plane", "nats_url", "host", "port", "lease_ttl")
+    names = (
+        "discovery",
+        "request_plane",
+        "event_plane",
+        "nats_url",
+        "host",
+        "port",
+        "lease_ttl",
+        "drain_timeout",
+    )
     overrides = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     return RuntimeSettings(**overrides)
 
@@ -129,6 +152,10 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         host=args.http_host,
         port=args.http_port,
         router=router_settings(args),
+        migration=migration_settings(args),
+        api_key=api_key(args),
+        thresholds=busy_thresholds(args),
+        canary=canary_settings(args),
     )
 
     async def main() -> None:
@@ -216,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_worker_flags(serve)
     add_router_flags(serve)
+    add_frontend_flags(serve)
     _runtime_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -223,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     frontend.add_argument("--namespace", default="kvbaton")
     _http_flags(frontend)
     add_router_flags(frontend)
+    add_frontend_flags(frontend)
     _runtime_flags(frontend)
     frontend.set_defaults(func=cmd_frontend)
 

@@ -23,6 +23,13 @@ import urllib.error
 import urllib.request
 from typing import IO
 
+from kvbaton.cli.frontend_flags import (
+    API_KEY_ENV,
+    FRONTEND_FLAGS,
+    busy_thresholds,
+    canary_settings,
+    migration_settings,
+)
 from kvbaton.cli.routing import ROUTER_FLAGS, router_settings
 from kvbaton.cli.worker import WORKER_FLAGS, check_engine_flags
 from kvbaton.llm.model_files import KNOWN_MODELS, pull, served_name
@@ -56,6 +63,7 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         "--http-port",
         str(args.http_port),
         *_flags(args, ROUTER_FLAGS),
+        *_flags(args, FRONTEND_FLAGS),
         *([] if args.kv_events else ["--no-kv-events"]),
         *(["--enforce-disagg"] if args.enforce_disagg else []),
     ]
@@ -99,6 +107,9 @@ def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
     if min(args.workers, args.prefill_workers, args.decode_workers) < 1:
         raise ValueError("--workers, --prefill-workers and --decode-workers must be at least 1")
     router_settings(args)  # bad settings fail here, not in a child
+    migration_settings(args)
+    busy_thresholds(args)
+    canary_settings(args)
     check_engine_flags(args)
     _pull_if_needed(args)
     processes = args.workers if args.mode == "agg" else args.prefill_workers + args.decode_workers
@@ -118,8 +129,11 @@ def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
             "KVBATON_NATS_URL": settings.nats_url,
             "KVBATON_HOST": settings.host,
             "KVBATON_LEASE_TTL": str(settings.lease_ttl),
+            "KVBATON_DRAIN_TIMEOUT": str(settings.drain_timeout),
         }
     )
+    if args.api_key:
+        env[API_KEY_ENV] = args.api_key
     try:
         return _supervise(args, env)
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException
 from kvbaton.frontend.errors import (
     OpenAIError,
     as_openai_error,
+    bad_request,
     from_validation_errors,
     model_not_found,
 )
@@ -71,7 +73,9 @@ class _Context:
 
 
 def _error_response(error: OpenAIError) -> Response:
-    return Response(error.json(), status_code=error.status, media_type="application/json")
+    return Response(
+        error.json(), status_code=error.status, media_type="application/json", headers=error.headers
+    )
 
 
 class RequestRecord:
@@ -316,6 +320,23 @@ class Frontend:
                 "prefill": {name: ids for name, ids in prefill.items() if ids},
             }
             return _json(body, 200 if ready else 503)
+
+        @app.get("/busy_threshold")
+        async def get_busy_threshold() -> Response:
+            return _json(dataclasses.asdict(self.models.thresholds))
+
+        @app.post("/busy_threshold")
+        async def set_busy_threshold(request: Request) -> Response:
+            """Change load shedding's thresholds (a JSON object of the fields to change)."""
+            try:
+                changes = msgspec.json.decode(await request.body())
+                if not isinstance(changes, dict):
+                    raise ValueError("the body must be a JSON object of thresholds")
+                self.models.thresholds.update(**changes)
+            except (ValueError, msgspec.DecodeError) as exc:
+                return _error_response(bad_request(str(exc)))
+            log.info("busy thresholds now %s", self.models.thresholds)
+            return _json(dataclasses.asdict(self.models.thresholds))
 
         @app.get("/live")
         async def live() -> Response:

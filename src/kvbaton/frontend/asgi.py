@@ -1,8 +1,11 @@
 """A thin ASGI layer in front of the app: the request id (`x-request-id`, echoed on every
-response) and the body size limit (413 before the app reads a byte too many)."""
+response), the API key (401 unless `Authorization: Bearer <key>`, compared in constant time; on
+every route but /health, /live and /metrics, which stay open for probes and scrapers) and the
+body size limit (413 before the app reads a byte too many)."""
 
 from __future__ import annotations
 
+import hmac
 import re
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -16,23 +19,29 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})  # no API key asked
 _GOOD_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces
 
 
 class RequestIdAndLimits:
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, api_key: str | None = None) -> None:
+        """`api_key` None or empty: no key is asked for."""
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self._bearer = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = content_length = None
+        authorization = b""
         for name, value in scope["headers"]:
             if name == b"x-request-id":
                 given = value.decode("latin-1")
             elif name == b"content-length":
                 content_length = value
+            elif name == b"authorization":
+                authorization = value
         request_id = given if given and _GOOD_ID.match(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         id_header = (b"x-request-id", request_id.encode())
@@ -42,6 +51,15 @@ class RequestIdAndLimits:
                 message["headers"] = [*message.get("headers", ()), id_header]
             await send(message)
 
+        if (
+            self._bearer is not None
+            and scope["path"] not in OPEN_PATHS
+            and not hmac.compare_digest(authorization, self._bearer)
+        ):
+            error = OpenAIError(
+                401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key"
+            )
+            return await _reject(send_with_id, error, [(b"www-authenticate", b"Bearer")])
         if content_length is not None:
             if not content_length.isdigit() or int(content_length) > self.max_body_bytes:
                 return await self._too_large(send_with_id)
@@ -65,14 +83,25 @@ class RequestIdAndLimits:
             f"the request body is over the limit of {self.max_body_bytes} bytes",
             code="request_too_large",
         )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
-            }
-        )
-        await send({"type": "http.response.body", "body": error.json()})
+        await _reject(send, error)
+
+
+async def _reject(
+    send: Send, error: OpenAIError, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """Answer with `error` without reading the request's body (so the connection closes)."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"connection", b"close"),
+                *(headers or ()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": error.json()})
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -28,8 +28,10 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers or {}  # sent with it (e.g. Retry-After), unless mid-stream
         self.status = status
         self.message = message
         self.param = param

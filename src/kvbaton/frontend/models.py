@@ -24,8 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbaton.frontend.canary import Canary
 from kvbaton.frontend.errors import OpenAIError, bad_request
+from kvbaton.frontend.migration import migrating
 from kvbaton.frontend.openai_types import NvExt
+from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
+from kvbaton.frontend.shedding import LoadMonitor, admit
 from kvbaton.llm.hashing import block_extra_keys
 from kvbaton.llm.model_cards import model_cards_prefix, parse_model_card_key
 from kvbaton.llm.tokenizer import Tokenizer
@@ -50,10 +54,12 @@ TOKENIZER_FETCH_TIMEOUT_S = 30.0
 
 @dataclass
 class PrefillPool:
-    """A model's prefill workers: their cards, and the PrefillRouter once it is made."""
+    """A model's prefill workers: their cards, and the PrefillRouter (and the monitor of their
+    loads) once it is made."""
 
     cards: dict[int, ModelCard] = field(default_factory=dict)
     router: PrefillRouter | None = None
+    loads: LoadMonitor | None = None
 
     def live(self) -> list[int]:
         return self.router.instance_ids(list(self.cards)) if self.router else []
@@ -68,7 +74,13 @@ class ServedModel:
         router: Router,
         prefill: PrefillPool | None = None,
         settings: RouterSettings | None = None,
+        migration: MigrationSettings | None = None,
+        loads: LoadMonitor | None = None,
+        thresholds: BusyThresholds | None = None,
+        canary: Canary | None = None,
     ) -> None:
+        """`loads` and `thresholds`: load shedding (shedding.py), none without a monitor;
+        `canary`: workers that failed theirs are passed over (canary.py)."""
         self.name = card.name
         self.card = card  # the first one seen: context length and block size
         self.tokenizer = tokenizer
@@ -77,13 +89,17 @@ class ServedModel:
         self.cards: dict[int, ModelCard] = {card.instance_id: card}
         self.prefill = prefill or PrefillPool()
         self.settings = settings or RouterSettings()
+        self.migration = migration or MigrationSettings()
+        self.loads = loads
+        self.thresholds = thresholds or BusyThresholds()
+        self.canary = canary
 
     def instance_ids(self) -> list[int]:
         """Live instances with a card of this model."""
         live = set(self.client.instance_ids())
         return [i for i in self.cards if i in live]
 
-    async def generate(
+    def generate(
         self,
         request: PreprocessedRequest,
         request_id: str,
@@ -92,8 +108,26 @@ class ServedModel:
     ) -> AsyncGenerator[EngineOutput, None]:
         """The worker's outputs, from the worker the router ranks first that takes the request
         (one that refuses it unrun passes it on), or from the one `nvext` names; with none
-        left, NoInstancesError. The workers that serve it are appended to `served_by` (a
-        prefill worker, then the decode worker, when disaggregated)."""
+        left, NoInstancesError. A worker lost mid-request: the request migrates (migration.py).
+        The workers that serve it are appended to `served_by` (a prefill worker, then the
+        decode worker, when disaggregated)."""
+        return migrating(
+            lambda req, migrated: self._attempt(req, request_id, served_by, nvext, not migrated),
+            request,
+            request_id,
+            self.migration,
+            pinned=nvext is not None and nvext.instance_id() is not None,
+        )
+
+    async def _attempt(
+        self,
+        request: PreprocessedRequest,
+        request_id: str,
+        served_by: list[int],
+        nvext: NvExt | None,
+        shed: bool,
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """One try at the request; `shed`: it may be refused (503) if every worker is busy."""
         override = nvext.router_config_override if nvext else None
         hints = RouteRequest(
             request.token_ids,
@@ -119,8 +153,19 @@ class ServedModel:
                 self.client.direct(request, target, request_id=request_id), route, served_by
             )
         else:
-            route = self.router.route(hints, self.instance_ids())
-            prefill = self._prefill_workers(request, route)
+            candidates = self.instance_ids()
+            if self.canary is not None:
+                candidates = self.canary.healthy(candidates)
+            if shed:
+                what = f"worker of model `{self.name}`"
+                candidates = admit(self.loads, self.thresholds, candidates, what)
+            route = self.router.route(hints, candidates)
+            prefill = self._prefill_workers(request, route, shed)
+            if route.ranking:
+                if self.canary is not None:
+                    self.canary.used(route.ranking[0])
+                if self.loads is not None and not prefill:
+                    self.loads.sent(route.ranking[0], len(request.token_ids))
             if prefill:
                 assert self.prefill.router is not None
                 outputs = Disaggregated(
@@ -144,10 +189,11 @@ class ServedModel:
             async for out in outputs:
                 yield out
 
-    def _prefill_workers(self, request: PreprocessedRequest, route: Route) -> list[int]:
-        """The prefill workers to disaggregate on; none to prefill on the decode worker: no
-        prefill worker lives (503 with `enforce_disagg`), or the part of the prompt that the
-        decode worker ranked first lacks is short (`max_local_prefill_tokens`)."""
+    def _prefill_workers(self, request: PreprocessedRequest, route: Route, shed: bool) -> list[int]:
+        """The prefill workers to disaggregate on (those not busy, if `shed`: 503 if all are);
+        none to prefill on the decode worker: no prefill worker lives (503 with
+        `enforce_disagg`), or the part of the prompt that the decode worker ranked first lacks
+        is short (`max_local_prefill_tokens`)."""
         live = self.prefill.live()
         if not live:
             if self.settings.enforce_disagg:
@@ -161,7 +207,14 @@ class ServedModel:
             cached = route.overlaps.get(route.ranking[0], 0) * self.card.kv_block_size
             if len(request.token_ids) - cached < limit:
                 return []
-        return live
+        if not shed:
+            return live
+        what = f"prefill worker of model `{self.name}`"
+        try:
+            return admit(self.prefill.loads, self.thresholds, live, what)
+        except OpenAIError:
+            route.done()
+            raise
 
 
 class ModelManager:
@@ -171,8 +224,15 @@ class ModelManager:
         namespace: str,
         router: RouterSettings | None = None,
         router_metrics: RouterMetrics | None = None,
+        migration: MigrationSettings | None = None,
+        thresholds: BusyThresholds | None = None,
+        canary: CanarySettings | None = None,
     ) -> None:
+        """`thresholds`: load shedding's, shared by every model (changed at run time)."""
         self.runtime = runtime
+        self.migration = migration or MigrationSettings()
+        self.canary = canary or CanarySettings()
+        self.thresholds = thresholds or BusyThresholds()
         self.namespace = namespace
         self.router_settings = router or RouterSettings()
         self.router_metrics = router_metrics
@@ -202,10 +262,12 @@ class ModelManager:
                 task.cancel()
         await asyncio.gather(*(t for t in tasks if t), *self._closing, return_exceptions=True)
         for model in self.models.values():
-            await model.router.close()
+            await _close_model(model)
         for pool in self._prefill.values():
             if pool.router is not None:
                 await pool.router.close()
+            if pool.loads is not None:
+                await pool.loads.close()
         shutil.rmtree(self._files_dir, ignore_errors=True)
 
     def get(self, name: str) -> ServedModel | None:
@@ -231,7 +293,7 @@ class ModelManager:
                 if not model.cards:
                     log.info("model %s: no worker left; no longer served", name)
                     del self.models[name]
-                    closing = asyncio.create_task(model.router.close())
+                    closing = asyncio.create_task(_close_model(model))
                     self._closing.add(closing)
                     closing.add_done_callback(self._closing.discard)
             return
@@ -260,20 +322,40 @@ class ModelManager:
             tokenizer = await self._tokenizer(card)
             router = make_router(self.router_settings, self.runtime, card, self.router_metrics)
             await router.start()
+            loads = LoadMonitor(self.runtime, _component(card))
+            await loads.start()
         except Exception as exc:
             log.error("model %s: could not load it: %s", name, exc)
             return
         finally:
             self._loading.pop(name, None)
+        prefill = self._prefill.setdefault(name, PrefillPool())
+        model = ServedModel(
+            card,
+            tokenizer,
+            client,
+            router,
+            prefill,
+            self.router_settings,
+            self.migration,
+            loads,
+            self.thresholds,
+            self._canary(client, card, tokenizer),
+        )
         cards = self._pending.pop(name, {})
         if not cards:
-            await router.close()
+            await _close_model(model)
             return  # every worker of it went while it loaded
-        prefill = self._prefill.setdefault(name, PrefillPool())
-        model = ServedModel(card, tokenizer, client, router, prefill, self.router_settings)
         model.cards = cards
         self.models[name] = model
         log.info("model %s: served (%d worker(s)), router %s", name, len(cards), router.mode)
+
+    def _canary(self, client: Client, card: ModelCard, tokenizer: Tokenizer) -> Canary | None:
+        if not self.canary.period_s:
+            return None
+        canary = Canary(client, card.name, tokenizer.encode("ping"), self.canary)
+        canary.start()
+        return canary
 
     async def _load_prefill(self, pool: PrefillPool, card: ModelCard) -> None:
         try:
@@ -283,6 +365,8 @@ class ModelManager:
                 settings = dataclasses.replace(settings, mode=None)
             router = make_router(settings, self.runtime, card, self.router_metrics)
             await router.start()
+            pool.loads = LoadMonitor(self.runtime, _component(card))
+            await pool.loads.start()
             pool.router = PrefillRouter(self.runtime, client, router)
             log.info("model %s: prefill workers found; disaggregating", card.name)
         except Exception as exc:
@@ -305,8 +389,7 @@ class ModelManager:
 
     async def fetch_tokenizer_files(self, card: ModelCard) -> Path:
         """Copy the model's tokenizer files from the worker that registered `card`."""
-        namespace, component, _ = card.endpoint.split(".")
-        client = await self.runtime.endpoint(f"{namespace}.{component}.tokenizer_files").client()
+        client = await self.runtime.endpoint(f"{_component(card)}.tokenizer_files").client()
         try:
             await client.wait_for_instances(TOKENIZER_FETCH_TIMEOUT_S)
             files: dict[str, Any] = await client.direct(
@@ -322,3 +405,16 @@ class ModelManager:
             (target / file_name).write_bytes(data)
         log.info("model %s: fetched %d tokenizer files from its worker", card.name, len(files))
         return target
+
+
+def _component(card: ModelCard) -> str:
+    """ "namespace.component" of the worker that registered `card`."""
+    return card.endpoint.rsplit(".", 1)[0]
+
+
+async def _close_model(model: ServedModel) -> None:
+    if model.canary is not None:
+        await model.canary.close()
+    await model.router.close()
+    if model.loads is not None:
+        await model.loads.close()

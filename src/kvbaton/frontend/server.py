@@ -14,6 +14,7 @@ from kvbaton.frontend.app import Frontend
 from kvbaton.frontend.asgi import RequestIdAndLimits
 from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager
+from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
 from kvbaton.router import RouterMetrics, RouterSettings
 from kvbaton.runtime import DistributedRuntime
 from kvbaton.runtime.http_embed import EmbeddedUvicorn, listen
@@ -29,16 +30,29 @@ class FrontendServer:
         port: int = 8000,
         max_body_bytes: int = 8 << 20,
         router: RouterSettings | None = None,
+        migration: MigrationSettings | None = None,
+        api_key: str | None = None,
+        thresholds: BusyThresholds | None = None,
+        canary: CanarySettings | None = None,
     ) -> None:
+        """`api_key`: asked of every /v1 request (none if None or empty)."""
         self.runtime = runtime
         metrics = FrontendMetrics()
-        self.models = ModelManager(runtime, namespace, router, RouterMetrics(metrics.registry))
+        self.models = ModelManager(
+            runtime,
+            namespace,
+            router,
+            RouterMetrics(metrics.registry),
+            migration,
+            thresholds,
+            canary,
+        )
         self.frontend = Frontend(self.models, metrics)
         self.sock = listen(host, port)
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         config = uvicorn.Config(
-            RequestIdAndLimits(self.frontend.app, max_body_bytes),
+            RequestIdAndLimits(self.frontend.app, max_body_bytes, api_key),
             http="httptools",
             lifespan="off",
             log_level="warning",

@@ -1,0 +1,109 @@
+"""The frontend's serving flags (migration, timeouts, API key), shared by `frontend` and `serve`
+(which passes them on to its frontend; the API key through the environment, not its command
+line, where `ps` would show it)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
+
+FRONTEND_FLAGS = (
+    "migration_limit",
+    "first_output_timeout",
+    "stream_idle_timeout",
+    "busy_kv_usage",
+    "busy_prefill_tokens",
+    "canary_period",
+    "canary_timeout",
+)
+API_KEY_ENV = "KVBATON_API_KEY"
+
+
+def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("faults (the frontend)")
+    defaults = MigrationSettings()
+    group.add_argument(
+        "--migration-limit",
+        type=int,
+        default=defaults.limit,
+        help="times a request whose worker is lost mid-stream is sent on to another worker "
+        f"(0: never; default {defaults.limit})",
+    )
+    group.add_argument(
+        "--first-output-timeout",
+        type=float,
+        default=defaults.first_output_s,
+        metavar="SECONDS",
+        help="a worker that sends nothing this long after taking a request is given up on: "
+        f"migrate, or 504 (default {defaults.first_output_s:g})",
+    )
+    group.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=defaults.idle_s,
+        metavar="SECONDS",
+        help=f"the same, between two outputs of a stream (default {defaults.idle_s:g})",
+    )
+    busy = BusyThresholds()
+    group.add_argument(
+        "--busy-kv-usage",
+        type=float,
+        default=busy.kv_usage,
+        metavar="FRACTION",
+        help="a worker with this share of its KV blocks in use is busy; when every worker is, "
+        f"requests get 503 + Retry-After (0: not checked; default {busy.kv_usage}; changed at "
+        "run time by POST /busy_threshold)",
+    )
+    group.add_argument(
+        "--busy-prefill-tokens",
+        type=int,
+        default=busy.prefill_tokens,
+        metavar="TOKENS",
+        help="the same, for prompt tokens waiting for prefill at a worker "
+        f"(0: not checked; default {busy.prefill_tokens})",
+    )
+    canary = CanarySettings()
+    group.add_argument(
+        "--canary-period",
+        type=float,
+        default=canary.period_s,
+        metavar="SECONDS",
+        help="a worker sent nothing this long gets a 1-token canary request; one that fails it "
+        f"is not routed to until one passes (0: no canaries; default {canary.period_s:g})",
+    )
+    group.add_argument(
+        "--canary-timeout",
+        type=float,
+        default=canary.timeout_s,
+        metavar="SECONDS",
+        help=f"a canary with no token by then failed (default {canary.timeout_s:g})",
+    )
+    group.add_argument(
+        "--api-key",
+        help="ask every request but /health, /live and /metrics for `Authorization: Bearer KEY` "
+        f"(default: ${API_KEY_ENV}, else no key)",
+    )
+
+
+def busy_thresholds(args: argparse.Namespace) -> BusyThresholds:
+    return BusyThresholds(
+        kv_usage=args.busy_kv_usage or None, prefill_tokens=args.busy_prefill_tokens or None
+    )
+
+
+def canary_settings(args: argparse.Namespace) -> CanarySettings:
+    return CanarySettings(period_s=args.canary_period, timeout_s=args.canary_timeout)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def migration_settings(args: argparse.Namespace) -> MigrationSettings:
+    return MigrationSettings(
+        limit=args.migration_limit,
+        first_output_s=args.first_output_timeout,
+        idle_s=args.stream_idle_timeout,
+    )

@@ -1,0 +1,151 @@
+"""Request migration: a request whose worker went away goes on on another worker.
+
+An attempt ends in migration when its stream breaks (`StreamBrokenError`: the worker died or the
+connection was lost) or when its worker stays silent past a timeout (`first_output_s` for the
+first output, `idle_s` between outputs; the silent attempt is cancelled at its worker). The
+request is then sent again, routed afresh, with the tokens produced so far appended to its
+prompt and `max_tokens` and `min_tokens` reduced by as many. The consumer sees one stream: every
+token once, in order, and a final `usage` counted against the original prompt.
+
+A greedy request goes on with exactly the tokens it would have had (up to the numerics of
+computing the produced tokens as prompt rather than one by one). Not migrated, because their
+state cannot be carried to another worker (the error reaches the client as before):
+- seeded sampling at temperature > 0: the seed's random stream has advanced at the lost worker,
+  and the new one would start it over;
+- frequency or presence penalties: they count the request's outputs, which the new worker
+  would see as prompt;
+- a request pinned to one worker (`nvext.backend_instance_id`): there is no other;
+- a request that has already migrated `limit` times.
+A silent attempt that is not migrated fails with a 504 naming the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Callable
+
+import msgspec
+
+from kvbaton.frontend.errors import OpenAIError
+from kvbaton.frontend.settings import MigrationSettings
+from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest, Usage
+from kvbaton.runtime.errors import StreamBrokenError
+
+log = logging.getLogger(__name__)
+
+# attempt(request, migrated): the outputs of one try at `request`; `migrated`: it is a
+# continuation (the client was answered already: it must not be shed).
+Attempt = Callable[[PreprocessedRequest, bool], AsyncGenerator[EngineOutput, None]]
+
+
+class WorkerSilentError(Exception):
+    """An attempt's worker sent nothing within its timeout."""
+
+
+def not_migratable(request: PreprocessedRequest) -> str | None:
+    """Why `request`'s state cannot be carried to another worker, or None if it can."""
+    sampling = request.sampling
+    if sampling.seed is not None and not sampling.greedy:
+        return "its seeded sampling cannot resume on another worker"
+    if sampling.frequency_penalty or sampling.presence_penalty:
+        return "its frequency/presence penalties count outputs another worker cannot see"
+    return None
+
+
+def continuation(request: PreprocessedRequest, produced: list[int]) -> PreprocessedRequest:
+    """`request` to send again after `produced` (fewer than its max_tokens) were generated."""
+    sampling = msgspec.structs.replace(
+        request.sampling,
+        max_tokens=request.sampling.max_tokens - len(produced),
+        min_tokens=max(0, request.sampling.min_tokens - len(produced)),
+    )
+    return msgspec.structs.replace(
+        request, token_ids=request.token_ids + produced, sampling=sampling
+    )
+
+
+async def _timed(
+    outputs: AsyncGenerator[EngineOutput, None], first_s: float, idle_s: float
+) -> AsyncGenerator[EngineOutput, None]:
+    """`outputs`, each within its timeout, else WorkerSilentError."""
+    limit, what = first_s, "its first output"
+    while True:
+        try:
+            async with asyncio.timeout(limit) as timer:
+                out = await anext(outputs)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            if not timer.expired():
+                raise  # a TimeoutError of the worker's own, not this wait's
+            raise WorkerSilentError(f"the worker sent nothing for {limit:g} s ({what})") from None
+        limit, what = idle_s, "between outputs"
+        yield out
+
+
+def _whole_usage(usage: Usage, original_prompt: int, produced_before: int) -> Usage:
+    """A continuation's usage, counted against the original request."""
+    return Usage(
+        prompt_tokens=original_prompt,
+        completion_tokens=usage.completion_tokens + produced_before,
+        cached_tokens=min(usage.cached_tokens, original_prompt),
+    )
+
+
+async def migrating(
+    attempt: Attempt,
+    request: PreprocessedRequest,
+    request_id: str,
+    settings: MigrationSettings,
+    pinned: bool = False,
+) -> AsyncGenerator[EngineOutput, None]:
+    """`attempt(request, False)`'s outputs; on a broken or silent attempt, those of
+    `attempt(continuation(...), True)` (see the module's docstring)."""
+    produced: list[int] = []
+    migrations = 0
+    current = request
+    while True:
+        before = len(produced)
+        outputs = attempt(current, migrations > 0)
+        try:
+            async with contextlib.aclosing(outputs):
+                async for out in _timed(outputs, settings.first_output_s, settings.idle_s):
+                    produced += out.token_ids
+                    if before and out.usage is not None:
+                        out.usage = _whole_usage(out.usage, len(request.token_ids), before)
+                    yield out
+            return
+        except (StreamBrokenError, WorkerSilentError) as exc:
+            why = (
+                "it is pinned to its worker"
+                if pinned
+                else f"it migrated {migrations} times already"
+                if migrations >= settings.limit
+                else not_migratable(request)
+            )
+            if why is not None:
+                if isinstance(exc, WorkerSilentError):
+                    raise OpenAIError(504, str(exc), code="worker_timeout") from exc
+                raise
+            reason = exc
+        migrations += 1
+        left = request.sampling.max_tokens - len(produced)
+        log.warning(
+            "request %s: %s after %d tokens; migrating (%d of at most %d)",
+            request_id,
+            reason,
+            len(produced),
+            migrations,
+            settings.limit,
+        )
+        if left <= 0:  # all of its tokens came, only the end was lost
+            yield EngineOutput(
+                request_id=request_id,
+                token_ids=[],
+                finish_reason="length",
+                usage=Usage(prompt_tokens=len(request.token_ids), completion_tokens=len(produced)),
+            )
+            return
+        current = continuation(request, produced)

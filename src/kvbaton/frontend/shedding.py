@@ -1,0 +1,107 @@
+"""Load shedding: a request is not sent to a busy worker, and when every worker it could go to
+is busy the frontend answers 503 with Retry-After at once, rather than queueing it without
+bound.
+
+A worker is busy when its KV blocks in use reach `BusyThresholds.kv_usage` of its pool, or its
+prompt tokens waiting for prefill reach `prefill_tokens`. Each worker's load is its last
+`load_metrics` answer (polled every `POLL_S`), plus the prompt tokens this frontend sent it since
+that answer, so that a burst between two polls counts at once. A worker whose load is unknown
+(not yet polled, or it does not answer) is not busy: shedding never stops a deployment that
+would otherwise serve.
+
+Invariants: `LoadMonitor.close()` ends its task and client; `admit` returns a non-empty subset
+of its candidates, in their order, or raises the 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from kvbaton.frontend.errors import OpenAIError
+from kvbaton.frontend.settings import BusyThresholds
+from kvbaton.protocols.llm import WorkerLoad
+from kvbaton.runtime import Client, DistributedRuntime
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2  # how often each worker's load is asked for
+ANSWER_S = 2.0  # a worker that takes longer keeps its last load (or none)
+
+
+class LoadMonitor:
+    """The loads of the workers of one component (`namespace.component`)."""
+
+    def __init__(self, runtime: DistributedRuntime, component: str) -> None:
+        self.runtime = runtime
+        self.endpoint = f"{component}.load_metrics"
+        self.loads: dict[int, WorkerLoad] = {}
+        self._sent: dict[int, int] = {}  # worker -> prompt tokens sent since its last load
+        self._client: Client | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._client = await self.runtime.endpoint(self.endpoint).client(response_type=WorkerLoad)
+        self._task = asyncio.create_task(self._poll())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+
+    def sent(self, worker: int, prompt_tokens: int) -> None:
+        self._sent[worker] = self._sent.get(worker, 0) + prompt_tokens
+
+    def busy(self, worker: int, thresholds: BusyThresholds) -> bool:
+        load = self.loads.get(worker)
+        if load is None:
+            return False
+        kv, total = thresholds.kv_usage, load.kv_blocks_total
+        if kv is not None and total and load.kv_blocks_used >= kv * total:
+            return True
+        prefill = thresholds.prefill_tokens
+        waiting = load.active_prefill_tokens + self._sent.get(worker, 0)
+        return prefill is not None and waiting >= prefill
+
+    async def _poll(self) -> None:
+        assert self._client is not None
+        client = self._client
+        while True:
+            live = client.instance_ids()
+            for gone in set(self.loads) - set(live):
+                self.loads.pop(gone, None)
+                self._sent.pop(gone, None)
+            await asyncio.gather(*(self._ask(client, w) for w in live))
+            await asyncio.sleep(POLL_S)
+
+    async def _ask(self, client: Client, worker: int) -> None:
+        with contextlib.suppress(Exception):  # no answer: the last load stands (or none)
+            load: WorkerLoad = await anext(client.direct(None, worker, timeout=ANSWER_S))
+            self.loads[worker] = load
+            self._sent.pop(worker, None)
+
+
+def admit(
+    monitor: LoadMonitor | None,
+    thresholds: BusyThresholds,
+    candidates: Sequence[int],
+    what: str,
+) -> list[int]:
+    """The candidates that are not busy; if every one is, the 503 (`what`: "worker of model
+    `m`", for its message)."""
+    if monitor is None:
+        return list(candidates)
+    free = [w for w in candidates if not monitor.busy(w, thresholds)]
+    if candidates and not free:
+        raise OpenAIError(
+            503,
+            f"every {what} is busy; retry later",
+            code="overloaded",
+            type="server_error",
+            headers={"retry-after": str(thresholds.retry_after_s)},
+        )
+    return free

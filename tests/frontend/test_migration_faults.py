@@ -1,0 +1,175 @@
+"""The fault suite: a worker killed (-9) under 50 concurrent streams, with real processes. Each
+deployment first serves the 50 requests undisturbed (the reference), then again while one worker
+is killed: every request completes with all of its tokens and the same greedy text as in the
+reference (its stream migrated when its worker died), and the survivors end with no KV block in
+use.
+
+Victims: a worker mid-stream (aggregated; mocker and the tiny real model), a decode worker
+mid-stream, and a prefill worker while prefills and KV transfers are in flight (disaggregated,
+mocker: the requests it was prefilling are prefilled on the decode worker instead). And a
+worker stopped with SIGTERM and a short drain timeout: it deregisters, the
+streams it cannot finish in time are migrated, and it exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvbaton.protocols.llm import WorkerLoad
+from kvbaton.runtime import DistributedRuntime
+from kvbaton.runtime.errors import RuntimeServiceError
+from tests.conftest import WorkerFactory
+from tests.frontend.conftest import Deployment, wait_for_health
+from tests.frontend.test_disagg_faults import client_of, poll, running_frontend
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+NS = "t"
+STREAMS = 50
+TOKENS = 40
+PROMPTS = [[(i * 7 + j * 13) % 150 + 20 for j in range(40 + i)] for i in range(STREAMS)]
+MOCKER = ("--block-size", "16", "--num-kv-blocks", "1024", "--max-model-len", "1024")
+SLOW_DECODE = ("--speedup-ratio", "0.2")  # about 30 ms a token: streams last about a second
+SLOW_PREFILL = ("--mocker-prefill", "0,1,0", "--max-num-batched-tokens", "128")  # 1 ms a token
+
+
+async def one_stream(
+    client: openai.AsyncOpenAI, model: str, prompt: list[int], on_chunk: Callable[[], None]
+) -> tuple[str, int]:
+    """The request's text and completion tokens (its usage)."""
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    text: list[str] = []
+    tokens = -1
+    async for chunk in stream:
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+            on_chunk()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return "".join(text), tokens
+
+
+async def serve_all(
+    client: openai.AsyncOpenAI, model: str, on_chunk: Callable[[], None] = lambda: None
+) -> list[tuple[str, int]]:
+    return await asyncio.gather(*(one_stream(client, model, p, on_chunk) for p in PROMPTS))
+
+
+async def used_blocks(runtime: DistributedRuntime, component: str) -> dict[int, int]:
+    """Blocks in use on each live worker of `component` (a dead one that discovery still lists
+    is skipped)."""
+    client = await runtime.endpoint(f"{NS}.{component}.load_metrics").client(
+        response_type=WorkerLoad
+    )
+    used: dict[int, int] = {}
+    try:
+        for instance in client.instance_ids():
+            try:
+                load: WorkerLoad = await anext(client.direct(None, instance, timeout=5))
+            except (RuntimeServiceError, TimeoutError):
+                continue
+            used[instance] = load.kv_blocks_used
+    finally:
+        await client.close()
+    return used
+
+
+SHORT_DRAIN = ("--drain-timeout", "0.3")
+
+
+async def prefill_ready(frontend: Deployment, count: int) -> None:
+    async with httpx.AsyncClient(base_url=frontend.url) as http:
+
+        async def all_there() -> bool:
+            prefill = (await http.get("/health")).json()["prefill"]
+            return sum(len(ids) for ids in prefill.values()) == count
+
+        await poll(all_there, 60, f"not {count} prefill workers")
+
+
+SCENARIOS = {
+    # name: (workers as (role, engine, extra flags), index of the victim, signal to it)
+    "agg-mocker-mid-stream": ([("agg", "mocker", SLOW_DECODE)] * 2, 0, signal.SIGKILL),
+    "agg-real-model-mid-stream": ([("agg", "torch", ())] * 2, 0, signal.SIGKILL),
+    "decode-worker-mid-stream": (
+        [("prefill", "mocker", ()), ("decode", "mocker", SLOW_DECODE), ("decode", "mocker", ())],
+        1,
+        signal.SIGKILL,
+    ),
+    "prefill-worker-mid-transfer": (
+        [("prefill", "mocker", SLOW_PREFILL)] * 2 + [("decode", "mocker", SLOW_DECODE)],
+        0,
+        signal.SIGKILL,
+    ),
+    "agg-mocker-sigterm-short-drain": (
+        [("agg", "mocker", SLOW_DECODE + SHORT_DRAIN), ("agg", "mocker", SLOW_DECODE)],
+        0,
+        signal.SIGTERM,
+    ),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+async def test_a_worker_killed_under_50_streams_loses_no_request_and_no_token(
+    chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path, scenario: str
+) -> None:
+    workers, victim_index, sig = SCENARIOS[scenario]
+    async with running_frontend(tmp_path) as frontend:
+        procs: list[subprocess.Popen[bytes]] = []
+        for role, engine, extra in workers:
+            flags = ["--model", str(chat_model), "--role", role, *extra]
+            flags += MOCKER if engine == "mocker" else ["--dtype", "float32", "--num-threads", "1"]
+            procs.append(spawn_worker(*flags, engine=engine, lease_ttl=3.0, namespace=NS))
+        serving = sum(role != "prefill" for role, _, _ in workers)
+        await asyncio.to_thread(wait_for_health, frontend.url, chat_model.name, serving)
+        if serving < len(workers):
+            await prefill_ready(frontend, len(workers) - serving)
+        model = chat_model.name
+        async with client_of(frontend) as client, DistributedRuntime(frontend.discovery) as rt:
+            reference = await serve_all(client, model)
+            assert all(tokens == TOKENS for _, tokens in reference), reference
+
+            victim = procs[victim_index]
+            chunks = 0
+            # Mid-stream: after about 5 tokens a stream; mid-prefill: after the first streams.
+            victim_role = workers[victim_index][0]
+            kill_at = 10 if victim_role == "prefill" else STREAMS * 5
+
+            def count() -> None:
+                nonlocal chunks
+                chunks += 1
+                if chunks == kill_at:
+                    victim.send_signal(sig)
+
+            disturbed = await serve_all(client, model, count)
+            assert victim.wait(10) == (-sig if sig == signal.SIGKILL else 0)
+            assert chunks >= kill_at  # the kill happened while requests were in flight
+            assert disturbed == reference  # every token, once, in order; the same text
+
+            components = {"prefill" if role == "prefill" else "backend" for role, _, _ in workers}
+
+            async def survivors_free() -> bool:
+                used: dict[int, int] = {}
+                for component in components:
+                    used |= await used_blocks(rt, component)
+                return len(used) == len(workers) - 1 and not any(used.values())
+
+            await poll(survivors_free, 30, "a survivor still holds blocks")
+        log = frontend.log_text()
+        expected = "prefilling on the decode worker" if victim_role == "prefill" else "migrating"
+        assert expected in log, log[-3000:]

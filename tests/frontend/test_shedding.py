@@ -1,0 +1,74 @@
+"""Load shedding's decisions, on loads set by hand: which workers are busy, the 503 when all
+are, and thresholds changed at run time."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbaton.frontend.errors import OpenAIError
+from kvbaton.frontend.settings import BusyThresholds
+from kvbaton.frontend.shedding import LoadMonitor, admit
+from kvbaton.protocols.llm import WorkerLoad
+from kvbaton.runtime import DistributedRuntime
+
+pytestmark = pytest.mark.unit
+
+
+def load(worker: int, used: int, prefill: int) -> WorkerLoad:
+    return WorkerLoad(
+        instance_id=worker,
+        waiting=0,
+        running=0,
+        kv_blocks_total=100,
+        kv_blocks_used=used,
+        kv_blocks_free=100 - used,
+        prefix_cache_hit_rate=0.0,
+        active_prefill_tokens=prefill,
+    )
+
+
+def monitor(*loads: WorkerLoad) -> LoadMonitor:
+    m = LoadMonitor(DistributedRuntime.__new__(DistributedRuntime), "t.backend")
+    m.loads = {x.instance_id: x for x in loads}
+    return m
+
+
+def test_busy_by_kv_usage_or_waiting_prefill_tokens() -> None:
+    limits = BusyThresholds(kv_usage=0.9, prefill_tokens=1000)
+    m = monitor(load(1, 89, 999), load(2, 90, 0), load(3, 0, 1000))
+    assert [w for w in (1, 2, 3, 4) if m.busy(w, limits)] == [2, 3]  # 4: unknown, not busy
+    m.sent(1, 1)  # what was sent since its last load counts at once
+    assert m.busy(1, limits)
+    assert admit(m, limits, [1, 2, 3, 4], "worker") == [4]
+    off = BusyThresholds(kv_usage=None, prefill_tokens=None)
+    assert admit(m, off, [3, 2, 1], "worker") == [3, 2, 1]
+    assert admit(None, limits, [1, 2], "worker") == [1, 2]  # no monitor: no shedding
+
+
+def test_every_worker_busy_is_a_503_with_retry_after() -> None:
+    limits = BusyThresholds(kv_usage=0.5, retry_after_s=3)
+    m = monitor(load(1, 60, 0), load(2, 99, 0))
+    with pytest.raises(OpenAIError, match="every worker of model `m` is busy") as info:
+        admit(m, limits, [1, 2], "worker of model `m`")
+    assert info.value.status == 503
+    assert info.value.headers == {"retry-after": "3"}
+    assert info.value.code == "overloaded"
+
+
+def test_thresholds_change_all_or_nothing() -> None:
+    limits = BusyThresholds()
+    limits.update(kv_usage=0.5, prefill_tokens=None)
+    assert (limits.kv_usage, limits.prefill_tokens) == (0.5, None)
+    for bad, match in (
+        ({"kv_usage": 1.5}, "kv_usage"),
+        ({"kv_usage": "high"}, "kv_usage"),
+        ({"prefill_tokens": 0}, "prefill_tokens"),
+        ({"prefill_tokens": 2.5}, "prefill_tokens"),
+        ({"retry_after_s": -1}, "retry_after_s"),
+        ({"kv_usage": 0.7, "bogus": 1}, "bogus"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            limits.update(**bad)
+        assert (limits.kv_usage, limits.prefill_tokens) == (0.5, None)  # unchanged
+    with pytest.raises(ValueError, match="kv_usage"):
+        BusyThresholds(kv_usage=0)
