@@ -1,17 +1,27 @@
-"""What the benchmarks that drive a real `kvbaton serve` share: progress lines, percentiles,
-stopping a deployment, and reading an OpenAI SSE stream."""
+"""What the benchmarks that drive a real `kvbaton serve` (or a frontend and workers) share:
+progress lines, percentiles, starting a frontend and waiting for its workers, stopping a
+deployment, and reading an OpenAI SSE stream."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+STARTUP_S = 180.0  # a frontend's start, or its workers' registration, at most
+_LISTENING = re.compile(r"OpenAI API at (http://\S+)/v1")
 
 
 def log(message: str) -> None:
@@ -45,3 +55,64 @@ async def sse_chunks(response: httpx.Response) -> AsyncIterator[tuple[float, dic
         if "error" in chunk:
             raise RuntimeError(f"stream error: {chunk['error']}")
         yield now, chunk
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without KVBATON_* variables (the benchmark sets what it needs)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
+
+
+@dataclass
+class Frontend:
+    proc: subprocess.Popen[bytes]
+    url: str = ""
+    lines: list[str] = field(default_factory=list)  # its last lines of output
+
+
+def start_frontend(discovery: str, namespace: str, *extra: str) -> Frontend:
+    """`kvbaton frontend` on a free port; returns once it listens."""
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "kvbaton", "frontend", "--namespace", namespace),
+            *("--http-port", "0", "--discovery", discovery, *extra),
+        ],
+        env=clean_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    frontend = Frontend(proc)
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            frontend.lines = [*frontend.lines[-50:], line]
+            if not ready.is_set() and (m := _LISTENING.search(line)):
+                frontend.url = m.group(1)
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + STARTUP_S
+    while not ready.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)  # type: ignore[arg-type]
+            raise RuntimeError("kvbaton frontend did not start:\n" + "\n".join(frontend.lines))
+    return frontend
+
+
+async def wait_for_workers(url: str, prefill: int, decode: int, timeout: float) -> str:
+    """The model's name once the frontend lists `prefill` + `decode` live workers."""
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                health = (await client.get(f"{url}/health")).json()
+                for name, workers in health.get("models", {}).items():
+                    live_prefill = health.get("prefill", {}).get(name, [])
+                    if len(workers) >= decode and len(live_prefill) >= prefill:
+                        return str(name)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers did not register within {timeout:.0f}s")
+            await asyncio.sleep(0.3)

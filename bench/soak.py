@@ -1,0 +1,297 @@
+"""Soak benchmark: a frontend and mocker workers kept at 70% of their capacity for a long while.
+Does any process's memory grow, does latency drift?
+
+    python bench/soak.py [--minutes 20] [--load 0.7] [--workers 2] [--speedup-ratio 0.2]
+
+1. Capacity, measured first: the deployment is driven closed-loop (`--concurrency` clients, each
+   sending its next request when the previous one ends) for `--calibrate-s`; capacity = the
+   requests completed per second.
+2. The soak: Poisson arrivals (seeded) at `--load` x capacity for `--minutes`. Each request is a
+   streaming `/v1/completions` of `--isl` random prompt token ids (distinct: no prefix hits) and
+   `--osl` output tokens. Every `--window-s`: the p50/p99 TTFT and end-to-end latency of the
+   requests that ended in the window, the failures, and the resident memory (VmRSS) of the
+   frontend and each worker.
+
+Printed: one row per window; then the drift (p99 of the last window over the first, which is the
+baseline measured in the same run) and each process's memory growth from the end of the first
+window to the end of the run, with its slope per hour. Workers: `kvbaton worker --engine mocker`
+on the tokenizer and config of `--model` (smollm2 by default, pulled if missing), aggregated,
+timings divided by `--speedup-ratio` (below 1: slower) and at most `--max-num-seqs` requests
+running at once, so that the workers, not the 2 cores, saturate first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model
+from serving import (
+    STARTUP_S,
+    clean_env,
+    log,
+    pct,
+    sse_chunks,
+    start_frontend,
+    stop,
+    wait_for_workers,
+)
+
+NAMESPACE = "benchsoak"
+
+
+@dataclass
+class Done:
+    ended: float  # monotonic
+    ttft: float
+    latency: float
+    ok: bool
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def one(http: httpx.AsyncClient, model: str, prompt: list[int], osl: int) -> Done:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": osl,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    started = time.monotonic()
+    ttft = float("nan")
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return Done(time.monotonic(), ttft, time.monotonic() - started, False)
+            async for _, _chunk in sse_chunks(response):
+                if ttft != ttft:  # nan: the first chunk
+                    ttft = time.monotonic() - started
+    except (httpx.HTTPError, RuntimeError):
+        return Done(time.monotonic(), ttft, time.monotonic() - started, False)
+    return Done(time.monotonic(), ttft, time.monotonic() - started, True)
+
+
+def prompts(args: argparse.Namespace, vocab: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(16, vocab) for _ in range(args.isl)]
+
+
+async def calibrate(
+    http: httpx.AsyncClient, args: argparse.Namespace, model: str, vocab: int
+) -> float:
+    """Requests/s completed with `--concurrency` clients in a closed loop."""
+    rng = random.Random(1)
+    end = time.monotonic() + args.calibrate_s
+    done = 0
+
+    async def client() -> None:
+        nonlocal done
+        while time.monotonic() < end:
+            if (await one(http, model, prompts(args, vocab, rng), args.osl)).ok:
+                done += 1
+
+    started = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(args.concurrency)))
+    return done / (time.monotonic() - started)
+
+
+async def soak(
+    http: httpx.AsyncClient,
+    args: argparse.Namespace,
+    model: str,
+    vocab: int,
+    rate: float,
+    pids: dict[str, int],
+) -> list[dict[str, float]]:
+    rng = random.Random(args.seed)
+    finished: list[Done] = []
+    tasks: set[asyncio.Task[None]] = set()
+    windows: list[dict[str, float]] = []
+    start = time.monotonic()
+    end = start + args.minutes * 60
+    next_window = start + args.window_s
+
+    async def send(prompt: list[int]) -> None:
+        finished.append(await one(http, model, prompt, args.osl))
+
+    at = start
+    while True:
+        at += rng.expovariate(rate)
+        while next_window <= min(at, end):  # close the windows that end before this arrival
+            await asyncio.sleep(max(0.0, next_window - time.monotonic()))
+            windows.append(window(finished, next_window - args.window_s, next_window, pids))
+            w = windows[-1]
+            log(
+                f"  {len(windows) * args.window_s / 60:5.1f} min: {w['requests']:.0f} requests, "
+                f"{w['failed']:.0f} failed, TTFT p99 {w['ttft_p99']:.0f} ms, latency p99 "
+                f"{w['lat_p99']:.0f} ms, RSS " + ", ".join(f"{n} {w[n]:.0f}" for n in pids) + " MiB"
+            )
+            next_window += args.window_s
+        if at >= end:
+            break
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        task = asyncio.create_task(send(prompts(args, vocab, rng)))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await asyncio.gather(*tasks)
+    return windows
+
+
+def window(
+    finished: list[Done], start: float, end: float, pids: dict[str, int]
+) -> dict[str, float]:
+    these = [d for d in finished if start <= d.ended < end]
+    ok = [d for d in these if d.ok]
+    row = {
+        "requests": float(len(these)),
+        "failed": float(len(these) - len(ok)),
+        "ttft_p50": pct([d.ttft * 1e3 for d in ok], 0.5),
+        "ttft_p99": pct([d.ttft * 1e3 for d in ok], 0.99),
+        "lat_p50": pct([d.latency * 1e3 for d in ok], 0.5),
+        "lat_p99": pct([d.latency * 1e3 for d in ok], 0.99),
+    }
+    row.update({name: rss_mib(pid) for name, pid in pids.items()})
+    return row
+
+
+def report(
+    args: argparse.Namespace,
+    capacity: float,
+    rate: float,
+    windows: list[dict[str, float]],
+    names: list[str],
+) -> None:
+    print(
+        f"\nmocker workers x{args.workers} (speedup {args.speedup_ratio:g}), {args.isl}-token "
+        f"prompts, {args.osl} output tokens. Capacity (closed loop, {args.concurrency} clients, "
+        f"{args.calibrate_s:g}s): {capacity:.2f} req/s; soak at {args.load:.0%}: "
+        f"{rate:.2f} req/s for {args.minutes:g} min (seed {args.seed}). Times in ms, RSS in "
+        "MiB.\n"
+    )
+    print(
+        "| minute | requests | failed | TTFT p50 | TTFT p99 | latency p50 | latency p99 | "
+        + " | ".join(names)
+        + " |"
+    )
+    print("|---:" * (7 + len(names)) + "|")
+    for i, w in enumerate(windows):
+        print(
+            f"| {(i + 1) * args.window_s / 60:.1f} | {w['requests']:.0f} | {w['failed']:.0f} "
+            f"| {w['ttft_p50']:.0f} | {w['ttft_p99']:.0f} | {w['lat_p50']:.0f} "
+            f"| {w['lat_p99']:.0f} | " + " | ".join(f"{w[n]:.0f}" for n in names) + " |"
+        )
+    first, last = windows[0], windows[-1]
+    hours = (len(windows) - 1) * args.window_s / 3600
+    ttft_drift = last["ttft_p99"] / first["ttft_p99"]
+    print(
+        f"\ndrift (last window over the first): TTFT p99 x{ttft_drift:.2f}, "
+        f"latency p99 x{last['lat_p99'] / first['lat_p99']:.2f}; failed "
+        f"{sum(w['failed'] for w in windows):.0f} of {sum(w['requests'] for w in windows):.0f}"
+    )
+    growth = ", ".join(
+        f"{n} {last[n] - first[n]:+.1f} MiB ({(last[n] - first[n]) / hours:+.1f} MiB/h)"
+        if hours
+        else f"{n} {last[n] - first[n]:+.1f} MiB"
+        for n in names
+    )
+    print(f"memory growth after the first window: {growth}")
+
+
+def start_workers(
+    args: argparse.Namespace, model_dir: Path, discovery: str, logs: Path
+) -> list[subprocess.Popen[bytes]]:
+    workers = []
+    for i in range(args.workers):
+        with open(logs / f"worker-{i}.log", "wb") as log_file:
+            workers.append(
+                subprocess.Popen(
+                    [
+                        *(sys.executable, "-m", "kvbaton", "worker", "--engine", "mocker"),
+                        *("--model", str(model_dir), "--namespace", NAMESPACE),
+                        *("--discovery", discovery, "--log-level", "WARNING"),
+                        *("--speedup-ratio", str(args.speedup_ratio)),
+                        *("--max-num-seqs", str(args.max_num_seqs)),
+                    ],
+                    env=clean_env(),
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    return workers
+
+
+async def run(args: argparse.Namespace) -> int:
+    model_dir = resolve_model(args.model)
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    with tempfile.TemporaryDirectory(prefix="kvbaton-soak-") as tmp:
+        discovery = f"file://{tmp}/discovery"
+        workers: list[subprocess.Popen[bytes]] = []
+        frontend = None
+        try:
+            workers += start_workers(args, model_dir, discovery, Path(tmp))
+            frontend = await asyncio.to_thread(start_frontend, discovery, NAMESPACE)
+            model = await wait_for_workers(frontend.url, 0, args.workers, STARTUP_S)
+            pids = {"frontend": frontend.proc.pid}
+            pids |= {f"worker-{i}": w.pid for i, w in enumerate(workers)}
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            async with httpx.AsyncClient(base_url=frontend.url, timeout=600, limits=limits) as http:
+                log(f"calibrating: {args.concurrency} clients, closed loop, {args.calibrate_s:g}s")
+                capacity = await calibrate(http, args, model, vocab)
+                rate = capacity * args.load
+                log(f"capacity {capacity:.2f} req/s; soaking at {rate:.2f} req/s")
+                windows = await soak(http, args, model, vocab, rate, pids)
+            report(args, capacity, rate, windows, list(pids))
+        finally:
+            if frontend is not None:
+                stop(frontend.proc)  # type: ignore[arg-type]
+            for w in workers:
+                stop(w)  # type: ignore[arg-type]
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--load", type=float, default=0.7, help="share of the capacity")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--speedup-ratio", type=float, default=0.2, help="the mocker's")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=8, help="per worker: what bounds its capacity"
+    )
+    parser.add_argument("--isl", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--osl", type=int, default=64, help="output tokens")
+    parser.add_argument("--concurrency", type=int, default=64, help="calibration clients")
+    parser.add_argument("--calibrate-s", type=float, default=60.0)
+    parser.add_argument("--window-s", type=float, default=120.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="smollm2", help="whose tokenizer and config")
+    args = parser.parse_args()
+    if not 0 < args.load <= 1 or args.workers < 1 or args.window_s <= 0:
+        parser.error("--load must be in (0, 1], --workers >= 1, --window-s > 0")
+    if args.model in KNOWN_MODELS:
+        pull(args.model, progress=log)
+    try:
+        sys.exit(asyncio.run(run(args)))
+    except KeyboardInterrupt:
+        log("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
