@@ -49,7 +49,6 @@ import json
 import math
 import random
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -58,7 +57,7 @@ from typing import Any
 
 import httpx
 
-from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model
+from kvbaton.llm.model_files import resolve_model
 from kvbaton.mocker.timing import MockerTiming
 from kvbaton.planner.connectors.local import LocalConnector
 from kvbaton.planner.observer import Observer
@@ -74,6 +73,7 @@ from serving import (
     clean_env,
     log,
     pct,
+    run_benchmark,
     sse_chunks,
     start_frontend,
     stop,
@@ -574,13 +574,7 @@ def main() -> None:
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}")
-    if args.model in KNOWN_MODELS:
-        pull(args.model, progress=log)
-    try:
-        sys.exit(asyncio.run(run(args)))
-    except KeyboardInterrupt:
-        log("interrupted")
-        sys.exit(130)
+    run_benchmark(run, args)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from kvbaton.llm.model_files import KNOWN_MODELS, pull
 
 STARTUP_S = 180.0  # a frontend's start, or its workers' registration, at most
 _LISTENING = re.compile(r"OpenAI API at (http://\S+)/v1")
@@ -116,3 +118,15 @@ async def wait_for_workers(url: str, prefill: int, decode: int, timeout: float) 
             if time.monotonic() > deadline:
                 raise RuntimeError(f"workers did not register within {timeout:.0f}s")
             await asyncio.sleep(0.3)
+
+
+def run_benchmark(run: Callable[[Any], Coroutine[Any, Any, int]], args: Any) -> None:
+    """Pull `args.model` if it is a known one, run `run(args)` and exit with its code (130 on
+    Ctrl-C)."""
+    if args.model in KNOWN_MODELS:
+        pull(args.model, progress=log)
+    try:
+        sys.exit(asyncio.run(run(args)))
+    except KeyboardInterrupt:
+        log("interrupted")
+        sys.exit(130)

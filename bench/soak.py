@@ -35,12 +35,13 @@ from pathlib import Path
 
 import httpx
 
-from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model
+from kvbaton.llm.model_files import resolve_model
 from serving import (
     STARTUP_S,
     clean_env,
     log,
     pct,
+    run_benchmark,
     sse_chunks,
     start_frontend,
     stop,
@@ -284,13 +285,7 @@ def main() -> None:
     args = parser.parse_args()
     if not 0 < args.load <= 1 or args.workers < 1 or args.window_s <= 0:
         parser.error("--load must be in (0, 1], --workers >= 1, --window-s > 0")
-    if args.model in KNOWN_MODELS:
-        pull(args.model, progress=log)
-    try:
-        sys.exit(asyncio.run(run(args)))
-    except KeyboardInterrupt:
-        log("interrupted")
-        sys.exit(130)
+    run_benchmark(run, args)
 
 
 if __name__ == "__main__":
