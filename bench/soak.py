@@ -5,7 +5,7 @@ Does any process's memory grow, does latency drift?
 
 1. Capacity, measured first: the deployment is driven closed-loop (`--concurrency` clients, each
    sending its next request when the previous one ends) for `--calibrate-s`; capacity = the
-   requests completed per second.
+   requests completed per second. (Load shedding is off: the clients queue, none is refused.)
 2. The soak: Poisson arrivals (seeded) at `--load` x capacity for `--minutes`. Each request is a
    streaming `/v1/completions` of `--isl` random prompt token ids (distinct: no prefix hits) and
    `--osl` output tokens. Every `--window-s`: the p50/p99 TTFT and end-to-end latency of the
@@ -246,7 +246,8 @@ async def run(args: argparse.Namespace) -> int:
         frontend = None
         try:
             workers += start_workers(args, model_dir, discovery, Path(tmp))
-            frontend = await asyncio.to_thread(start_frontend, discovery, NAMESPACE)
+            no_shedding = ("--busy-kv-usage", "0", "--busy-prefill-tokens", "0")
+            frontend = await asyncio.to_thread(start_frontend, discovery, NAMESPACE, *no_shedding)
             model = await wait_for_workers(frontend.url, 0, args.workers, STARTUP_S)
             pids = {"frontend": frontend.proc.pid}
             pids |= {f"worker-{i}": w.pid for i, w in enumerate(workers)}

@@ -28,7 +28,7 @@ class Worker:
     """Attempts that each send their tokens, then break (or hang, or finish)."""
 
     def __init__(self, *plans: tuple[list[int], str]) -> None:
-        self.plans = list(plans)  # (tokens, then: "break" | "hang" | "finish")
+        self.plans = list(plans)  # (tokens, then: "break" | "hang" | "finish" | "finish+break")
         self.seen: list[PreprocessedRequest] = []
         self.closed = 0
 
@@ -40,7 +40,7 @@ class Worker:
         tokens, then = self.plans.pop(0)
         try:
             for i, token in enumerate(tokens):
-                last = then == "finish" and i == len(tokens) - 1
+                last = then.startswith("finish") and i == len(tokens) - 1
                 yield EngineOutput(
                     request_id="r",
                     token_ids=[token],
@@ -53,7 +53,7 @@ class Worker:
                     if last
                     else None,
                 )
-            if then == "break":
+            if then.endswith("break"):
                 raise StreamBrokenError("the worker went away")
             if then == "hang":
                 await asyncio.sleep(3600)
@@ -111,11 +111,24 @@ async def test_a_silent_worker_is_given_up_on() -> None:
 
 
 async def test_a_stream_lost_after_its_last_token_ends_without_another_attempt() -> None:
-    worker = Worker(([1, 2, 3, 4, 5, 6], "break"))
+    for pinned in (False, True):  # whatever the request: nothing is left to migrate
+        worker = Worker(([1, 2, 3, 4, 5, 6], "break"))
+        outs = await collect(worker, request(), pinned=pinned)
+        assert len(worker.seen) == 1
+        assert outs[-1].finish_reason == "length"
+        assert outs[-1].usage == Usage(prompt_tokens=3, completion_tokens=6)
+
+
+async def test_nothing_is_sent_again_after_a_finish_and_each_loss_is_reported() -> None:
+    worker = Worker(([1, 2, 3], "finish+break"))  # finishes early (a stop token), then breaks
     outs = await collect(worker, request())
+    assert [o.finish_reason for o in outs] == [None, None, "length"]
     assert len(worker.seen) == 1
-    assert outs[-1].finish_reason == "length"
-    assert outs[-1].usage == Usage(prompt_tokens=3, completion_tokens=6)
+    lost: list[Exception] = []
+    worker = Worker(([1], "break"), ([2, 3, 4, 5, 6], "finish"))
+    stream = migrating(worker.attempt, request(), "r", MigrationSettings(), on_lost=lost.append)
+    assert len([o async for o in stream]) == 6
+    assert [type(e) for e in lost] == [StreamBrokenError]
 
 
 def test_continuation_and_settings() -> None:

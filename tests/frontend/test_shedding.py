@@ -3,11 +3,16 @@ are, and thresholds changed at run time."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
+import httpx
 import pytest
 
+from kvbaton.frontend.app import Frontend
 from kvbaton.frontend.errors import OpenAIError
 from kvbaton.frontend.settings import BusyThresholds
-from kvbaton.frontend.shedding import LoadMonitor, admit
+from kvbaton.frontend.shedding import FRESH_S, STALE_S, LoadMonitor, admit
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
 
@@ -28,8 +33,10 @@ def load(worker: int, used: int, prefill: int) -> WorkerLoad:
 
 
 def monitor(*loads: WorkerLoad) -> LoadMonitor:
+    """A monitor whose workers have just answered with `loads`."""
     m = LoadMonitor(DistributedRuntime.__new__(DistributedRuntime), "t.backend")
     m.loads = {x.instance_id: x for x in loads}
+    m._at = dict.fromkeys(m.loads, time.monotonic())
     return m
 
 
@@ -43,6 +50,8 @@ def test_busy_by_kv_usage_or_waiting_prefill_tokens() -> None:
     off = BusyThresholds(kv_usage=None, prefill_tokens=None)
     assert admit(m, off, [3, 2, 1], "worker") == [3, 2, 1]
     assert admit(None, limits, [1, 2], "worker") == [1, 2]  # no monitor: no shedding
+    m._at[2] -= STALE_S + 1  # no answer for a while: its last load says nothing
+    assert not m.busy(2, limits)
 
 
 def test_every_worker_busy_is_a_503_with_retry_after() -> None:
@@ -72,3 +81,26 @@ def test_thresholds_change_all_or_nothing() -> None:
         assert (limits.kv_usage, limits.prefill_tokens) == (0.5, None)  # unchanged
     with pytest.raises(ValueError, match="kv_usage"):
         BusyThresholds(kv_usage=0)
+
+
+def test_working_takes_a_fresh_load_with_requests() -> None:
+    """What spares a busy worker its canary: a load under FRESH_S old with work in it."""
+    busy, idle = load(1, 10, 0), load(2, 0, 0)
+    busy.running = 2
+    m = monitor(busy, idle)
+    now = m._at[1]
+    assert m.working(1) and not m.working(2) and not m.working(3)
+    m._at[1] = now - FRESH_S - 1  # a worker that stopped answering: its old load says nothing
+    assert not m.working(1)
+
+
+async def test_thresholds_are_changed_from_the_frontends_machine_only() -> None:
+    models = SimpleNamespace(thresholds=BusyThresholds(), models={})
+    app = Frontend(models).app  # type: ignore[arg-type]
+    for client, status in ((("10.1.2.3", 5000), 403), (("127.0.0.1", 5000), 200)):
+        transport = httpx.ASGITransport(app=app, client=client)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            r = await http.post("/busy_threshold", json={"kv_usage": 0.5})
+            assert r.status_code == status, r.text
+            assert (await http.get("/busy_threshold")).status_code == 200
+    assert models.thresholds.kv_usage == 0.5  # changed once, from loopback

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbaton.planner.replicas import ReplicaPlanner, ReplicaPolicy, share_budget
+from kvbaton.planner.replicas import MAX_QUEUE_HOLDS, ReplicaPlanner, ReplicaPolicy, share_budget
 from kvbaton.planner.types import Decision, Observation, Profile, ProfilePoint, Targets
 
 pytestmark = pytest.mark.unit
@@ -212,10 +212,15 @@ def test_no_queueing_reaction(obs: Observation, policy: dict[str, Any]) -> None:
 
 
 def test_no_queueing_reaction_while_prefill_workers_asked_for_are_starting() -> None:
-    # 2 asked for, 1 serves: the queue waits for the second rather than ask for a third.
-    d = decide(planner(), rate=10, current=(2, 1), obs=queued(500, 3, serving=1))
-    assert d.prefill == 2
-    assert any("1 prefill worker(s) asked for are not serving yet" in r for r in d.reasons)
+    # 2 asked for, 1 serves: the queue waits for the second rather than ask for a third...
+    p = planner(scale_down_patience=10)  # (the model wants 1: no scale-down meanwhile)
+    for _ in range(MAX_QUEUE_HOLDS):
+        d = decide(p, rate=10, current=(2, 1), obs=queued(500, 3, serving=1))
+        assert d.prefill == 2
+        assert any("1 prefill worker(s) asked for are not serving yet" in r for r in d.reasons)
+    # ... for a while: one that never comes up does not switch the reaction off.
+    d = decide(p, rate=10, current=(2, 1), obs=queued(500, 3, serving=1))
+    assert d.prefill == 3
 
 
 def test_the_queueing_reaction_respects_the_maximum() -> None:

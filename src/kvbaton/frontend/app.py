@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _encode = msgspec.json.Encoder().encode
 Event = tuple[int, ChoiceState, Delta]  # (choice index, its state, its new delta)
+_LOOPBACK = frozenset({"127.0.0.1", "::1"})
 LONG_REQUEST_BYTES = 8192  # bodies above this are templated and tokenized off the event loop
 
 
@@ -327,7 +328,12 @@ class Frontend:
 
         @app.post("/busy_threshold")
         async def set_busy_threshold(request: Request) -> Response:
-            """Change load shedding's thresholds (a JSON object of the fields to change)."""
+            """Change load shedding's thresholds (a JSON object of the fields to change). An
+            operator's call: taken from this machine only (and with the API key, if set)."""
+            if request.client is None or request.client.host not in _LOOPBACK:
+                return _error_response(
+                    OpenAIError(403, "thresholds are changed from the frontend's machine only")
+                )
             try:
                 changes = msgspec.json.decode(await request.body())
                 if not isinstance(changes, dict):

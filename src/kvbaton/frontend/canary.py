@@ -1,7 +1,8 @@
-"""Health canaries: a worker this frontend has sent nothing for `period_s` is asked a 1-token
-request; one whose canary fails (an error, or no token within `timeout_s`) is unhealthy and not
-routed to until a later canary passes. A hung engine is thus found while idle, not by the next
-client's request.
+"""Health canaries: an idle worker (this frontend has sent it nothing for `period_s`, and its
+last reported load has nothing running or waiting) is asked a 1-token request; one whose canary
+fails (an error, or no token within `timeout_s`) is unhealthy and not routed to until a later
+canary passes. A hung engine is thus found while idle, not by the next client's request; a busy
+worker is not judged by a canary that would wait behind its queue.
 
 Canaries go to the workers that run whole requests or decode (prefill workers would hold the
 canary's KV for a decode worker that never comes; a failing prefill worker is already passed
@@ -17,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvbaton.frontend.settings import CanarySettings
 from kvbaton.protocols.llm import PreprocessedRequest, SamplingParams
@@ -33,14 +34,17 @@ class Canary:
         model: str,
         prompt: list[int],
         settings: CanarySettings,
+        working: Callable[[int], bool] = lambda worker: False,
     ) -> None:
-        """`client`: the model's `generate` endpoint; `prompt`: the canary's token ids."""
+        """`client`: the model's `generate` endpoint; `prompt`: the canary's token ids;
+        `working(worker)`: its last reported load has requests running or waiting."""
         self.client = client
         self.request = PreprocessedRequest(
             model=model, token_ids=prompt, sampling=SamplingParams(max_tokens=1, temperature=0)
         )
         self.period_s = settings.period_s
         self.timeout_s = settings.timeout_s
+        self.working = working
         self.unhealthy: set[int] = set()
         self._last_used: dict[int, float] = {}  # worker -> when this frontend last sent it work
         self._task: asyncio.Task[None] | None = None
@@ -57,6 +61,14 @@ class Canary:
         """Work was sent to `worker`: no canary is needed for a while."""
         self._last_used[worker] = time.monotonic()
 
+    def suspect(self, worker: int, why: str) -> None:
+        """A request found `worker` silent: not routed to until its next canary passes."""
+        if worker not in self.unhealthy:
+            log.warning(
+                "worker %x is suspect (%s): not routed to until it passes a canary", worker, why
+            )
+            self.unhealthy.add(worker)
+
     def healthy(self, candidates: Sequence[int]) -> list[int]:
         """The candidates not known to be unhealthy; all of them if none is healthy (a stale
         verdict should not refuse a request that a worker could serve)."""
@@ -71,7 +83,11 @@ class Canary:
                 del self._last_used[gone]
             self.unhealthy &= set(live)
             now = time.monotonic()
-            idle = [w for w in live if now - self._last_used.setdefault(w, now) >= self.period_s]
+            idle = [
+                w
+                for w in live
+                if now - self._last_used.setdefault(w, now) >= self.period_s and not self.working(w)
+            ]
             await asyncio.gather(*(self._probe(w) for w in idle))
 
     async def _probe(self, worker: int) -> None:

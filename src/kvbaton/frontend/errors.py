@@ -16,6 +16,7 @@ from kvbaton.runtime import (
     NoInstancesError,
     RuntimeServiceError,
     ShuttingDownError,
+    StreamLimitError,
 )
 
 
@@ -69,7 +70,13 @@ def no_workers(model: str) -> OpenAIError:
 
 
 # No worker took the request: none was live, or each one tried refused it or was unreachable.
-_NEVER_RAN = (NoInstancesError, ConnectError, ShuttingDownError, EndpointNotFoundError)
+_NEVER_RAN = (
+    NoInstancesError,
+    ConnectError,
+    ShuttingDownError,
+    EndpointNotFoundError,
+    StreamLimitError,
+)
 
 
 def as_openai_error(exc: BaseException, model: str) -> OpenAIError:

@@ -3,13 +3,16 @@
 An attempt ends in migration when its stream breaks (`StreamBrokenError`: the worker died or the
 connection was lost) or when its worker stays silent past a timeout (`first_output_s` for the
 first output, `idle_s` between outputs; the silent attempt is cancelled at its worker). The
-request is then sent again, routed afresh, with the tokens produced so far appended to its
-prompt and `max_tokens` and `min_tokens` reduced by as many. The consumer sees one stream: every
-token once, in order, and a final `usage` counted against the original prompt.
+request is then sent again, routed afresh (away from the workers it was lost on, while there are
+others), with the tokens produced so far appended to its prompt and `max_tokens` and
+`min_tokens` reduced by as many. The consumer sees one stream: every token once, in order, and a
+final `usage` counted against the original prompt.
 
-A greedy request goes on with exactly the tokens it would have had (up to the numerics of
-computing the produced tokens as prompt rather than one by one). Not migrated, because their
-state cannot be carried to another worker (the error reaches the client as before):
+A greedy request goes on with exactly the tokens it would have had: on the mocker always, on a
+model up to the numerics of computing the produced tokens as prompt rather than one by one. A
+stream lost after its last token ends as if its end had come, whatever the request. Not
+migrated, because their state cannot be carried to another worker (the error reaches the client
+as before):
 - seeded sampling at temperature > 0: the seed's random stream has advanced at the lost worker,
   and the new one would start it over;
 - frequency or presence penalties: they count the request's outputs, which the new worker
@@ -100,9 +103,11 @@ async def migrating(
     request_id: str,
     settings: MigrationSettings,
     pinned: bool = False,
+    on_lost: Callable[[Exception], None] = lambda exc: None,
 ) -> AsyncGenerator[EngineOutput, None]:
     """`attempt(request, False)`'s outputs; on a broken or silent attempt, those of
-    `attempt(continuation(...), True)` (see the module's docstring)."""
+    `attempt(continuation(...), True)` (see the module's docstring). Nothing is sent again
+    once an output with a finish reason came. `on_lost(exc)`: an attempt was lost."""
     produced: list[int] = []
     migrations = 0
     current = request
@@ -111,13 +116,28 @@ async def migrating(
         outputs = attempt(current, migrations > 0)
         try:
             async with contextlib.aclosing(outputs):
-                async for out in _timed(outputs, settings.first_output_s, settings.idle_s):
-                    produced += out.token_ids
-                    if before and out.usage is not None:
-                        out.usage = _whole_usage(out.usage, len(request.token_ids), before)
-                    yield out
+                timed = _timed(outputs, settings.first_output_s, settings.idle_s)
+                async with contextlib.aclosing(timed):
+                    async for out in timed:
+                        produced += out.token_ids
+                        if before and out.usage is not None:
+                            out.usage = _whole_usage(out.usage, len(request.token_ids), before)
+                        yield out
+                        if out.finish_reason is not None:
+                            return
             return
         except (StreamBrokenError, WorkerSilentError) as exc:
+            on_lost(exc)
+            if len(produced) >= request.sampling.max_tokens:  # only the end was lost
+                yield EngineOutput(
+                    request_id=request_id,
+                    token_ids=[],
+                    finish_reason="length",
+                    usage=Usage(
+                        prompt_tokens=len(request.token_ids), completion_tokens=len(produced)
+                    ),
+                )
+                return
             why = (
                 "it is pinned to its worker"
                 if pinned
@@ -131,7 +151,6 @@ async def migrating(
                 raise
             reason = exc
         migrations += 1
-        left = request.sampling.max_tokens - len(produced)
         log.warning(
             "request %s: %s after %d tokens; migrating (%d of at most %d)",
             request_id,
@@ -140,12 +159,4 @@ async def migrating(
             migrations,
             settings.limit,
         )
-        if left <= 0:  # all of its tokens came, only the end was lost
-            yield EngineOutput(
-                request_id=request_id,
-                token_ids=[],
-                finish_reason="length",
-                usage=Usage(prompt_tokens=len(request.token_ids), completion_tokens=len(produced)),
-            )
-            return
         current = continuation(request, produced)

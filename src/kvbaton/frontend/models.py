@@ -26,7 +26,7 @@ from typing import Any
 
 from kvbaton.frontend.canary import Canary
 from kvbaton.frontend.errors import OpenAIError, bad_request
-from kvbaton.frontend.migration import migrating
+from kvbaton.frontend.migration import WorkerSilentError, migrating
 from kvbaton.frontend.openai_types import NvExt
 from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
 from kvbaton.frontend.shedding import LoadMonitor, admit
@@ -111,12 +111,19 @@ class ServedModel:
         left, NoInstancesError. A worker lost mid-request: the request migrates (migration.py).
         The workers that serve it are appended to `served_by` (a prefill worker, then the
         decode worker, when disaggregated)."""
+        tried: list[int] = []  # the worker each attempt was routed to first
+
+        def lost(exc: Exception) -> None:
+            if isinstance(exc, WorkerSilentError) and self.canary is not None and tried:
+                self.canary.suspect(tried[-1], str(exc))
+
         return migrating(
-            lambda req, migrated: self._attempt(req, request_id, served_by, nvext, not migrated),
+            lambda req, migrated: self._attempt(req, request_id, served_by, nvext, migrated, tried),
             request,
             request_id,
             self.migration,
             pinned=nvext is not None and nvext.instance_id() is not None,
+            on_lost=lost,
         )
 
     async def _attempt(
@@ -125,9 +132,12 @@ class ServedModel:
         request_id: str,
         served_by: list[int],
         nvext: NvExt | None,
-        shed: bool,
+        migrated: bool,
+        tried: list[int],
     ) -> AsyncGenerator[EngineOutput, None]:
-        """One try at the request; `shed`: it may be refused (503) if every worker is busy."""
+        """One try at the request. The first may be refused (503) if every worker is busy; a
+        continuation (`migrated`) is not, and goes to a worker it has not been lost on, if any
+        is left. The worker routed to first is appended to `tried`."""
         override = nvext.router_config_override if nvext else None
         hints = RouteRequest(
             request.token_ids,
@@ -156,16 +166,22 @@ class ServedModel:
             candidates = self.instance_ids()
             if self.canary is not None:
                 candidates = self.canary.healthy(candidates)
-            if shed:
+            if migrated:
+                lost_on = set(tried) | set(served_by)
+                candidates = [w for w in candidates if w not in lost_on] or candidates
+            else:
                 what = f"worker of model `{self.name}`"
                 candidates = admit(self.loads, self.thresholds, candidates, what)
             route = self.router.route(hints, candidates)
-            prefill = self._prefill_workers(request, route, shed)
+            prefill = self._prefill_workers(request, route, not migrated)
             if route.ranking:
+                first = route.ranking[0]
+                tried.append(first)
                 if self.canary is not None:
-                    self.canary.used(route.ranking[0])
+                    self.canary.used(first)
                 if self.loads is not None and not prefill:
-                    self.loads.sent(route.ranking[0], len(request.token_ids))
+                    cached = route.overlaps.get(first, 0) * self.card.kv_block_size
+                    self.loads.sent(first, max(0, len(request.token_ids) - cached))
             if prefill:
                 assert self.prefill.router is not None
                 outputs = Disaggregated(
@@ -317,6 +333,8 @@ class ModelManager:
             self._loading[name] = asyncio.create_task(self._load(name, card))
 
     async def _load(self, name: str, card: ModelCard) -> None:
+        router: Router | None = None
+        loads: LoadMonitor | None = None
         try:
             client = await self._client(card.endpoint)
             tokenizer = await self._tokenizer(card)
@@ -326,6 +344,7 @@ class ModelManager:
             await loads.start()
         except Exception as exc:
             log.error("model %s: could not load it: %s", name, exc)
+            await _close_started(router, loads)
             return
         finally:
             self._loading.pop(name, None)
@@ -340,7 +359,7 @@ class ModelManager:
             self.migration,
             loads,
             self.thresholds,
-            self._canary(client, card, tokenizer),
+            self._canary(client, card, tokenizer, loads),
         )
         cards = self._pending.pop(name, {})
         if not cards:
@@ -350,14 +369,19 @@ class ModelManager:
         self.models[name] = model
         log.info("model %s: served (%d worker(s)), router %s", name, len(cards), router.mode)
 
-    def _canary(self, client: Client, card: ModelCard, tokenizer: Tokenizer) -> Canary | None:
+    def _canary(
+        self, client: Client, card: ModelCard, tokenizer: Tokenizer, loads: LoadMonitor
+    ) -> Canary | None:
         if not self.canary.period_s:
             return None
-        canary = Canary(client, card.name, tokenizer.encode("ping"), self.canary)
+        prompt = tokenizer.encode("ping")
+        canary = Canary(client, card.name, prompt, self.canary, loads.working)
         canary.start()
         return canary
 
     async def _load_prefill(self, pool: PrefillPool, card: ModelCard) -> None:
+        router: Router | None = None
+        loads: LoadMonitor | None = None
         try:
             client = await self._client(card.endpoint)
             settings = self.router_settings
@@ -365,12 +389,14 @@ class ModelManager:
                 settings = dataclasses.replace(settings, mode=None)
             router = make_router(settings, self.runtime, card, self.router_metrics)
             await router.start()
-            pool.loads = LoadMonitor(self.runtime, _component(card))
-            await pool.loads.start()
+            loads = LoadMonitor(self.runtime, _component(card))
+            await loads.start()
+            pool.loads = loads
             pool.router = PrefillRouter(self.runtime, client, router)
             log.info("model %s: prefill workers found; disaggregating", card.name)
         except Exception as exc:
             log.error("model %s: could not follow its prefill workers: %s", card.name, exc)
+            await _close_started(router, loads)
         finally:
             self._prefill_loading.pop(card.name, None)
 
@@ -410,6 +436,14 @@ class ModelManager:
 def _component(card: ModelCard) -> str:
     """ "namespace.component" of the worker that registered `card`."""
     return card.endpoint.rsplit(".", 1)[0]
+
+
+async def _close_started(router: Router | None, loads: LoadMonitor | None) -> None:
+    """What a load that failed half way had started."""
+    if router is not None:
+        await router.close()
+    if loads is not None:
+        await loads.close()
 
 
 async def _close_model(model: ServedModel) -> None:

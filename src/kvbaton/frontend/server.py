@@ -35,7 +35,7 @@ class FrontendServer:
         thresholds: BusyThresholds | None = None,
         canary: CanarySettings | None = None,
     ) -> None:
-        """`api_key`: asked of every /v1 request (none if None or empty)."""
+        """`api_key`: asked of every request but the probes' (none if None or empty)."""
         self.runtime = runtime
         metrics = FrontendMetrics()
         self.models = ModelManager(

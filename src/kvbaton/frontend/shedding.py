@@ -4,20 +4,24 @@ bound.
 
 A worker is busy when its KV blocks in use reach `BusyThresholds.kv_usage` of its pool, or its
 prompt tokens waiting for prefill reach `prefill_tokens`. Each worker's load is its last
-`load_metrics` answer (polled every `POLL_S`), plus the prompt tokens this frontend sent it since
-that answer, so that a burst between two polls counts at once. A worker whose load is unknown
-(not yet polled, or it does not answer) is not busy: shedding never stops a deployment that
-would otherwise serve.
+`load_metrics` answer (polled every `POLL_S`), plus the uncached prompt tokens this frontend sent
+it since that answer, so that a burst between two polls counts at once. A worker whose load is
+unknown (not yet polled, or no answer for `STALE_S`) is not busy: shedding never stops a
+deployment that would otherwise serve.
 
-Invariants: `LoadMonitor.close()` ends its task and client; `admit` returns a non-empty subset
-of its candidates, in their order, or raises the 503.
+Invariants: `LoadMonitor.close()` ends its tasks and client; `admit` returns the candidates
+that are not busy, in their order (all of them without a monitor), and raises the 503 rather
+than return none of a non-empty list.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import math
+import time
 from collections.abc import Sequence
 
 from kvbaton.frontend.errors import OpenAIError
@@ -29,6 +33,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often each worker's load is asked for
 ANSWER_S = 2.0  # a worker that takes longer keeps its last load (or none)
+FRESH_S = 1.0  # a load older than this does not say a worker is working
+STALE_S = 3.0  # nor, older than this, that it is busy: it is unknown
 
 
 class LoadMonitor:
@@ -39,6 +45,7 @@ class LoadMonitor:
         self.endpoint = f"{component}.load_metrics"
         self.loads: dict[int, WorkerLoad] = {}
         self._sent: dict[int, int] = {}  # worker -> prompt tokens sent since its last load
+        self._at: dict[int, float] = {}  # worker -> when its last load came
         self._client: Client | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -53,12 +60,21 @@ class LoadMonitor:
         if self._client is not None:
             await self._client.close()
 
+    def working(self, worker: int) -> bool:
+        """Its load, fresh (`FRESH_S`), has requests running or waiting (False if unknown)."""
+        load = self.loads.get(worker)
+        fresh = self._age(worker) <= FRESH_S
+        return load is not None and fresh and (load.running > 0 or load.waiting > 0)
+
     def sent(self, worker: int, prompt_tokens: int) -> None:
         self._sent[worker] = self._sent.get(worker, 0) + prompt_tokens
 
+    def _age(self, worker: int) -> float:
+        return time.monotonic() - self._at.get(worker, -math.inf)
+
     def busy(self, worker: int, thresholds: BusyThresholds) -> bool:
         load = self.loads.get(worker)
-        if load is None:
+        if load is None or self._age(worker) > STALE_S:
             return False
         kv, total = thresholds.kv_usage, load.kv_blocks_total
         if kv is not None and total and load.kv_blocks_used >= kv * total:
@@ -68,21 +84,40 @@ class LoadMonitor:
         return prefill is not None and waiting >= prefill
 
     async def _poll(self) -> None:
+        """Every `POLL_S`, ask each live worker with no question pending (a slow one does not
+        hold up the others)."""
         assert self._client is not None
         client = self._client
-        while True:
-            live = client.instance_ids()
-            for gone in set(self.loads) - set(live):
-                self.loads.pop(gone, None)
-                self._sent.pop(gone, None)
-            await asyncio.gather(*(self._ask(client, w) for w in live))
-            await asyncio.sleep(POLL_S)
+        asking: dict[int, asyncio.Task[None]] = {}
+        try:
+            while True:
+                live = client.instance_ids()
+                for gone in (set(self.loads) | set(self._sent)) - set(live):
+                    self.loads.pop(gone, None)
+                    self._sent.pop(gone, None)
+                    self._at.pop(gone, None)
+                for worker in live:
+                    if worker not in asking:
+                        task = asyncio.create_task(self._ask(client, worker))
+                        asking[worker] = task
+                        task.add_done_callback(functools.partial(_forget, asking, worker))
+                await asyncio.sleep(POLL_S)
+        finally:
+            pending = list(asking.values())
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _ask(self, client: Client, worker: int) -> None:
         with contextlib.suppress(Exception):  # no answer: the last load stands (or none)
             load: WorkerLoad = await anext(client.direct(None, worker, timeout=ANSWER_S))
             self.loads[worker] = load
+            self._at[worker] = time.monotonic()
             self._sent.pop(worker, None)
+
+
+def _forget(asking: dict[int, asyncio.Task[None]], worker: int, _: object) -> None:
+    asking.pop(worker, None)
 
 
 def admit(

@@ -7,8 +7,9 @@ Each interval, `ReplicaPlanner.decide` goes through these steps, in order:
    `decode_capacity`; each count is the ceiling of demand / capacity (0 with no demand);
 2. queueing reaction: measured TTFT over the target with requests queued at the prefill workers
    asks for at least current prefill + `queue_step`, whatever the model says, once every prefill
-   worker asked for serves (the observation counts them; until then the queue is theirs to
-   drain, and asking for more would overshoot);
+   worker asked for serves (the observation counts those that answer; until then the queue is
+   theirs to drain, and asking for more would overshoot), or after `MAX_QUEUE_HOLDS` intervals
+   of waiting for them (a worker that never comes up, or is too loaded to answer);
 3. bounds: each count clamped to [min, max] of its role; if the two exceed the total budget,
    the budget is shared in proportion to the wanted counts, each at least its min;
 4. pacing, per role: scale up at once by at most `max_step`; scale down only after the wanted
@@ -44,6 +45,7 @@ from kvbaton.planner.types import Decision, Observation, Profile, Targets
 # Predictions are clamped to MAX_INPUT: no deployment nears it, and every product stays finite.
 MAX_INPUT = 1e12
 _MAX_WANTED = 10**9  # the model's count before bounds, at most (keeps ceil() finite)
+MAX_QUEUE_HOLDS = 3  # intervals the queueing reaction waits for starting workers, at most
 _EPS = 1e-9  # so that demand/capacity = 3.0000000001, a rounding error, still wants 3
 
 
@@ -185,6 +187,7 @@ class ReplicaPlanner:
         self.policy = policy or ReplicaPolicy()
         patience = self.policy.scale_down_patience
         self._pacers = {r: _Pacer(r, patience) for r in ("prefill", "decode")}
+        self._queue_holds = 0  # consecutive intervals the queueing reaction waited
 
     def decide(
         self,
@@ -240,16 +243,20 @@ class ReplicaPlanner:
 
         # 2. The queueing reaction.
         obs = observation
+        if current["prefill"] <= obs.prefill_workers:
+            self._queue_holds = 0
         if pol.queue_reaction and obs.ttft_ms > tg.ttft_ms and obs.queued_prefill > 0:
             queueing = (
                 f"queueing: measured TTFT {obs.ttft_ms:g} ms > target {tg.ttft_ms:g} ms with "
                 f"{obs.queued_prefill} queued"
             )
             starting = current["prefill"] - obs.prefill_workers
-            if starting > 0:  # the queue is theirs to drain first
+            if starting > 0 and self._queue_holds < MAX_QUEUE_HOLDS:  # theirs to drain first
+                self._queue_holds += 1
                 reasons.append(
                     f"{queueing}, but {starting} prefill worker(s) asked for are not serving "
-                    "yet: no more until they are"
+                    f"yet: no more until they are (held {self._queue_holds} of at most "
+                    f"{MAX_QUEUE_HOLDS} intervals)"
                 )
             else:
                 floor = current["prefill"] + pol.queue_step

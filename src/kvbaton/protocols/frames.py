@@ -26,6 +26,7 @@ class ErrorKind(enum.StrEnum):
     SHUTTING_DOWN = "shutting_down"  # the instance is draining; the request never ran
     DEADLINE = "deadline"  # the request's deadline passed while it ran
     BAD_REQUEST = "bad_request"  # the payload could not be decoded as the handler's type
+    STREAM_LIMIT = "stream_limit"  # the connection has its most open streams; never ran
 
 
 class Request(msgspec.Struct, tag=0, array_like=True):

@@ -15,6 +15,7 @@ from kvbaton.runtime.errors import (
     RuntimeServiceError,
     ShuttingDownError,
     StreamBrokenError,
+    StreamLimitError,
 )
 from kvbaton.runtime.settings import RuntimeSettings
 
@@ -37,4 +38,5 @@ __all__ = [
     "RuntimeSettings",
     "ShuttingDownError",
     "StreamBrokenError",
+    "StreamLimitError",
 ]

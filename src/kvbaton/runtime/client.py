@@ -26,6 +26,7 @@ from kvbaton.runtime.errors import (
     EndpointNotFoundError,
     NoInstancesError,
     ShuttingDownError,
+    StreamLimitError,
 )
 from kvbaton.runtime.names import EndpointPath
 from kvbaton.runtime.request_plane.framing import encode_payload
@@ -113,7 +114,7 @@ class ResponseStream:
             assert self._stream is not None and self.instance_id is not None
             try:
                 item = await self._stream.__anext__()
-            except (ShuttingDownError, EndpointNotFoundError) as exc:
+            except (ShuttingDownError, EndpointNotFoundError, StreamLimitError) as exc:
                 if self._mode == "direct" or len(self._refused) >= RETRY_REFUSALS:
                     raise
                 log.info(

@@ -2,8 +2,8 @@
 
 `StreamBrokenError` is kept apart from everything else: it means the responding process went
 away (or the connection did) before the stream's end frame, so the request may be migrated.
-`ConnectError` and `ShuttingDownError` mean the request was never started and can be sent to
-another instance as it is.
+`ConnectError`, `ShuttingDownError` and `StreamLimitError` mean the request was never started
+and can be sent to another instance as it is.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ class EndpointNotFoundError(RuntimeServiceError):
 
 class ShuttingDownError(RuntimeServiceError):
     """The instance is draining and refused a new request; the request never ran."""
+
+
+class StreamLimitError(RuntimeServiceError):
+    """The connection already had its most concurrent streams open; the request never ran."""
 
 
 class DeadlineExceededError(RuntimeServiceError, TimeoutError):

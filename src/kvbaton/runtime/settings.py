@@ -48,6 +48,8 @@ class RuntimeSettings(BaseSettings):
     lease_ttl: float = Field(default=10.0, gt=0)
     """Seconds after a process's last keep-alive at which its keys vanish."""
     max_frame_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    max_streams_per_connection: int = Field(default=8192, ge=1)
+    """Streams one caller's connection may have open at once; more are refused unrun."""
     stream_window: int = Field(default=256, ge=0)
     """Responses a server may send on one stream ahead of the caller's reading (0: no limit)."""
     connect_timeout: float = Field(default=5.0, gt=0)

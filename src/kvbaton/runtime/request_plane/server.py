@@ -101,6 +101,11 @@ class ServerConnection(FrameConnection):
         server = self.server
         if server.draining:
             return self._refuse(frame, ErrorKind.SHUTTING_DOWN, "instance is shutting down")
+        limit = server.settings.max_streams_per_connection
+        if len(self.streams) >= limit:
+            return self._refuse(
+                frame, ErrorKind.STREAM_LIMIT, f"{limit} streams are open on this connection"
+            )
         route = server.routes.get(frame.endpoint)
         if route is None:
             return self._refuse(

@@ -24,6 +24,7 @@ from kvbaton.runtime.errors import (
     RuntimeServiceError,
     ShuttingDownError,
     StreamBrokenError,
+    StreamLimitError,
 )
 from kvbaton.runtime.request_plane.connection import FrameConnection
 from kvbaton.runtime.settings import RuntimeSettings
@@ -35,6 +36,7 @@ _ERRORS: dict[str, type[RuntimeServiceError]] = {
     ErrorKind.SHUTTING_DOWN: ShuttingDownError,
     ErrorKind.DEADLINE: DeadlineExceededError,
     ErrorKind.BAD_REQUEST: BadRequestError,
+    ErrorKind.STREAM_LIMIT: StreamLimitError,
 }
 
 
