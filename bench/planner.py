@@ -12,14 +12,15 @@ client-side: TTFT (the first SSE event) and ITL (the mean gap between its text e
 first to the last). A request that fails or ends short is lost.
 
 Each configuration is its own deployment on a private file discovery directory: `kvbaton
-frontend` on a free port and mocker workers (`kvbaton worker --engine mocker --role prefill|
-decode`, started and stopped by PID through the planner's `LocalConnector`) on the tokenizer and
-config of `--model` (default smollm2, pulled if missing; the mocker reads no weights). The mocker's
-timings are Dynamo's defaults divided by `--speedup-ratio` (below 1: slower, so that the
-mocker's time, not the 2 cores' Python, is what saturates). Prefill workers take one prompt per
-step (`--max-num-batched-tokens` = the prompt length), which is what the planner's model of a
-prefill worker assumes; decode workers have `--decode-kv-blocks` blocks (the mocker's step time
-grows with KV usage, so concurrent decodes slow each other).
+frontend` on a free port (load shedding off: an undersized deployment queues, as it did before
+shedding existed, rather than refusing) and mocker workers (`kvbaton worker --engine mocker
+--role prefill|decode`, started and stopped by PID through the planner's `LocalConnector`) on
+the tokenizer and config of `--model` (default smollm2, pulled if missing; the mocker reads no
+weights). The mocker's timings are Dynamo's defaults divided by `--speedup-ratio` (below 1:
+slower, so that the mocker's time, not the 2 cores' Python, is what saturates). Prefill workers
+take one prompt per step (`--max-num-batched-tokens` = the prompt length), which is what the
+planner's model of a prefill worker assumes; decode workers have `--decode-kv-blocks` blocks
+(the mocker's step time grows with KV usage, so concurrent decodes slow each other).
 
 The profile the planner (and the peak sizing) uses is computed from the mocker's timing model,
 not measured: prefill t(n) = MockerTiming.prefill_ms(n) / speedup, decode itl(b) =
@@ -323,7 +324,9 @@ async def one_run(
     decisions: list[str] = []
     scale_downs = 0
     try:
-        frontend = await asyncio.to_thread(start_frontend, discovery, NAMESPACE)
+        # No load shedding: what the planner does not scale for is measured, not refused.
+        no_shedding = ("--busy-kv-usage", "0", "--busy-prefill-tokens", "0")
+        frontend = await asyncio.to_thread(start_frontend, discovery, NAMESPACE, *no_shedding)
         prefill, decode = sizes
         await connector.scale("prefill", prefill)
         await connector.scale("decode", decode)
