@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from tests.conftest import WorkerFactory
-from tests.frontend.conftest import Deployment, wait_for_health
-from tests.frontend.test_disagg_faults import poll, running_frontend
+from tests.frontend.conftest import Deployment
+from tests.frontend.test_disagg_faults import poll, ready, running_frontend
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ async def test_a_hung_worker_fails_its_canary_and_is_passed_over_until_it_passes
             )
             for _ in range(2)
         ]
-        await asyncio.to_thread(wait_for_health, frontend.url, chat_model.name, 2)
+        await ready(frontend, chat_model, prefill=0, serving=2)
         async with httpx.AsyncClient(base_url=frontend.url, timeout=30) as http:
             both = set(await served_by(http, chat_model.name, 20))
             assert len(both) == 2  # both serve while healthy

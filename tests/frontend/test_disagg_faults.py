@@ -87,16 +87,18 @@ async def running_frontend(tmp_path: Path, *flags: str) -> AsyncIterator[Deploym
         assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
 
 
-async def ready(frontend: Deployment, model: Path, prefill: bool = True) -> None:
-    """Until the frontend serves the model (on a decode worker, and a prefill one if asked)."""
-    await asyncio.to_thread(wait_for_health, frontend.url, model.name, 1)
+async def ready(frontend: Deployment, model: Path, prefill: int = 1, serving: int = 1) -> None:
+    """Until the frontend serves the model on `serving` workers (aggregated or decode) and sees
+    `prefill` prefill workers of it."""
+    await asyncio.to_thread(wait_for_health, frontend.url, model.name, serving)
     if prefill:
         async with httpx.AsyncClient(base_url=frontend.url) as http:
 
-            async def has_prefill() -> bool:
-                return bool((await http.get("/health")).json()["prefill"])
+            async def all_prefill() -> bool:
+                ids = (await http.get("/health")).json()["prefill"].get(model.name, [])
+                return len(ids) == prefill
 
-            await poll(has_prefill, 60, "no prefill worker")
+            await poll(all_prefill, 60, f"not {prefill} prefill worker(s)")
 
 
 def client_of(frontend: Deployment) -> openai.AsyncOpenAI:
@@ -205,7 +207,7 @@ async def test_enforce_disagg_refuses_without_a_prefill_worker(
 ) -> None:
     async with running_frontend(tmp_path, "--enforce-disagg") as frontend:
         mocker(spawn_worker, chat_model, "decode")
-        await ready(frontend, chat_model, prefill=False)
+        await ready(frontend, chat_model, prefill=0)
         async with client_of(frontend) as client:
             with pytest.raises(openai.APIStatusError) as refused:
                 await client.completions.create(model=chat_model.name, prompt="Hi", max_tokens=2)

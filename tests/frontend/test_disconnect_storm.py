@@ -36,7 +36,7 @@ async def test_500_clients_hanging_up_leave_no_block_and_no_request_behind(
             lease_ttl=30.0,
             namespace=NS,
         )
-        await ready(frontend, chat_model, prefill=False)
+        await ready(frontend, chat_model, prefill=0)
         rng = random.Random(0)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=frontend.url, timeout=60, limits=limits) as http:

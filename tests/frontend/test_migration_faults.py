@@ -18,7 +18,6 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -26,8 +25,7 @@ from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
 from kvbaton.runtime.errors import RuntimeServiceError
 from tests.conftest import WorkerFactory
-from tests.frontend.conftest import Deployment, wait_for_health
-from tests.frontend.test_disagg_faults import client_of, poll, running_frontend
+from tests.frontend.test_disagg_faults import client_of, poll, ready, running_frontend
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -92,16 +90,6 @@ async def used_blocks(runtime: DistributedRuntime, component: str) -> dict[int, 
 SHORT_DRAIN = ("--drain-timeout", "0.3")
 
 
-async def prefill_ready(frontend: Deployment, count: int) -> None:
-    async with httpx.AsyncClient(base_url=frontend.url) as http:
-
-        async def all_there() -> bool:
-            prefill = (await http.get("/health")).json()["prefill"]
-            return sum(len(ids) for ids in prefill.values()) == count
-
-        await poll(all_there, 60, f"not {count} prefill workers")
-
-
 SCENARIOS = {
     # name: (workers as (role, engine, extra flags), index of the victim, signal to it)
     "agg-mocker-mid-stream": ([("agg", "mocker", SLOW_DECODE)] * 2, 0, signal.SIGKILL),
@@ -136,9 +124,7 @@ async def test_a_worker_killed_under_50_streams_loses_no_request_and_no_token(
             flags += MOCKER if engine == "mocker" else ["--dtype", "float32", "--num-threads", "1"]
             procs.append(spawn_worker(*flags, engine=engine, lease_ttl=3.0, namespace=NS))
         serving = sum(role != "prefill" for role, _, _ in workers)
-        await asyncio.to_thread(wait_for_health, frontend.url, chat_model.name, serving)
-        if serving < len(workers):
-            await prefill_ready(frontend, len(workers) - serving)
+        await ready(frontend, chat_model, prefill=len(workers) - serving, serving=serving)
         model = chat_model.name
         async with client_of(frontend) as client, DistributedRuntime(frontend.discovery) as rt:
             reference = await serve_all(client, model)

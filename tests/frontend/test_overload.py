@@ -48,7 +48,7 @@ async def test_ten_times_the_capacity_is_shed_quickly_and_the_rest_served(
             lease_ttl=3.0,
             namespace=NS,
         )
-        await ready(frontend, chat_model, prefill=False)
+        await ready(frontend, chat_model, prefill=0)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
         async with httpx.AsyncClient(base_url=frontend.url, timeout=120, limits=limits) as http:
 

@@ -340,7 +340,7 @@ class ModelManager:
             tokenizer = await self._tokenizer(card)
             router = make_router(self.router_settings, self.runtime, card, self.router_metrics)
             await router.start()
-            loads = LoadMonitor(self.runtime, _component(card))
+            loads = LoadMonitor(self.runtime, card.component)
             await loads.start()
         except Exception as exc:
             log.error("model %s: could not load it: %s", name, exc)
@@ -389,7 +389,7 @@ class ModelManager:
                 settings = dataclasses.replace(settings, mode=None)
             router = make_router(settings, self.runtime, card, self.router_metrics)
             await router.start()
-            loads = LoadMonitor(self.runtime, _component(card))
+            loads = LoadMonitor(self.runtime, card.component)
             await loads.start()
             pool.loads = loads
             pool.router = PrefillRouter(self.runtime, client, router)
@@ -415,7 +415,7 @@ class ModelManager:
 
     async def fetch_tokenizer_files(self, card: ModelCard) -> Path:
         """Copy the model's tokenizer files from the worker that registered `card`."""
-        client = await self.runtime.endpoint(f"{_component(card)}.tokenizer_files").client()
+        client = await self.runtime.endpoint(f"{card.component}.tokenizer_files").client()
         try:
             await client.wait_for_instances(TOKENIZER_FETCH_TIMEOUT_S)
             files: dict[str, Any] = await client.direct(
@@ -431,11 +431,6 @@ class ModelManager:
             (target / file_name).write_bytes(data)
         log.info("model %s: fetched %d tokenizer files from its worker", card.name, len(files))
         return target
-
-
-def _component(card: ModelCard) -> str:
-    """ "namespace.component" of the worker that registered `card`."""
-    return card.endpoint.rsplit(".", 1)[0]
 
 
 async def _close_started(router: Router | None, loads: LoadMonitor | None) -> None:

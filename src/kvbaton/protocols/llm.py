@@ -172,6 +172,11 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_pool: KvPoolInfo | None = None  # where peers read or write its KV blocks
     version: int = 1
 
+    @property
+    def component(self) -> str:
+        """ "namespace.component" of the worker that registered the card."""
+        return self.endpoint.rsplit(".", 1)[0]
+
     def to_json(self) -> bytes:
         return msgspec.json.encode(self)
 

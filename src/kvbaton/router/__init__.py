@@ -77,8 +77,7 @@ def make_router(
     indexer: KvIndexer
     if settings.kv_events:
         indexer = KvIndexer()
-        component = card.endpoint.rsplit(".", 1)[0]
-        subscriber = KvEventSubscriber(runtime, component, indexer, {})
+        subscriber = KvEventSubscriber(runtime, card.component, indexer, {})
     else:
         indexer = ApproxKvIndexer(settings.approx_ttl_s)
     return KvRouter(
@@ -89,7 +88,7 @@ def make_router(
         overlap_weight=settings.overlap_weight,
         temperature=settings.temperature,
         subscriber=subscriber,
-        component=card.endpoint.rsplit(".", 1)[0],
+        component=card.component,
     )
 
 
