@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import EtcdServer, NatsServer, running
+from tests.servers import EtcdServer, KubeStandIn, NatsServer, running
 
 WorkerFactory = Callable[..., subprocess.Popen[bytes]]
 
@@ -67,6 +67,13 @@ def spawn_worker(tmp_path: Path, discovery_url: str) -> Iterator[WorkerFactory]:
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
     """One etcd for the session (tests use their own key prefixes through namespaces)."""
     with running(EtcdServer(tmp_path_factory.mktemp("etcd"))) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def kube_standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeStandIn]:
+    """One Kubernetes API stand-in for the session (tests use namespaces of their own)."""
+    with running(KubeStandIn(tmp_path_factory.mktemp("kube"))) as server:
         yield server
 
 

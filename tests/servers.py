@@ -102,6 +102,24 @@ class EtcdServer(_Server):
         ]
 
 
+class KubeStandIn(_Server):
+    """kmock's Kubernetes API emulator (tests/kube_standin.py); `url(namespace)` is what
+    `--discovery` takes."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        self.port = free_port()
+        self.api = f"http://127.0.0.1:{self.port}"
+        self.health_url = f"{self.api}/version"
+        self.health_text = "gitVersion"
+
+    def url(self, namespace: str) -> str:
+        return f"kubernetes://{namespace}?api={self.api}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "tests.kube_standin", str(self.port)]
+
+
 class NatsServer(_Server):
     """One nats-server; `url` is what `--event-plane` and the NATS request plane take."""
 

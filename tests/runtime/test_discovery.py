@@ -1,5 +1,6 @@
 """The discovery contract, run against every backend (etcd on the session's etcd server, under a
-key prefix of its own per test); then what only file discovery does."""
+key prefix of its own per test; kubernetes on the session's API stand-in, in a namespace of its
+own); then what only file discovery does."""
 
 from __future__ import annotations
 
@@ -20,18 +21,21 @@ from kvbaton.runtime.discovery import (
     open_discovery,
 )
 from kvbaton.runtime.discovery.etcd import EtcdDiscovery
-from tests.servers import EtcdServer
+from tests.servers import EtcdServer, KubeStandIn
 
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(params=["mem", "file", "etcd"])
+@pytest.fixture(params=["mem", "file", "etcd", "kubernetes"])
 async def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "mem":
         return f"mem://{uuid.uuid4().hex}"
     if request.param == "etcd":
         server: EtcdServer = request.getfixturevalue("etcd_server")
         return f"{server.url}/t-{uuid.uuid4().hex}"
+    if request.param == "kubernetes":
+        kube: KubeStandIn = request.getfixturevalue("kube_standin")
+        return kube.url(f"t-{uuid.uuid4().hex[:12]}")
     return f"file://{tmp_path / 'disc'}"
 
 

@@ -40,15 +40,16 @@ TTL = 2.0
 STARTUP_S = 30.0  # a cold Python start on a loaded 2-core machine
 
 
-DEPLOYMENTS = ["file/tcp", "etcd/tcp", "file/nats", "file/http"]
+DEPLOYMENTS = ["file/tcp", "etcd/tcp", "kubernetes/tcp", "file/nats", "file/http"]
 every_deployment = pytest.mark.parametrize("backends", DEPLOYMENTS, indirect=True)
 # etcd looks for expired leases every 500 ms: a key may outlive its TTL by that much.
-EXPIRY_SLACK_S = {"file": 0.3, "etcd": 0.8}
+# kubernetes: watchers look for leases renewed too long ago every TTL/8.
+EXPIRY_SLACK_S = {"file": 0.3, "etcd": 0.8, "kubernetes": 0.6}
 
 
 @dataclass
 class Backends:
-    discovery: str  # "file" or "etcd"
+    discovery: str  # "file", "etcd" or "kubernetes"
     plane: str
     settings: dict[str, Any]  # RuntimeSettings fields for the test's runtime
     flags: list[str]  # the same for a worker's command line
@@ -59,6 +60,8 @@ def backends(request: pytest.FixtureRequest, tmp_path: Path) -> Backends:
     discovery, plane = getattr(request, "param", "file/tcp").split("/")
     if discovery == "etcd":
         url = f"{request.getfixturevalue('etcd_server').url}/t-{uuid.uuid4().hex}"
+    elif discovery == "kubernetes":
+        url = request.getfixturevalue("kube_standin").url(f"t-{uuid.uuid4().hex[:12]}")
     else:
         url = f"file://{tmp_path / 'discovery'}"
     settings: dict[str, Any] = {"discovery": url, "request_plane": plane}

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.unit
 RuntimeFactory = Callable[..., Awaitable[DistributedRuntime]]
 
 
-BACKENDS = ["mem/tcp", "file/tcp", "etcd/tcp", "mem/nats", "mem/http"]
+BACKENDS = ["mem/tcp", "file/tcp", "etcd/tcp", "kubernetes/tcp", "mem/nats", "mem/http"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -47,6 +47,9 @@ def backends(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
         settings["discovery"] = f"mem://{uuid.uuid4().hex}"
     elif discovery == "file":
         settings["discovery"] = f"file://{tmp_path}/d"
+    elif discovery == "kubernetes":
+        kube = request.getfixturevalue("kube_standin")
+        settings["discovery"] = kube.url(f"t-{uuid.uuid4().hex[:12]}")
     else:
         etcd = request.getfixturevalue("etcd_server")
         settings["discovery"] = f"{etcd.url}/t-{uuid.uuid4().hex}"

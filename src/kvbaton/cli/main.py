@@ -43,6 +43,12 @@ def _runtime_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--request-plane-port", dest="port", type=int, help="default: any free port")
     group.add_argument("--lease-ttl", type=float, help="seconds (default 10)")
     group.add_argument(
+        "--system-port",
+        type=int,
+        help="serve /live, /health (200 once serving, 503 while starting or stopping) and "
+        "/metrics on --host at this port (default: off)",
+    )
+    group.add_argument(
         "--drain-timeout",
         type=float,
         metavar="SECONDS",
@@ -77,6 +83,7 @@ def runtime_settings(args: argparse.Namespace) -> RuntimeSettings:
         "host",
         "port",
         "lease_ttl",
+        "system_port",
         "drain_timeout",
     )
     overrides = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
@@ -128,6 +135,8 @@ def run_on_runtime(
 
     async def main() -> None:
         try:
+            if runtime.settings.system_port is not None:
+                log.info("system server at %s", runtime.start_system_server())
             await body(args, runtime)
         finally:
             await runtime.shutdown()

@@ -28,6 +28,7 @@ from kvbaton.runtime.request_plane import (
     make_request_server,
 )
 from kvbaton.runtime.settings import RuntimeSettings
+from kvbaton.runtime.system_server import SystemServer
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class DistributedRuntime:
         self._clients: list[Client] = []
         self._stopped = asyncio.Event()
         self._closed = False
+        self._served: set[str] = set()  # the endpoints registered now
+        self._system: SystemServer | None = None
 
     @classmethod
     def from_env(cls, **overrides: Any) -> DistributedRuntime:
@@ -127,6 +130,7 @@ class DistributedRuntime:
         )
         key = path.key(lease_id)
         await self.discovery.put(key, instance.to_json(), lease_id)
+        self._served.add(str(path))
         log.info("serving %s as instance %x at %s", path, lease_id, server.address)
         return key
 
@@ -147,10 +151,30 @@ class DistributedRuntime:
             await self.discovery.delete(key)
 
     async def _deregister(self, path: EndpointPath, key: str) -> None:
+        self._served.discard(str(path))
         if not self._closed:
             await self.discovery.delete(key)
         if self._server is not None:
             self._server.remove_route(str(path))
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Ready while serving at least one endpoint and not shutting down (what this process
+        knows of itself, not what discovery shows)."""
+        endpoints = sorted(self._served)
+        if self._closed:
+            return False, {"status": "stopping", "endpoints": endpoints}
+        if not endpoints:
+            return False, {"status": "starting", "endpoints": []}
+        return True, {"status": "ready", "endpoints": endpoints}
+
+    def start_system_server(self) -> str:
+        """Serve /live, /health and /metrics at `settings.system_port` until shutdown ends;
+        returns its URL."""
+        if self._system is None:
+            port = self.settings.system_port or 0
+            self._system = SystemServer(self.settings.host, port, self.health)
+            self._system.start()
+        return self._system.url
 
     async def wait_for_shutdown(self) -> None:
         await self._stopped.wait()
@@ -170,6 +194,8 @@ class DistributedRuntime:
         if self._closed:
             return
         self._closed = True
+        if self._server is not None:  # from now on new streams are refused (retryable), never
+            self._server.draining = True  # routed to a removed endpoint while leases go
         self._stopped.set()
         async with self._setup_lock:
             await self._close_all()
@@ -189,6 +215,8 @@ class DistributedRuntime:
             await self.request_client.close()
             await self.discovery.close()
             await self.nats.close()
+            if self._system is not None:
+                await self._system.stop()
 
 
 class Namespace:

@@ -45,6 +45,8 @@ class RuntimeSettings(BaseSettings):
     """Address the request-plane server binds and advertises."""
     port: int = Field(default=0, ge=0, le=65535)
     """0 picks a free port."""
+    system_port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve /live, /health and /metrics on `host` at this port (0: any free port; unset: off)."""
     lease_ttl: float = Field(default=10.0, gt=0)
     """Seconds after a process's last keep-alive at which its keys vanish."""
     max_frame_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)

@@ -8,10 +8,8 @@ field the same as a JSON merge patch; RBAC verb `patch` on `deployments`; the sa
 Deployment controller does it: a stopped pod gets SIGTERM, so a kvbaton worker deregisters and
 drains its in-flight streams within the pod's terminationGracePeriodSeconds.
 
-The API is found, in order: `host` when given (a URL with no credentials, e.g. `kubectl proxy`'s
-http://127.0.0.1:8001, or a test stand-in); the kubeconfig file(s) of `kubeconfig` or
-$KUBECONFIG (`context` picks one); the pod's service account when running in a cluster;
-~/.kube/config when it exists. Every request is bounded by `request_timeout`; a missing
+The API is found as `kvbaton.runtime.kube_api` says (`host`, a kubeconfig, the pod's service
+account). Every request is bounded by `request_timeout`; a missing
 Deployment raises DeploymentNotFoundError, an API that cannot be reached
 KubernetesUnreachableError, any other refusal KubernetesApiError (all ConnectorErrors).
 """
@@ -21,24 +19,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable, Mapping
-from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
-from kubernetes_asyncio import client, config
+from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
-from kubernetes_asyncio.config.config_exception import ConfigException
 
 from kvbaton.planner.connectors import ROLES, ConnectorError, check_replicas
+from kvbaton.runtime.kube_api import KubeConfigError, api_configuration
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 REQUEST_TIMEOUT_S = 10.0
-KUBE_DEFAULT_CONFIG = "~/.kube/config"
 
 
 class DeploymentNotFoundError(ConnectorError):
@@ -160,44 +155,10 @@ class KubernetesConnector:
             return self._apps
 
     async def _configuration(self) -> client.Configuration:
-        if self.host is not None:
-            return client.Configuration(host=self.host.rstrip("/"))
-        configuration = client.Configuration()
-        kubeconfig = _kubeconfig(self.kubeconfig)
-        if kubeconfig is None:  # in a pod
-            load: Callable[..., None] = config.load_incluster_config
-            try:
-                load(client_configuration=configuration)
-            except ConfigException as exc:
-                raise ConnectorError(f"cannot load the in-cluster config: {exc}") from exc
-            return configuration
         try:
-            await config.load_kube_config(
-                config_file=kubeconfig,
-                context=self.context,
-                client_configuration=configuration,
-                persist_config=False,
-            )
-        except (ConfigException, OSError, ValueError) as exc:
-            raise ConnectorError(f"cannot load the kubeconfig {kubeconfig}: {exc}") from exc
-        return configuration
-
-
-def _kubeconfig(given: str | None) -> str | None:
-    """The kubeconfig file(s) to load, or None for the in-cluster config."""
-    if given:
-        return given
-    if os.environ.get("KUBECONFIG"):
-        return os.environ["KUBECONFIG"]
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        return None
-    default = Path(KUBE_DEFAULT_CONFIG).expanduser()
-    if default.exists():
-        return str(default)
-    raise ConnectorError(
-        "no Kubernetes API configured: set KUBECONFIG, run inside a cluster, "
-        "or give the connector a host URL"
-    )
+            return await api_configuration(self.host, self.kubeconfig, self.context)
+        except KubeConfigError as exc:
+            raise ConnectorError(str(exc)) from exc
 
 
 def _message(exc: ApiException) -> str:

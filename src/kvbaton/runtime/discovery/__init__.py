@@ -19,9 +19,13 @@ __all__ = [
 
 
 def open_discovery(url: str) -> Discovery:
-    """`mem://name`, `file:///abs/dir`, a bare directory path, or
-    `etcd://host:port[,host:port...][/key-prefix]`."""
+    """`mem://name`, `file:///abs/dir`, a bare directory path,
+    `etcd://host:port[,host:port...][/key-prefix]`, or `kubernetes[://NAMESPACE][?api=URL]`."""
     parsed = urlparse(url)
+    if url == "kubernetes" or parsed.scheme == "kubernetes":
+        from kvbaton.runtime.discovery.kubernetes import KubernetesDiscovery  # (aiohttp)
+
+        return KubernetesDiscovery.from_url(url)
     if parsed.scheme == "etcd":
         from kvbaton.runtime.discovery.etcd import EtcdDiscovery  # grpc loads only when used
 
@@ -37,5 +41,5 @@ def open_discovery(url: str) -> Discovery:
         return FileDiscovery(url)
     raise ValueError(
         f"unknown discovery backend {url!r}; supported: file:///dir, mem://name, "
-        "etcd://host:port[,host:port...][/prefix]"
+        "etcd://host:port[,host:port...][/prefix], kubernetes[://NAMESPACE][?api=URL]"
     )

@@ -24,6 +24,23 @@ class WatchEvent(NamedTuple):
     value: bytes | None  # None for a delete
 
 
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.05, 2.0
+
+
+class Backoff:
+    """Exponential retry delays for a backend whose server is away: 0.05 s doubling to 2 s."""
+
+    def __init__(self) -> None:
+        self.delay = BACKOFF_MIN_S
+
+    def reset(self) -> None:
+        self.delay = BACKOFF_MIN_S
+
+    def next(self) -> float:
+        delay, self.delay = self.delay, min(self.delay * 2, BACKOFF_MAX_S)
+        return delay
+
+
 _CLOSED = WatchEvent("delete", "", None)  # the end-of-watch marker, compared by identity
 
 

@@ -41,7 +41,13 @@ import aetcd
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
-from kvbaton.runtime.discovery.base import Discovery, PrefixWatch, WatchEvent
+from kvbaton.runtime.discovery.base import (
+    BACKOFF_MIN_S,
+    Backoff,
+    Discovery,
+    PrefixWatch,
+    WatchEvent,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +57,6 @@ DEFAULT_PORT = 2379
 CONNECT_TIMEOUT_S = 5.0  # first contact, reads: then a clear error
 OP_TIMEOUT_S = 5.0  # any single call to etcd
 CLOSE_TIMEOUT_S = 2.0  # revoking leases on close when etcd may be gone
-BACKOFF_MIN_S, BACKOFF_MAX_S = 0.05, 2.0
 _CHANNEL_OPTIONS = {
     # Reconnect promptly once etcd is back (grpc's default backoff grows to 120 s).
     "grpc.initial_reconnect_backoff_ms": 100,
@@ -89,18 +94,6 @@ def _describe(exc: BaseException) -> str:
 
 def _lease_not_found(exc: BaseException) -> bool:
     return "lease not found" in str(exc)
-
-
-class _Backoff:
-    def __init__(self) -> None:
-        self.delay = BACKOFF_MIN_S
-
-    def reset(self) -> None:
-        self.delay = BACKOFF_MIN_S
-
-    def next(self) -> float:
-        delay, self.delay = self.delay, min(self.delay * 2, BACKOFF_MAX_S)
-        return delay
 
 
 @dataclass(eq=False)
@@ -201,7 +194,7 @@ class EtcdDiscovery(Discovery):
     async def _call_bounded(self, fn: Callable[[Any], Awaitable[T]], what: str) -> T:
         """Retry `fn` with backoff for up to `connect_timeout`, then raise a clear error."""
         deadline = time.monotonic() + self.connect_timeout
-        backoff = _Backoff()
+        backoff = Backoff()
         while True:
             left = deadline - time.monotonic()
             try:
@@ -264,7 +257,7 @@ class EtcdDiscovery(Discovery):
         """Keep the etcd lease alive; grant a new one and re-put every key when it is lost; put
         or delete keys that could not be written before. Retries with backoff while etcd is
         unreachable."""
-        backoff = _Backoff()
+        backoff = Backoff()
         due = 0.0  # when the next keep-alive is due
         while True:
             try:
@@ -392,7 +385,7 @@ class EtcdDiscovery(Discovery):
             state.task.cancel()
 
     async def _follow(self, state: _Watch) -> None:
-        backoff = _Backoff()
+        backoff = Backoff()
         while True:
             try:
                 await self._watch_once(state, backoff)
@@ -409,7 +402,7 @@ class EtcdDiscovery(Discovery):
                 log.warning("watch of %s failed, resuming: %r", state.prefix, exc)
             await asyncio.sleep(backoff.next())
 
-    async def _watch_once(self, state: _Watch, backoff: _Backoff) -> None:
+    async def _watch_once(self, state: _Watch, backoff: Backoff) -> None:
         """Run one watch stream from `state.revision + 1` until it breaks (always raises)."""
         start, end = self._range(state.prefix)
         create = rpc.WatchRequest(
