@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvbaton import __version__
+from kvbaton.cli.deploy import add_deploy_flags
 from kvbaton.cli.frontend_flags import (
     add_frontend_flags,
     api_key,
@@ -215,6 +216,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from kvbaton.cli.deploy import deploy_command
+
+    return deploy_command(args)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvbaton.engine import LLM, SamplingParams
 
@@ -318,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--namespace", help="only this namespace")
     _runtime_flags(status)
     status.set_defaults(func=cmd_status)
+
+    deploy = sub.add_parser("deploy", help="write the manifests of a deployment (kubernetes)")
+    add_deploy_flags(deploy)
+    deploy.set_defaults(func=cmd_deploy, log_level="WARNING")
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Generated deployments: `kvbaton deploy kubernetes` (kubernetes.py)."""
