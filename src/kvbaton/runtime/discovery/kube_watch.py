@@ -1,0 +1,275 @@
+"""What readers of `--discovery kubernetes` see: the keys of live leases whose pods are Ready.
+
+A lease is expired when a watcher connected to the API has seen its renewTime unchanged for its
+TTL (the watcher's own clock: no clock skew), or when its renewTime is more than 2 TTL + 5 s
+old by the reader's wall clock (what a one-off read can tell). Before a watcher drops a lease it
+reads the leases once more: a renewal its watch did not bring means the watch is stuck (a
+half-open connection), and it starts again; the leases that did expire are reaped (deleted).
+
+Each `LeaseWatch` lists, then watches from the list's resourceVersion; a watch the server ends
+is resumed; one that cannot resume (410 Gone) or breaks lists again and delivers the difference.
+Once its first watch is open it lists once more: an API that does not replay the changes made
+between a list and its watch (an emulator, a caching proxy) would otherwise hide a deletion
+made in between until the TTL. After an outage every lease gets a fresh TTL (its owner could
+not renew either). Pods are listed and watched once per handle (`PodReadiness`), from the first
+lease that names one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvbaton.runtime.discovery import kube_objects as ko
+from kvbaton.runtime.discovery.base import Backoff, PrefixWatch, WatchEvent
+from kvbaton.runtime.discovery.kube_requests import (
+    KubernetesDiscoveryError,
+    KubernetesUnavailableError,
+    LeaseApi,
+    WatchGoneError,
+    event_version,
+    log,
+    refused_with,
+)
+
+SKEW_S = 5.0
+CHANGES = ("ADDED", "MODIFIED", "DELETED")
+
+
+def expired(
+    record: ko.LeaseRecord, observed: dict[str, float] | None, now: float, wall: float
+) -> bool:
+    if observed is not None and observed.get(record.name, now) + record.ttl < now:
+        return True
+    return record.renew_wall + 2 * record.ttl + SKEW_S < wall
+
+
+class PodReadiness:
+    """Which pods of the namespace are Ready (and not terminating)."""
+
+    def __init__(self, api: LeaseApi, on_change: Callable[[], None]) -> None:
+        self.api = api
+        self.on_change = on_change
+        self.ready: dict[str, bool] | None = None  # None until pods are listed
+        self._task: asyncio.Task[None] | None = None
+
+    def admits(self, record: ko.LeaseRecord) -> bool:
+        return not record.pod or (self.ready or {}).get(record.pod, False)
+
+    async def ensure(self, records: dict[str, ko.LeaseRecord]) -> None:
+        """From the first lease that names a pod on: know which pods are ready."""
+        if self.ready is not None or not any(r.pod for r in records.values()):
+            return
+        if self._task is None:
+            self._task = asyncio.create_task(self._follow(), name="kube-pods")
+        task = self._task
+        while self.ready is None:
+            await asyncio.sleep(0.02)
+            if task.done():
+                self._task = None
+                task.result()  # raise what stopped it
+
+    async def _follow(self) -> None:
+        self.ready, version = await self.api.list_pods()
+        self.on_change()
+        backoff = Backoff()
+        while True:
+            try:
+                async for event in self.api.watch_pods(version):
+                    version = event_version(event) or version
+                    obj = event.get("object") or {}
+                    name = (obj.get("metadata") or {}).get("name")
+                    if event.get("type") in CHANGES and name:
+                        ready = event["type"] != "DELETED" and ko.pod_ready(obj)
+                        if self.ready.get(name) != ready:
+                            self.ready[name] = ready
+                            self.on_change()
+                    backoff.reset()
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("watch of pods broke: %r", exc)
+            await asyncio.sleep(backoff.next())
+            with contextlib.suppress(KubernetesUnavailableError, KubernetesDiscoveryError):
+                self.ready, version = await self.api.list_pods()
+                self.on_change()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+def visible(
+    records: dict[str, ko.LeaseRecord], observed: dict[str, float] | None, pods: PodReadiness
+) -> dict[str, bytes]:
+    """The keys of live leases whose pods are ready (the newest lease wins a key)."""
+    now, wall = time.monotonic(), time.time()
+    keys: dict[str, tuple[float, bytes]] = {}
+    for record in records.values():
+        if expired(record, observed, now, wall) or not pods.admits(record):
+            continue
+        for key, value in record.keys.items():
+            if key not in keys or keys[key][0] < record.renew_wall:
+                keys[key] = (record.renew_wall, value)
+    return {k: v for k, (_, v) in keys.items()}
+
+
+class LeaseWatch:
+    """The keys under one prefix, as one PrefixWatch is told of them."""
+
+    def __init__(
+        self,
+        api: LeaseApi,
+        pods: PodReadiness,
+        prefix: str,
+        records: dict[str, ko.LeaseRecord],
+        version: str,
+    ) -> None:
+        self.api, self.pods, self.prefix = api, pods, prefix
+        self.queue: asyncio.Queue[WatchEvent] = asyncio.Queue()
+        self.records = records
+        self.observed = dict.fromkeys(records, time.monotonic())  # renewTime first seen
+        self.version = version  # to resume from
+        self.told: dict[str, bytes] = {}
+        self.reaped: set[str] = set()  # expired leases whose objects were deleted
+        self.connected = True
+        self.opened = asyncio.Event()  # the first watch is open
+        self.response: Any = None  # of the open watch
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def start(self, on_close: Callable[[], None]) -> PrefixWatch:
+        """Once the first watch is open: the PrefixWatch (snapshot, then changes)."""
+        follow = asyncio.create_task(self._follow(), name=f"kube-watch {self.prefix}")
+        self.tasks = [follow, asyncio.create_task(self._tick(), name=f"kube-ttl {self.prefix}")]
+        opened = asyncio.create_task(self.opened.wait())
+        await asyncio.wait(
+            {opened, follow}, timeout=self.api.connect_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        if not self.opened.is_set():
+            opened.cancel()
+            await self.stop()
+            raise KubernetesUnavailableError(
+                f"could not open a watch of {ko.PLURAL} at {self.api.where} within "
+                f"{self.api.connect_timeout:g} s"
+            )
+        return PrefixWatch(dict(self.told), self.queue, on_close)
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def _current(self) -> dict[str, bytes]:
+        keys = visible(self.records, self.observed, self.pods)
+        return {k: v for k, v in keys.items() if k.startswith(self.prefix)}
+
+    def publish(self) -> None:
+        """Tell the watcher what changed since it was last told."""
+        current = self._current()
+        for key in self.told.keys() - current.keys():
+            self.queue.put_nowait(WatchEvent("delete", key, None))
+        for key, value in current.items():
+            if self.told.get(key) != value:
+                self.queue.put_nowait(WatchEvent("put", key, value))
+        self.told = current
+
+    def _apply(self, name: str, record: ko.LeaseRecord | None) -> None:
+        old = self.records.get(name)
+        if record is None:
+            self.records.pop(name, None)
+            self.observed.pop(name, None)
+            self.reaped.discard(name)
+        else:
+            self.records[name] = record
+            if old is None or old.renew != record.renew:
+                self.observed[name] = time.monotonic()
+
+    async def _follow(self) -> None:
+        backoff = Backoff()
+        while True:
+            try:
+                await self.pods.ensure(self.records)
+                async for event in self.api.watch_leases(self.version):
+                    if event["type"] == "OPEN":
+                        self.response = event["response"]
+                        if not self.opened.is_set():  # see the module's docstring
+                            await self._relist(publish=False)
+                            self.told = self._current()
+                            self.opened.set()
+                        continue
+                    self.version = event_version(event) or self.version
+                    if event.get("type") in CHANGES:
+                        obj = event.get("object") or {}
+                        name = (obj.get("metadata") or {}).get("name", "")
+                        record = None if event["type"] == "DELETED" else ko.parse_lease(obj)
+                        self._apply(name, record)
+                        self.publish()
+                    self.connected = True
+                    backoff.reset()
+                continue  # the server ended the watch: resume from the last version
+            except asyncio.CancelledError:
+                raise
+            except WatchGoneError:
+                log.info("watch of %s: resourceVersion too old; listing again", self.prefix)
+            except KubernetesDiscoveryError as exc:
+                if not refused_with(exc, 410):
+                    log.warning("watch of %s failed: %s", self.prefix, exc)
+                    self.connected = False
+            except Exception as exc:  # broken stream, unreachable API
+                log.debug("watch of %s broke: %r", self.prefix, exc)
+                self.connected = False
+            await asyncio.sleep(backoff.next())
+            await self._relist()
+
+    async def _relist(self, publish: bool = True) -> None:
+        with contextlib.suppress(KubernetesUnavailableError, KubernetesDiscoveryError):
+            records, version = await self.api.list_leases()
+            fresh = not self.connected  # after an outage every lease gets a fresh TTL
+            for name in self.records.keys() - records.keys():
+                self._apply(name, None)
+            for name, record in records.items():
+                self._apply(name, record)
+                if fresh:
+                    self.observed[name] = time.monotonic()
+            self.version, self.connected = version, True
+            if publish:
+                self.publish()
+
+    async def _tick(self) -> None:
+        """Expire leases whose renewals stopped, once a read confirms it, and reap them."""
+        while True:
+            ttl = min((r.ttl for r in self.records.values()), default=1.0)
+            await asyncio.sleep(max(0.05, min(0.5, ttl / 8)))
+            now, wall = time.monotonic(), time.time()
+            due = [
+                r
+                for r in self.records.values()
+                if r.name not in self.reaped and expired(r, self.observed, now, wall)
+            ]
+            if due and self.connected:
+                await self._confirm(due)
+            if self.connected:
+                self.publish()
+
+    async def _confirm(self, due: list[ko.LeaseRecord]) -> None:
+        try:
+            listed, _ = await self.api.list_leases(retry=False)
+        except (KubernetesUnavailableError, KubernetesDiscoveryError):
+            self.connected = False  # an outage: keep what is known
+            return
+        if any(r.name in listed and listed[r.name].renew != r.renew for r in due):
+            log.warning("the watch of %s missed renewals; watching again", self.prefix)
+            if self.response is not None:
+                self.response.close()
+        for record in due:
+            self._apply(record.name, listed.get(record.name))
+            if record.name in listed and listed[record.name].renew == record.renew:
+                log.info("lease %s expired (no renewal for %g s)", record.name, record.ttl)
+                self.reaped.add(record.name)
+                with contextlib.suppress(KubernetesUnavailableError, KubernetesDiscoveryError):
+                    await self.api.delete(record.name)
