@@ -33,7 +33,8 @@ def _runtime_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("runtime (flags win over KVBATON_* variables)")
     group.add_argument(
         "--discovery",
-        help="file:///dir (default: a per-user dir), mem://name or etcd://host:port[,host:port]",
+        help="file:///dir (default: a per-user dir), mem://name, etcd://host:port[,host:port] "
+        "or kubernetes[://NAMESPACE][?api=URL]",
     )
     group.add_argument("--request-plane", help="tcp (default), http or nats (at --nats-url)")
     group.add_argument(

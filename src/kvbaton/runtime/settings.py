@@ -31,7 +31,8 @@ class RuntimeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVBATON_", frozen=True, extra="ignore")
 
     discovery: str = Field(default_factory=default_discovery_url)
-    """`file:///dir` (default), `mem://name` (one process), `etcd://host:port[,host:port]`."""
+    """`file:///dir` (default), `mem://name` (one process), `etcd://host:port[,host:port]`,
+    `kubernetes[://NAMESPACE][?api=URL]`."""
     request_plane: str = "tcp"
     """How requests reach this process's endpoints: `tcp` (default), `http` or `nats` (through
     the server at `nats_url`). A caller reaches any instance on any plane: the plane is in the
