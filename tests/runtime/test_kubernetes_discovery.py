@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -315,3 +317,44 @@ async def test_a_missing_crd_and_a_forbidden_list_are_clear_errors() -> None:
                 await discovery.watch_prefix("/")
         finally:
             await discovery.close()
+
+
+@pytest.mark.skipif(not os.environ.get("KUBECONFIG"), reason="no KUBECONFIG set: no real cluster")
+async def test_a_real_cluster() -> None:
+    """Against the cluster of KUBECONFIG, in $KVBATON_TEST_K8S_NAMESPACE (default: default);
+    installs the CRD if it is missing."""
+    from kubernetes_asyncio import client
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    from kvbaton.runtime.kube_api import api_configuration
+
+    namespace = os.environ.get("KVBATON_TEST_K8S_NAMESPACE", "default")
+    async with client.ApiClient(await api_configuration()) as api:
+        try:
+            await client.ApiextensionsV1Api(api).create_custom_resource_definition(
+                ko.crd_manifest()
+            )
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+    writer, reader = KubernetesDiscovery(namespace), KubernetesDiscovery(namespace)
+    key = f"/services/t-{uuid.uuid4().hex[:8]}/backend/generate-1"
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # a new CRD takes a moment to be served
+            try:
+                lease = await writer.grant_lease(10)
+                break
+            except KubernetesDiscoveryError:
+                assert time.monotonic() < deadline, "the CRD is not served"
+                await asyncio.sleep(1)
+        await writer.put(key, b"one", lease)
+        watch = await reader.watch_prefix(key)
+        assert watch.snapshot == {key: b"one"}
+        await writer.put(key, b"two", lease)
+        assert await next_event(watch) == WatchEvent("put", key, b"two")
+        await writer.revoke_lease(lease)
+        assert await next_event(watch) == WatchEvent("delete", key, None)
+    finally:
+        await writer.close()
+        await reader.close()
