@@ -194,7 +194,7 @@ async def test_disagg_workers_frontend_and_env_in_the_models(api_client: Any) ->
     )
     assert worker.readiness_probe.period_seconds == 5
     assert worker.readiness_probe.failure_threshold == 3
-    assert worker.startup_probe.http_get.path == "/live"
+    assert worker.startup_probe.http_get.path == "/health"  # ready: the model is loaded
     assert worker.startup_probe.failure_threshold * worker.startup_probe.period_seconds == 300
     assert worker.liveness_probe.http_get.path == "/live"
     assert worker.ports[0].container_port == 9090 and worker.ports[0].name == "system"
@@ -252,7 +252,7 @@ async def test_rbac_and_planner_in_the_models(api_client: Any) -> None:
     def verbs(role: Any) -> dict[tuple[str, str], list[str]]:
         return {(r.api_groups[0], r.resources[0]): r.verbs for r in role.rules}
 
-    lease_verbs = ["get", "list", "watch", "create", "patch", "update", "delete"]
+    lease_verbs = ["get", "list", "watch", "create", "patch", "delete"]
     assert verbs(models["Role", "kvbaton"]) == {
         ("kvbaton.dev", "kvbatonleases"): lease_verbs,
         ("", "pods"): ["get", "list", "watch"],
@@ -260,8 +260,7 @@ async def test_rbac_and_planner_in_the_models(api_client: Any) -> None:
     assert verbs(models["Role", "kvbaton-planner"]) == {
         ("kvbaton.dev", "kvbatonleases"): lease_verbs,
         ("", "pods"): ["get", "list", "watch"],
-        ("apps", "deployments"): ["get", "list", "watch", "patch"],
-        ("apps", "deployments/scale"): ["get", "patch", "update"],
+        ("apps", "deployments"): ["get", "patch"],
     }
     for name in ("kvbaton", "kvbaton-planner"):
         binding = models["RoleBinding", name]
@@ -355,6 +354,7 @@ def test_the_worker_and_frontend_commands_parse_with_kvbaton_s_own_parser() -> N
         ({"worker_flags": "--role prefill"}, "must not hold --role"),
         ({"worker_flags": "--namespace=x"}, "must not hold --namespace"),
         ({"worker_flags": "--drain-timeout 60"}, "must not hold --drain-timeout"),
+        ({"worker_flags": "--system-port=9000"}, "must not hold --system-port"),
         ({"worker_flags": "--dtype 'float32"}, "--worker-flags"),
     ],
 )

@@ -260,17 +260,25 @@ async def test_a_watch_that_cannot_resume_lists_again(api: Api) -> None:
 
 
 async def test_an_outage_keeps_what_is_known_and_writes_land_when_the_api_returns(
-    api: Api,
+    api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    writer, reader = disc(api), disc(api)
+    monkeypatch.setenv("POD_NAME", "worker-0")
+    monkeypatch.setenv("POD_UID", "uid-worker-0")
+    writer = disc(api)
+    monkeypatch.delenv("POD_NAME")
+    reader = disc(api)
+    await set_pod(api, pod("worker-0", ready=True))
     ttl = 1.0
     try:
         lease = await writer.grant_lease(ttl)
         await writer.put(KEY, b"one", lease)
         watch = await reader.watch_prefix("/services/")
+        assert watch.snapshot == {KEY: b"one"}
         await api.cut()
         await writer.put("/services/ns/backend/generate-2", b"two", lease)  # remembered
-        await asyncio.sleep(3 * ttl)  # longer than the TTL: nobody could renew
+        # Longer than the TTL, and than what a wall clock allows (2 TTL + 5 s): nobody could
+        # renew, and no reader may take that for the owner's death.
+        await asyncio.sleep(8 * ttl)
         with pytest.raises(KubernetesUnavailableError, match="unreachable"):
             await reader.get_prefix("/services/")
         await api.restore()
@@ -282,6 +290,26 @@ async def test_an_outage_keeps_what_is_known_and_writes_land_when_the_api_return
             "/services/ns/backend/generate-2": b"two",
         }
         assert watch._queue.empty(), "a key went and came back during the outage"
+    finally:
+        await writer.close()
+        await reader.close()
+
+
+async def test_a_watch_that_began_before_any_pod_sees_a_ready_pod_s_keys(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a frontend does, started before the workers: no lease names a pod yet."""
+    reader = disc(api)
+    monkeypatch.setenv("POD_NAME", "worker-0")
+    monkeypatch.setenv("POD_UID", "uid-worker-0")
+    writer = disc(api)
+    try:
+        watch = await reader.watch_prefix("/services/")
+        assert watch.snapshot == {}
+        await set_pod(api, pod("worker-0", ready=True))
+        lease = await writer.grant_lease(10)
+        await writer.put(KEY, b"one", lease)
+        assert await next_event(watch) == WatchEvent("put", KEY, b"one")
     finally:
         await writer.close()
         await reader.close()
@@ -312,11 +340,33 @@ async def test_a_missing_crd_and_a_forbidden_list_are_clear_errors() -> None:
             ):
                 await discovery.get_prefix("/")
             declare(emulator)
+            watches = emulator["watch", kmock.resource(LEASES)]
+            watches[:1] << 403
+            with pytest.raises(KubernetesDiscoveryError, match=r"forbidden.*service account"):
+                await discovery.watch_prefix("/")
             emulator["list", kmock.resource(LEASES)] << 403
             with pytest.raises(KubernetesDiscoveryError, match=r"forbidden.*service account"):
                 await discovery.watch_prefix("/")
         finally:
             await discovery.close()
+
+
+async def test_a_forbidden_pod_list_is_a_clear_error(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POD_NAME", "worker-0")
+    monkeypatch.setenv("POD_UID", "uid-worker-0")
+    writer = disc(api)
+    monkeypatch.delenv("POD_NAME")
+    reader = disc(api)
+    api.emulator["list", kmock.resource("v1/pods")] << 403
+    try:
+        await writer.put(KEY, b"one", await writer.grant_lease(10))
+        with pytest.raises(KubernetesDiscoveryError, match=r"cannot list pods: forbidden"):
+            await reader.get_prefix("/services/")
+    finally:
+        await writer.close()
+        await reader.close()
 
 
 @pytest.mark.skipif(not os.environ.get("KUBECONFIG"), reason="no KUBECONFIG set: no real cluster")

@@ -29,7 +29,9 @@ from kvbaton.runtime import DistributedRuntime, RuntimeSettings
 log = logging.getLogger("kvbaton")
 
 
-def _runtime_flags(parser: argparse.ArgumentParser) -> None:
+def _runtime_flags(parser: argparse.ArgumentParser, *, system_port: bool = False) -> None:
+    """The runtime's flags; `system_port` for the commands that serve /live and /health on it
+    (a worker, a planner)."""
     group = parser.add_argument_group("runtime (flags win over KVBATON_* variables)")
     group.add_argument(
         "--discovery",
@@ -44,12 +46,13 @@ def _runtime_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", help="address to bind and advertise (default 127.0.0.1)")
     group.add_argument("--request-plane-port", dest="port", type=int, help="default: any free port")
     group.add_argument("--lease-ttl", type=float, help="seconds (default 10)")
-    group.add_argument(
-        "--system-port",
-        type=int,
-        help="serve /live, /health (200 once serving, 503 while starting or stopping) and "
-        "/metrics on --host at this port (default: off)",
-    )
+    if system_port:
+        group.add_argument(
+            "--system-port",
+            type=int,
+            help="serve /live, /health (200 once serving, 503 while starting or stopping) and "
+            "/metrics on --host at this port (default: off)",
+        )
     group.add_argument(
         "--drain-timeout",
         type=float,
@@ -288,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--namespace", default="kvbaton")
     worker.add_argument("--component", help="(default: prefill for --role prefill, else backend)")
     add_worker_flags(worker)
-    _runtime_flags(worker)
+    _runtime_flags(worker, system_port=True)
     worker.set_defaults(func=cmd_worker)
 
     profile = sub.add_parser(
@@ -302,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         "planner", help="scale the prefill and decode pools to meet TTFT and ITL targets"
     )
     add_planner_flags(planner)
-    _runtime_flags(planner)
+    _runtime_flags(planner, system_port=True)
     planner.set_defaults(func=cmd_planner)
 
     pull = sub.add_parser("pull", help="fetch and convert a model into the local cache")

@@ -51,6 +51,7 @@ RESERVED_WORKER_FLAGS = (
     "--discovery",
     "--host",
     "--drain-timeout",
+    "--system-port",  # the probes' port
 )
 LONGEST_SUFFIX = "-planner-profile"  # of the object names derived from --name
 
@@ -232,23 +233,15 @@ def _rbac(o: KubernetesOptions, name: str, component: str, planner: bool) -> lis
         {
             "apiGroups": [kube_objects.GROUP],
             "resources": [kube_objects.PLURAL],
-            "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"],
+            "verbs": ["get", "list", "watch", "create", "patch", "delete"],
         },
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     ]
     if planner:
-        rules += [
-            {
-                "apiGroups": ["apps"],
-                "resources": ["deployments"],
-                "verbs": ["get", "list", "watch", "patch"],
-            },
-            {
-                "apiGroups": ["apps"],
-                "resources": ["deployments/scale"],
-                "verbs": ["get", "patch", "update"],
-            },
-        ]
+        # The kubernetes connector reads and patches spec.replicas, nothing else.
+        rules.append(
+            {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["get", "patch"]}
+        )
     rbac = "rbac.authorization.k8s.io"
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(o, name, component)},
@@ -291,6 +284,7 @@ def _probe(path: str, port: int, period: int, failures: int) -> Obj:
     return {
         "httpGet": {"path": path, "port": port},
         "periodSeconds": period,
+        "timeoutSeconds": 3,  # (readiness decides routing: a busy moment is not a failure)
         "failureThreshold": failures,
     }
 
@@ -364,7 +358,9 @@ def _worker(o: KubernetesOptions, role: str, replicas: int) -> Obj:
     container |= {
         "ports": [{"name": "system", "containerPort": SYSTEM_PORT}],
         # A model load can be slow: up to 5 minutes before the liveness probe starts.
-        "startupProbe": _probe("/live", SYSTEM_PORT, period=5, failures=60),
+        # /live answers while the model loads; /health once the worker serves: a load that
+        # hangs for 5 minutes gets the container restarted.
+        "startupProbe": _probe("/health", SYSTEM_PORT, period=5, failures=60),
         "readinessProbe": _probe("/health", SYSTEM_PORT, period=5, failures=3),
         "livenessProbe": _probe("/live", SYSTEM_PORT, period=10, failures=3),
         "resources": resources,

@@ -212,11 +212,13 @@ class DistributedRuntime:
             if self._server is not None:
                 await self._server.shutdown()
         finally:
-            await self.request_client.close()
-            await self.discovery.close()
-            await self.nats.close()
-            if self._system is not None:
-                await self._system.stop()
+            try:
+                await self.request_client.close()
+                await self.discovery.close()
+                await self.nats.close()
+            finally:
+                if self._system is not None:
+                    await self._system.stop()
 
 
 class Namespace:

@@ -113,11 +113,12 @@ class LeaseRecord:
     ttl: float
     renew: str  # spec.renewTime as written
     renew_wall: float  # the same, in seconds since the epoch
+    version: str = ""  # metadata.resourceVersion
 
 
 def object_name(base: str, lease_id: int) -> str:
     """A DNS subdomain name: the pod's (or host's) name, lowercased, and the lease id."""
-    stem = _NOT_DNS.sub("-", base.lower()).strip(".-")[:200] or "kvbaton"
+    stem = _NOT_DNS.sub("-", base.lower())[:200].strip(".-") or "kvbaton"
     return f"{stem}-{lease_id:x}"
 
 
@@ -206,6 +207,7 @@ def parse_lease(obj: Any) -> LeaseRecord | None:
     """None for an object that is not a well-formed KvbatonLease (readers skip it)."""
     try:
         name = obj["metadata"]["name"]
+        version = str(obj["metadata"].get("resourceVersion") or "")
         spec = obj["spec"]
         keys = {
             str(k): base64.b64decode(v, validate=True) for k, v in (spec.get("keys") or {}).items()
@@ -217,7 +219,7 @@ def parse_lease(obj: Any) -> LeaseRecord | None:
         return None
     if not isinstance(name, str) or not ttl > 0:
         return None
-    return LeaseRecord(name, keys, pod, ttl, renew, parse_rfc3339(renew))
+    return LeaseRecord(name, keys, pod, ttl, renew, parse_rfc3339(renew), version)
 
 
 def pod_ready(obj: Any) -> bool:

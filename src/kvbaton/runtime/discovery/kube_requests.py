@@ -73,10 +73,12 @@ class LeaseApi:
     async def _objects(self) -> client.CustomObjectsApi:
         return client.CustomObjectsApi(await self._api_client())
 
-    async def call(self, what: str, request: Callable[[], Awaitable[T]]) -> T:
-        """One request, bounded."""
+    async def call(
+        self, what: str, request: Callable[[], Awaitable[T]], timeout: float = REQUEST_TIMEOUT_S
+    ) -> T:
+        """One request, bounded by `timeout`."""
         try:
-            async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            async with asyncio.timeout(timeout):
                 result = await request()
         except ApiException as exc:
             raise KubernetesDiscoveryError(self._refusal(what, exc)) from exc
@@ -154,7 +156,9 @@ class LeaseApi:
             ),
         )
 
-    async def patch(self, name: str, body: dict[str, Any]) -> None:
+    async def patch(
+        self, name: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S
+    ) -> None:
         api = await self._objects()
         await self.call(
             f"patch {name}",
@@ -166,13 +170,18 @@ class LeaseApi:
                 name,
                 body,
                 _content_type=MERGE_PATCH,
-                _request_timeout=REQUEST_TIMEOUT_S,
+                _request_timeout=timeout,
             ),
+            timeout,
         )
 
-    async def delete(self, name: str) -> None:
-        """Delete a lease's object; one that is gone already is no error."""
+    async def delete(self, name: str, version: str = "") -> None:
+        """Delete a lease's object (only if it is still at resourceVersion `version`, when one is
+        given); one that is gone (or changed) already is no error."""
         api = await self._objects()
+        options = client.V1DeleteOptions(
+            preconditions=client.V1Preconditions(resource_version=version) if version else None
+        )
         try:
             await self.call(
                 f"delete {name}",
@@ -182,11 +191,12 @@ class LeaseApi:
                     self.namespace,
                     ko.PLURAL,
                     name,
+                    body=options,
                     _request_timeout=REQUEST_TIMEOUT_S,
                 ),
             )
         except KubernetesDiscoveryError as exc:
-            if not refused_with(exc, 404):
+            if not (refused_with(exc, 404) or refused_with(exc, 409)):
                 raise
 
     async def watch_leases(self, version: str) -> AsyncIterator[dict[str, Any]]:
@@ -210,7 +220,7 @@ class LeaseApi:
                 self.namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S
             ),
         )
-        answer = json.loads(await response.read())
+        answer = json.loads(await self._checked("list pods", response).read())
         pods = {p["metadata"]["name"]: ko.pod_ready(p) for p in answer.get("items") or []}
         return pods, _list_version(answer)
 
@@ -243,16 +253,31 @@ class LeaseApi:
             ),
         )
         try:
+            if response.status == 410:
+                raise WatchGoneError(f"{what}: HTTP 410 Gone")
+            self._checked(what, response)
             yield {"type": "OPEN", "response": response}
             async for line in response.content:
                 if line.strip():
                     event = json.loads(line)
-                    obj = event.get("object") or {}
-                    if event.get("type") == "ERROR" and obj.get("code") == 410:
-                        raise WatchGoneError(f"{what}: {obj.get('message', 'too old')}")
+                    if event.get("type") == "ERROR":  # a Status: the watch ends
+                        status = event.get("object") or {}
+                        if status.get("code") == 410:
+                            raise WatchGoneError(f"{what}: {status.get('message', 'Gone')}")
+                        raise KubernetesDiscoveryError(
+                            f"cannot {what}: {status.get('code')} {status.get('message')}"
+                        )
                     yield event
         finally:
             response.release()
+
+    def _checked(self, what: str, response: Any) -> Any:
+        """`response`, if the API accepted the request (a raw response, `_preload_content=False`,
+        is not checked by the client)."""
+        if 200 <= response.status < 300:
+            return response
+        refusal = ApiException(status=response.status, reason=response.reason)
+        raise KubernetesDiscoveryError(self._refusal(what, refusal)) from refusal
 
     async def close(self) -> None:
         if self._client is not None:

@@ -1,10 +1,10 @@
 """What readers of `--discovery kubernetes` see: the keys of live leases whose pods are Ready.
 
-A lease is expired when a watcher connected to the API has seen its renewTime unchanged for its
-TTL (the watcher's own clock: no clock skew), or when its renewTime is more than 2 TTL + 5 s
-old by the reader's wall clock (what a one-off read can tell). Before a watcher drops a lease it
-reads the leases once more: a renewal its watch did not bring means the watch is stuck (a
-half-open connection), and it starts again; the leases that did expire are reaped (deleted).
+A watcher drops a lease when, connected to the API, it has seen the lease's renewTime unchanged
+for its TTL (by its own clock: no clock skew) and a fresh read confirms it: a renewal its watch
+did not bring means the watch is stuck (a half-open connection), and it starts again. It then
+deletes the lease's object (only if unchanged since the read). A one-off read (`get_prefix`)
+can only tell by the wall clock: it skips leases renewed more than 2 TTL + 5 s ago.
 
 Each `LeaseWatch` lists, then watches from the list's resourceVersion; a watch the server ends
 is resumed; one that cannot resume (410 Gone) or breaks lists again and delivers the difference.
@@ -32,19 +32,15 @@ from kvbaton.runtime.discovery.kube_requests import (
     WatchGoneError,
     event_version,
     log,
-    refused_with,
 )
 
 SKEW_S = 5.0
 CHANGES = ("ADDED", "MODIFIED", "DELETED")
 
 
-def expired(
-    record: ko.LeaseRecord, observed: dict[str, float] | None, now: float, wall: float
-) -> bool:
-    if observed is not None and observed.get(record.name, now) + record.ttl < now:
-        return True
-    return record.renew_wall + 2 * record.ttl + SKEW_S < wall
+def renewed_lately(record: ko.LeaseRecord) -> bool:
+    """By the wall clock (what a one-off read can tell)."""
+    return record.renew_wall + 2 * record.ttl + SKEW_S >= time.time()
 
 
 class PodReadiness:
@@ -59,13 +55,18 @@ class PodReadiness:
     def admits(self, record: ko.LeaseRecord) -> bool:
         return not record.pod or (self.ready or {}).get(record.pod, False)
 
+    def start(self) -> None:
+        """Start listing and watching pods (once); `on_change` follows the first list."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._follow(), name="kube-pods")
+
     async def ensure(self, records: dict[str, ko.LeaseRecord]) -> None:
         """From the first lease that names a pod on: know which pods are ready."""
         if self.ready is not None or not any(r.pod for r in records.values()):
             return
-        if self._task is None:
-            self._task = asyncio.create_task(self._follow(), name="kube-pods")
+        self.start()
         task = self._task
+        assert task is not None
         while self.ready is None:
             await asyncio.sleep(0.02)
             if task.done():
@@ -77,22 +78,29 @@ class PodReadiness:
         self.on_change()
         backoff = Backoff()
         while True:
+            opened = time.monotonic()
             try:
                 async for event in self.api.watch_pods(version):
                     version = event_version(event) or version
                     obj = event.get("object") or {}
                     name = (obj.get("metadata") or {}).get("name")
                     if event.get("type") in CHANGES and name:
-                        ready = event["type"] != "DELETED" and ko.pod_ready(obj)
-                        if self.ready.get(name) != ready:
-                            self.ready[name] = ready
+                        was = self.ready.get(name, False)
+                        if event["type"] == "DELETED":
+                            self.ready.pop(name, None)
+                        else:
+                            self.ready[name] = ko.pod_ready(obj)
+                        if self.ready.get(name, False) != was:
                             self.on_change()
+                if time.monotonic() - opened > 1.0:
                     backoff.reset()
-                continue
+                    continue  # the server ended the watch: resume
             except asyncio.CancelledError:
                 raise
+            except WatchGoneError:
+                pass
             except Exception as exc:
-                log.debug("watch of pods broke: %r", exc)
+                log.warning("watch of pods failed (listing them again): %s", exc)
             await asyncio.sleep(backoff.next())
             with contextlib.suppress(KubernetesUnavailableError, KubernetesDiscoveryError):
                 self.ready, version = await self.api.list_pods()
@@ -105,13 +113,12 @@ class PodReadiness:
 
 
 def visible(
-    records: dict[str, ko.LeaseRecord], observed: dict[str, float] | None, pods: PodReadiness
+    records: dict[str, ko.LeaseRecord], pods: PodReadiness, live: Callable[[ko.LeaseRecord], bool]
 ) -> dict[str, bytes]:
     """The keys of live leases whose pods are ready (the newest lease wins a key)."""
-    now, wall = time.monotonic(), time.time()
     keys: dict[str, tuple[float, bytes]] = {}
     for record in records.values():
-        if expired(record, observed, now, wall) or not pods.admits(record):
+        if not live(record) or not pods.admits(record):
             continue
         for key, value in record.keys.items():
             if key not in keys or keys[key][0] < record.renew_wall:
@@ -136,40 +143,47 @@ class LeaseWatch:
         self.observed = dict.fromkeys(records, time.monotonic())  # renewTime first seen
         self.version = version  # to resume from
         self.told: dict[str, bytes] = {}
-        self.reaped: set[str] = set()  # expired leases whose objects were deleted
+        self.reaped: set[str] = set()  # leases confirmed expired (hidden, objects deleted)
         self.connected = True
-        self.opened = asyncio.Event()  # the first watch is open
+        self.watch: PrefixWatch | None = None  # made when the first watch opens
         self.response: Any = None  # of the open watch
         self.tasks: list[asyncio.Task[None]] = []
+        self._on_close: Callable[[], None] = lambda: None
 
     async def start(self, on_close: Callable[[], None]) -> PrefixWatch:
-        """Once the first watch is open: the PrefixWatch (snapshot, then changes)."""
+        """Once the first watch is open: the PrefixWatch (snapshot, then changes). A refusal
+        (RBAC, a missing CRD) is raised; an API that cannot be reached is waited for up to
+        `connect_timeout`."""
+        self._on_close = on_close
         follow = asyncio.create_task(self._follow(), name=f"kube-watch {self.prefix}")
         self.tasks = [follow, asyncio.create_task(self._tick(), name=f"kube-ttl {self.prefix}")]
-        opened = asyncio.create_task(self.opened.wait())
-        await asyncio.wait(
-            {opened, follow}, timeout=self.api.connect_timeout, return_when=asyncio.FIRST_COMPLETED
-        )
-        if not self.opened.is_set():
-            opened.cancel()
+        await asyncio.wait({follow}, timeout=self.api.connect_timeout)
+        if self.watch is None:
             await self.stop()
+            if follow.done() and not follow.cancelled() and follow.exception() is not None:
+                raise follow.exception()  # type: ignore[misc]
             raise KubernetesUnavailableError(
                 f"could not open a watch of {ko.PLURAL} at {self.api.where} within "
                 f"{self.api.connect_timeout:g} s"
             )
-        return PrefixWatch(dict(self.told), self.queue, on_close)
+        return self.watch
 
     async def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
+    def _live(self, record: ko.LeaseRecord) -> bool:
+        return record.name not in self.reaped
+
     def _current(self) -> dict[str, bytes]:
-        keys = visible(self.records, self.observed, self.pods)
+        keys = visible(self.records, self.pods, self._live)
         return {k: v for k, v in keys.items() if k.startswith(self.prefix)}
 
     def publish(self) -> None:
         """Tell the watcher what changed since it was last told."""
+        if self.watch is None:
+            return  # (the snapshot, when it is made, tells it all)
         current = self._current()
         for key in self.told.keys() - current.keys():
             self.queue.put_nowait(WatchEvent("delete", key, None))
@@ -184,23 +198,27 @@ class LeaseWatch:
             self.records.pop(name, None)
             self.observed.pop(name, None)
             self.reaped.discard(name)
-        else:
-            self.records[name] = record
-            if old is None or old.renew != record.renew:
-                self.observed[name] = time.monotonic()
+            return
+        self.records[name] = record
+        if old is None or old.renew != record.renew:
+            self.observed[name] = time.monotonic()
+            self.reaped.discard(name)  # renewed: alive after all
+        if record.pod and self.pods.ready is None:
+            self.pods.start()  # its readiness decides; `publish` runs once pods are known
 
     async def _follow(self) -> None:
         backoff = Backoff()
         while True:
+            opened = time.monotonic()
             try:
                 await self.pods.ensure(self.records)
                 async for event in self.api.watch_leases(self.version):
                     if event["type"] == "OPEN":
                         self.response = event["response"]
-                        if not self.opened.is_set():  # see the module's docstring
+                        if self.watch is None:  # see the module's docstring
                             await self._relist(publish=False)
                             self.told = self._current()
-                            self.opened.set()
+                            self.watch = PrefixWatch(dict(self.told), self.queue, self._on_close)
                         continue
                     self.version = event_version(event) or self.version
                     if event.get("type") in CHANGES:
@@ -210,16 +228,18 @@ class LeaseWatch:
                         self._apply(name, record)
                         self.publish()
                     self.connected = True
+                if time.monotonic() - opened > 1.0:
                     backoff.reset()
-                continue  # the server ended the watch: resume from the last version
+                    continue  # the server ended the watch: resume from the last version
             except asyncio.CancelledError:
                 raise
             except WatchGoneError:
                 log.info("watch of %s: resourceVersion too old; listing again", self.prefix)
             except KubernetesDiscoveryError as exc:
-                if not refused_with(exc, 410):
-                    log.warning("watch of %s failed: %s", self.prefix, exc)
-                    self.connected = False
+                if self.watch is None:
+                    raise  # refused at the start: the caller is told
+                log.warning("watch of %s failed: %s", self.prefix, exc)
+                self.connected = False
             except Exception as exc:  # broken stream, unreachable API
                 log.debug("watch of %s broke: %r", self.prefix, exc)
                 self.connected = False
@@ -241,20 +261,18 @@ class LeaseWatch:
                 self.publish()
 
     async def _tick(self) -> None:
-        """Expire leases whose renewals stopped, once a read confirms it, and reap them."""
+        """Confirm and reap the leases whose renewals stopped."""
         while True:
             ttl = min((r.ttl for r in self.records.values()), default=1.0)
             await asyncio.sleep(max(0.05, min(0.5, ttl / 8)))
-            now, wall = time.monotonic(), time.time()
+            now = time.monotonic()
             due = [
                 r
                 for r in self.records.values()
-                if r.name not in self.reaped and expired(r, self.observed, now, wall)
+                if r.name not in self.reaped and self.observed.get(r.name, now) + r.ttl < now
             ]
-            if due and self.connected:
+            if due and self.connected and self.watch is not None:
                 await self._confirm(due)
-            if self.connected:
-                self.publish()
 
     async def _confirm(self, due: list[ko.LeaseRecord]) -> None:
         try:
@@ -267,9 +285,11 @@ class LeaseWatch:
             if self.response is not None:
                 self.response.close()
         for record in due:
-            self._apply(record.name, listed.get(record.name))
-            if record.name in listed and listed[record.name].renew == record.renew:
+            current = listed.get(record.name)
+            self._apply(record.name, current)
+            if current is not None and current.renew == record.renew:
                 log.info("lease %s expired (no renewal for %g s)", record.name, record.ttl)
                 self.reaped.add(record.name)
                 with contextlib.suppress(KubernetesUnavailableError, KubernetesDiscoveryError):
-                    await self.api.delete(record.name)
+                    await self.api.delete(record.name, current.version)
+        self.publish()

@@ -33,13 +33,19 @@ from kvbaton.runtime.discovery import kube_objects as ko
 from kvbaton.runtime.discovery.base import Backoff, Discovery, PrefixWatch
 from kvbaton.runtime.discovery.kube_requests import (
     CONNECT_TIMEOUT_S,
+    REQUEST_TIMEOUT_S,
     KubernetesDiscoveryError,
     KubernetesUnavailableError,
     LeaseApi,
     log,
     refused_with,
 )
-from kvbaton.runtime.discovery.kube_watch import LeaseWatch, PodReadiness, visible
+from kvbaton.runtime.discovery.kube_watch import (
+    LeaseWatch,
+    PodReadiness,
+    renewed_lately,
+    visible,
+)
 from kvbaton.runtime.kube_api import own_namespace
 
 __all__ = ["KubernetesDiscovery", "KubernetesDiscoveryError", "KubernetesUnavailableError"]
@@ -58,6 +64,7 @@ class _Lease:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    revoked: bool = False  # its object is deleted: never created again
 
 
 class KubernetesDiscovery(Discovery):
@@ -72,6 +79,16 @@ class KubernetesDiscovery(Discovery):
         self.api = api
         self.pod = os.environ.get("POD_NAME", "")
         self.pod_uid = os.environ.get("POD_UID", "")
+        pod_namespace = own_namespace()
+        if self.pod and pod_namespace and pod_namespace != self.namespace:
+            log.warning(
+                "pod %s is in namespace %s, discovery in %s: its leases are not owned by the "
+                "pod, nor gated by its readiness",
+                self.pod,
+                pod_namespace,
+                self.namespace,
+            )
+            self.pod = self.pod_uid = ""
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self._api = LeaseApi(self.namespace, api, connect_timeout)
         self._pods = PodReadiness(self._api, self._publish_all)
@@ -102,7 +119,10 @@ class KubernetesDiscovery(Discovery):
         return lease_id
 
     async def _sync(self, lease: _Lease, renew: bool = False) -> None:
-        """Bring the lease's object in line with its keys (creating it when needed)."""
+        """Bring the lease's object in line with its keys (creating it when needed); the
+        caller holds `lease.lock`."""
+        if lease.revoked:
+            return
         keys = dict(lease.keys)
         labels = ko.labels_for(keys)
         now = ko.rfc3339(time.time())
@@ -142,7 +162,8 @@ class KubernetesDiscovery(Discovery):
         if label_changes:
             patch["metadata"] = {"labels": label_changes}
         try:
-            await self._api.patch(lease.name, patch)
+            # A renewal is bounded by a third of the TTL (a late one is as good as none).
+            await self._api.patch(lease.name, patch, min(REQUEST_TIMEOUT_S, lease.ttl / 3))
         except KubernetesDiscoveryError as exc:
             if not refused_with(exc, 404):
                 raise
@@ -192,10 +213,12 @@ class KubernetesDiscovery(Discovery):
         if lease.task is not None:
             lease.task.cancel()
             await asyncio.gather(lease.task, return_exceptions=True)
-        try:
-            await self._api.delete(lease.name)
-        except (KubernetesUnavailableError, KubernetesDiscoveryError) as exc:
-            log.warning("could not delete lease %s (it expires): %s", lease.name, exc)
+        async with lease.lock:  # after any write in flight; none after it
+            lease.revoked = True
+            try:
+                await self._api.delete(lease.name)
+            except (KubernetesUnavailableError, KubernetesDiscoveryError) as exc:
+                log.warning("could not delete lease %s (it expires): %s", lease.name, exc)
 
     async def put(self, key: str, value: bytes, lease_id: int) -> None:
         lease = self._leases.get(lease_id)
@@ -223,7 +246,7 @@ class KubernetesDiscovery(Discovery):
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
         records, _ = await self._api.list_leases()
         await self._pods.ensure(records)
-        keys = visible(records, None, self._pods)
+        keys = visible(records, self._pods, renewed_lately)
         return {k: v for k, v in keys.items() if k.startswith(prefix)}
 
     async def watch_prefix(self, prefix: str) -> PrefixWatch:
