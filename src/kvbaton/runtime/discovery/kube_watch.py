@@ -50,6 +50,7 @@ class PodReadiness:
         self.api = api
         self.on_change = on_change
         self.ready: dict[str, bool] | None = None  # None until pods are listed
+        self.error: Exception | None = None  # why they could not be listed, meanwhile
         self._task: asyncio.Task[None] | None = None
 
     def admits(self, record: ko.LeaseRecord) -> bool:
@@ -61,22 +62,30 @@ class PodReadiness:
             self._task = asyncio.create_task(self._follow(), name="kube-pods")
 
     async def ensure(self, records: dict[str, ko.LeaseRecord]) -> None:
-        """From the first lease that names a pod on: know which pods are ready."""
+        """From the first lease that names a pod on: know which pods are ready (waiting up to
+        `connect_timeout` for the first list; then its error is raised)."""
         if self.ready is not None or not any(r.pod for r in records.values()):
             return
         self.start()
-        task = self._task
-        assert task is not None
+        deadline = time.monotonic() + self.api.connect_timeout
         while self.ready is None:
+            if time.monotonic() > deadline:
+                raise self.error or KubernetesUnavailableError("pods could not be listed")
             await asyncio.sleep(0.02)
-            if task.done():
-                self._task = None
-                task.result()  # raise what stopped it
 
     async def _follow(self) -> None:
-        self.ready, version = await self.api.list_pods()
-        self.on_change()
         backoff = Backoff()
+        while self.ready is None:  # (a refusal may be mended: RBAC applied late)
+            try:
+                self.ready, version = await self.api.list_pods()
+            except (KubernetesUnavailableError, KubernetesDiscoveryError) as exc:
+                if self.error is None:
+                    log.warning("cannot list pods (keys of pods are hidden meanwhile): %s", exc)
+                self.error = exc
+                await asyncio.sleep(backoff.next())
+        self.error = None
+        self.on_change()
+        backoff.reset()
         while True:
             opened = time.monotonic()
             try:
