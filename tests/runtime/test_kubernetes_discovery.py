@@ -299,12 +299,13 @@ async def test_a_watch_that_began_before_any_pod_sees_a_ready_pod_s_keys(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As a frontend does, started before the workers: no lease names a pod yet."""
-    reader = disc(api)
+    reader = KubernetesDiscovery(NS, api=api.url, connect_timeout=60.0)
     monkeypatch.setenv("POD_NAME", "worker-0")
     monkeypatch.setenv("POD_UID", "uid-worker-0")
     writer = disc(api)
     try:
-        watch = await reader.watch_prefix("/services/")
+        # It returns once its watch is open, not when its connect timeout runs out.
+        watch = await asyncio.wait_for(reader.watch_prefix("/services/"), 30.0)
         assert watch.snapshot == {}
         await set_pod(api, pod("worker-0", ready=True))
         lease = await writer.grant_lease(10)

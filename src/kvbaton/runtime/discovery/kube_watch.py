@@ -155,6 +155,7 @@ class LeaseWatch:
         self.reaped: set[str] = set()  # leases confirmed expired (hidden, objects deleted)
         self.connected = True
         self.watch: PrefixWatch | None = None  # made when the first watch opens
+        self.opened = asyncio.Event()  # (then)
         self.response: Any = None  # of the open watch
         self.tasks: list[asyncio.Task[None]] = []
         self._on_close: Callable[[], None] = lambda: None
@@ -166,7 +167,11 @@ class LeaseWatch:
         self._on_close = on_close
         follow = asyncio.create_task(self._follow(), name=f"kube-watch {self.prefix}")
         self.tasks = [follow, asyncio.create_task(self._tick(), name=f"kube-ttl {self.prefix}")]
-        await asyncio.wait({follow}, timeout=self.api.connect_timeout)
+        opened = asyncio.create_task(self.opened.wait())
+        await asyncio.wait(
+            {follow, opened}, timeout=self.api.connect_timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        opened.cancel()
         if self.watch is None:
             await self.stop()
             if follow.done() and not follow.cancelled() and follow.exception() is not None:
@@ -228,6 +233,7 @@ class LeaseWatch:
                             await self._relist(publish=False)
                             self.told = self._current()
                             self.watch = PrefixWatch(dict(self.told), self.queue, self._on_close)
+                            self.opened.set()
                         continue
                     self.version = event_version(event) or self.version
                     if event.get("type") in CHANGES:
