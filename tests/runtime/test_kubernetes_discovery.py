@@ -99,6 +99,14 @@ def disc(api: Api) -> KubernetesDiscovery:
     return KubernetesDiscovery(NS, api=api.url, connect_timeout=2.0)
 
 
+def disc_in_pod(api: Api, monkeypatch: pytest.MonkeyPatch) -> KubernetesDiscovery:
+    """A handle of a process in the pod `worker-0` (as the downward API tells it)."""
+    with monkeypatch.context() as env:
+        env.setenv("POD_NAME", "worker-0")
+        env.setenv("POD_UID", "uid-worker-0")
+        return disc(api)
+
+
 async def next_event(watch: PrefixWatch, timeout: float = 5.0) -> WatchEvent:
     return await asyncio.wait_for(watch.__anext__(), timeout)
 
@@ -174,11 +182,7 @@ async def test_keys_of_a_lease_no_longer_renewed_vanish_within_its_ttl(api: Api)
 async def test_a_lease_in_a_pod_is_owned_by_it_and_hidden_while_it_is_not_ready(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("POD_NAME", "worker-0")
-    monkeypatch.setenv("POD_UID", "uid-worker-0")
-    writer = disc(api)
-    monkeypatch.delenv("POD_NAME")
-    reader = disc(api)
+    writer, reader = disc_in_pod(api, monkeypatch), disc(api)
     await set_pod(api, pod("worker-0", ready=False))
     try:
         lease = await writer.grant_lease(10)
@@ -262,11 +266,7 @@ async def test_a_watch_that_cannot_resume_lists_again(api: Api) -> None:
 async def test_an_outage_keeps_what_is_known_and_writes_land_when_the_api_returns(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("POD_NAME", "worker-0")
-    monkeypatch.setenv("POD_UID", "uid-worker-0")
-    writer = disc(api)
-    monkeypatch.delenv("POD_NAME")
-    reader = disc(api)
+    writer, reader = disc_in_pod(api, monkeypatch), disc(api)
     await set_pod(api, pod("worker-0", ready=True))
     ttl = 1.0
     try:
@@ -300,9 +300,7 @@ async def test_a_watch_that_began_before_any_pod_sees_a_ready_pod_s_keys(
 ) -> None:
     """As a frontend does, started before the workers: no lease names a pod yet."""
     reader = KubernetesDiscovery(NS, api=api.url, connect_timeout=60.0)
-    monkeypatch.setenv("POD_NAME", "worker-0")
-    monkeypatch.setenv("POD_UID", "uid-worker-0")
-    writer = disc(api)
+    writer = disc_in_pod(api, monkeypatch)
     try:
         # It returns once its watch is open, not when its connect timeout runs out.
         watch = await asyncio.wait_for(reader.watch_prefix("/services/"), 30.0)
@@ -355,11 +353,7 @@ async def test_a_missing_crd_and_a_forbidden_list_are_clear_errors() -> None:
 async def test_a_forbidden_pod_list_is_a_clear_error(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("POD_NAME", "worker-0")
-    monkeypatch.setenv("POD_UID", "uid-worker-0")
-    writer = disc(api)
-    monkeypatch.delenv("POD_NAME")
-    reader = disc(api)
+    writer, reader = disc_in_pod(api, monkeypatch), disc(api)
     api.emulator["list", kmock.resource("v1/pods")] << 403
     try:
         await writer.put(KEY, b"one", await writer.grant_lease(10))
