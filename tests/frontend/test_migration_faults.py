@@ -31,7 +31,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NS = "t"
 STREAMS = 50
-TOKENS = 40
+# Tokens a stream: the client reads the streams slower than the workers write them, so the kill
+# at a chunk count the client saw must come long before the victim's streams end. The real model
+# writes a token of 25 streams in ~15 ms: 150 tokens are ~2 s; the mocker's SLOW_DECODE ~30 ms.
+TOKENS = {"mocker": 40, "torch": 150}
 PROMPTS = [[(i * 7 + j * 13) % 150 + 20 for j in range(40 + i)] for i in range(STREAMS)]
 MOCKER = ("--block-size", "16", "--num-kv-blocks", "1024", "--max-model-len", "1024")
 SLOW_DECODE = ("--speedup-ratio", "0.2")  # about 30 ms a token: streams last about a second
@@ -39,33 +42,40 @@ SLOW_PREFILL = ("--mocker-prefill", "0,1,0", "--max-num-batched-tokens", "128") 
 
 
 async def one_stream(
-    client: openai.AsyncOpenAI, model: str, prompt: list[int], on_chunk: Callable[[], None]
+    client: openai.AsyncOpenAI,
+    model: str,
+    prompt: list[int],
+    tokens: int,
+    on_chunk: Callable[[], None],
 ) -> tuple[str, int]:
     """The request's text and completion tokens (its usage)."""
     stream = await client.completions.create(
         model=model,
         prompt=prompt,
-        max_tokens=TOKENS,
+        max_tokens=tokens,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
     text: list[str] = []
-    tokens = -1
+    completion = -1
     async for chunk in stream:
         if chunk.choices:
             text.append(chunk.choices[0].text)
             on_chunk()
         if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    return "".join(text), tokens
+            completion = chunk.usage.completion_tokens
+    return "".join(text), completion
 
 
 async def serve_all(
-    client: openai.AsyncOpenAI, model: str, on_chunk: Callable[[], None] = lambda: None
+    client: openai.AsyncOpenAI,
+    model: str,
+    tokens: int,
+    on_chunk: Callable[[], None] = lambda: None,
 ) -> list[tuple[str, int]]:
-    return await asyncio.gather(*(one_stream(client, model, p, on_chunk) for p in PROMPTS))
+    return await asyncio.gather(*(one_stream(client, model, p, tokens, on_chunk) for p in PROMPTS))
 
 
 async def used_blocks(runtime: DistributedRuntime, component: str) -> dict[int, int]:
@@ -127,8 +137,9 @@ async def test_a_worker_killed_under_50_streams_loses_no_request_and_no_token(
         await ready(frontend, chat_model, prefill=len(workers) - serving, serving=serving)
         model = chat_model.name
         async with client_of(frontend) as client, DistributedRuntime(frontend.discovery) as rt:
-            reference = await serve_all(client, model)
-            assert all(tokens == TOKENS for _, tokens in reference), reference
+            tokens = max(TOKENS[engine] for _, engine, _ in workers)
+            reference = await serve_all(client, model, tokens)
+            assert all(n == tokens for _, n in reference), reference
 
             victim = procs[victim_index]
             chunks = 0
@@ -142,7 +153,7 @@ async def test_a_worker_killed_under_50_streams_loses_no_request_and_no_token(
                 if chunks == kill_at:
                     victim.send_signal(sig)
 
-            disturbed = await serve_all(client, model, count)
+            disturbed = await serve_all(client, model, tokens, count)
             assert victim.wait(10) == (-sig if sig == signal.SIGKILL else 0)
             assert chunks >= kill_at  # the kill happened while requests were in flight
             assert disturbed == reference  # every token, once, in order; the same text
