@@ -223,6 +223,21 @@ def test_no_queueing_reaction_while_prefill_workers_asked_for_are_starting() -> 
     assert d.prefill == 3
 
 
+def test_no_queueing_reaction_while_the_queue_drains_fast() -> None:
+    # Each interval the queue at least halves: it is gone before a new worker would serve.
+    p = planner(scale_down_patience=10)
+    for backlog in (20, 10, 4):
+        d = decide(p, rate=10, current=(2, 1), obs=queued(500, backlog))
+        if backlog == 20:  # nothing to compare with yet: it reacts
+            assert d.prefill == 3
+            continue
+        assert d.prefill == 2
+        assert any("but the queue is draining" in r for r in d.reasons), d.reasons
+    # Draining too slowly (4 -> 3): the reaction is back.
+    d = decide(p, rate=10, current=(2, 1), obs=queued(500, 3))
+    assert d.prefill == 3
+
+
 def test_the_queueing_reaction_respects_the_maximum() -> None:
     d = decide(planner(max_prefill=2), rate=10, current=(2, 1), obs=queued(500, 3))
     assert d.prefill == 2

@@ -6,10 +6,14 @@ Each interval, `ReplicaPlanner.decide` goes through these steps, in order:
    costs t(uncached tokens)); decode demand = rate * osl output tokens/s, over
    `decode_capacity`; each count is the ceiling of demand / capacity (0 with no demand);
 2. queueing reaction: measured TTFT over the target with requests queued at the prefill workers
-   asks for at least current prefill + `queue_step`, whatever the model says, once every prefill
-   worker asked for serves (the observation counts those that answer; until then the queue is
-   theirs to drain, and asking for more would overshoot), or after `MAX_QUEUE_HOLDS` intervals
-   of waiting for them (a worker that never comes up, or is too loaded to answer);
+   asks for at least current prefill + `queue_step`, whatever the model says, unless
+   - the queue at least halved since the last look: at that pace it is empty within the next
+     interval, before a worker asked for now could serve (the TTFT measured is the backlog's,
+     of a step already met);
+   - or a prefill worker asked for does not serve yet (the observation counts those that
+     answer): the queue is theirs to drain, and asking for more would overshoot; this waits
+     `MAX_QUEUE_HOLDS` intervals at most (a worker that never comes up, or is too loaded to
+     answer);
 3. bounds: each count clamped to [min, max] of its role; if the two exceed the total budget,
    the budget is shared in proportion to the wanted counts, each at least its min;
 4. pacing, per role: scale up at once by at most `max_step`; scale down only after the wanted
@@ -188,6 +192,7 @@ class ReplicaPlanner:
         patience = self.policy.scale_down_patience
         self._pacers = {r: _Pacer(r, patience) for r in ("prefill", "decode")}
         self._queue_holds = 0  # consecutive intervals the queueing reaction waited
+        self._last_queued: int | None = None  # queued_prefill at the last decision
 
     def decide(
         self,
@@ -243,15 +248,22 @@ class ReplicaPlanner:
 
         # 2. The queueing reaction.
         obs = observation
+        queued = obs.queued_prefill
+        last_queued, self._last_queued = self._last_queued, queued
         if current["prefill"] <= obs.prefill_workers:
             self._queue_holds = 0
-        if pol.queue_reaction and obs.ttft_ms > tg.ttft_ms and obs.queued_prefill > 0:
+        if pol.queue_reaction and obs.ttft_ms > tg.ttft_ms and queued > 0:
             queueing = (
                 f"queueing: measured TTFT {obs.ttft_ms:g} ms > target {tg.ttft_ms:g} ms with "
-                f"{obs.queued_prefill} queued"
+                f"{queued} queued"
             )
             starting = current["prefill"] - obs.prefill_workers
-            if starting > 0 and self._queue_holds < MAX_QUEUE_HOLDS:  # theirs to drain first
+            if last_queued is not None and 2 * queued <= last_queued:
+                reasons.append(
+                    f"{queueing}, but the queue is draining ({last_queued} -> {queued} over the "
+                    f"interval): no more"
+                )
+            elif starting > 0 and self._queue_holds < MAX_QUEUE_HOLDS:  # theirs to drain first
                 self._queue_holds += 1
                 reasons.append(
                     f"{queueing}, but {starting} prefill worker(s) asked for are not serving "
