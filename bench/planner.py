@@ -440,7 +440,7 @@ def integrate(samples: list[tuple[float, int]], start: float, end: float) -> flo
 def predictor_spec(args: argparse.Namespace) -> dict[str, Any]:
     if args.predictor == "moving-average":
         return {"name": "moving-average", "window": args.window}
-    return {"name": args.predictor}
+    return {"name": args.predictor, "interval_s": args.interval}
 
 
 def goodput(results: list[Result], targets: Targets, osl: int) -> float:
@@ -560,7 +560,9 @@ def main() -> None:
     parser.add_argument("--max-step", type=int, default=1)
     parser.add_argument("--max-workers-per-role", type=int, default=8)
     parser.add_argument(
-        "--predictor", default="constant", choices=["constant", "moving-average", "holt"]
+        "--predictor",
+        default="constant",
+        choices=["constant", "moving-average", "holt", "level-shift"],
     )
     parser.add_argument("--window", type=int, default=3, help="moving-average intervals")
     parser.add_argument(

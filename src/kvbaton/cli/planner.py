@@ -27,7 +27,9 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--itl-ms", type=float, required=True, help="the ITL target")
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between decisions")
     parser.add_argument(
-        "--predictor", default="moving-average", help="constant, moving-average or holt"
+        "--predictor",
+        default="moving-average",
+        help="constant, moving-average, holt or level-shift",
     )
     for role in ("prefill", "decode"):
         parser.add_argument(f"--min-{role}", type=int, default=1)
@@ -110,7 +112,9 @@ async def run_planner(args: argparse.Namespace, runtime: DistributedRuntime) -> 
     replicas = ReplicaPlanner(
         load_profile(args.profile), Targets(ttft_ms=args.ttft_ms, itl_ms=args.itl_ms), policy
     )
-    predictors = Predictors(*(make_predictor(args.predictor) for _ in range(3)))
+    predictors = Predictors(
+        *(make_predictor(args.predictor, interval_s=args.interval) for _ in range(3))
+    )
     registry = CollectorRegistry()
     if args.metrics_port:
         start_http_server(args.metrics_port, "127.0.0.1", registry)

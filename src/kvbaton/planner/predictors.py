@@ -7,11 +7,13 @@ Invariants, for every predictor here:
 - a non-finite observation (NaN, +-inf) is ignored: one bad metric must not poison the state
   for the rest of the run.
 
-Three predictors, by name in `PREDICTORS`:
+Four predictors, by name in `PREDICTORS`:
 - "constant": the last value seen;
 - "moving-average": the mean of the last `window` values;
 - "holt": Holt's double exponential smoothing (level + trend), one interval ahead, so a ramp is
-  followed rather than lagged.
+  followed rather than lagged;
+- "level-shift": the mean of the values since the level last shifted, so that the noise of
+  Poisson arrivals is averaged out while a step is followed at once.
 """
 
 from __future__ import annotations
@@ -121,15 +123,58 @@ class HoltPredictor:
         return _output(self._level + self._trend)
 
 
+class LevelShiftPredictor:
+    """The mean of the values seen since the level last shifted (the last `window` of them at
+    most). A value more than `threshold` standard deviations away from that mean is a shift:
+    the level restarts from it alone.
+
+    The deviation is that of a Poisson count over one interval, expressed per second:
+    sqrt(mean / interval_s). Arrivals are Poisson, so a rate measured over 5 s at 1 request/s
+    wanders by +-0.45/s by chance alone; `threshold` 2.5 takes a jump past 2.1/s for a shift
+    (about 1 interval in 60 at a steady rate), while a step to 4/s is past it in its first
+    whole interval. The same measure is applied to mean lengths (tokens per request), where it
+    is a floor rather than a model: a shift of a few percent restarts the level."""
+
+    def __init__(self, interval_s: float, threshold: float = 2.5, window: int = 12) -> None:
+        if not (isinstance(interval_s, int | float) and 0.0 < interval_s < math.inf):
+            raise ValueError(f"level-shift interval_s must be > 0 (got {interval_s!r})")
+        if not (isinstance(threshold, int | float) and 0.0 < threshold < math.inf):
+            raise ValueError(f"level-shift threshold must be > 0 (got {threshold!r})")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"level-shift window must be an integer >= 1 (got {window!r})")
+        self.interval_s = float(interval_s)
+        self.threshold = float(threshold)
+        self._values: deque[float] = deque(maxlen=window)
+
+    def _mean(self) -> float:
+        n = len(self._values)
+        return sum(v / n for v in self._values)
+
+    def observe(self, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        if self._values:
+            mean = self._mean()
+            deviation = math.sqrt(max(mean, 0.0) / self.interval_s)
+            if abs(value - mean) > self.threshold * deviation:
+                self._values.clear()
+        self._values.append(value)
+
+    def predict(self) -> float:
+        return _output(self._mean()) if self._values else 0.0
+
+
 PREDICTORS: dict[str, Callable[..., Predictor]] = {
     "constant": ConstantPredictor,
     "moving-average": MovingAveragePredictor,
     "holt": HoltPredictor,
+    "level-shift": LevelShiftPredictor,
 }
 
 
-def make_predictor(name: str, **options: Any) -> Predictor:
+def make_predictor(name: str, *, interval_s: float | None = None, **options: Any) -> Predictor:
     """The predictor registered as `name`, built with `options` (e.g. window=5, alpha=0.5).
+    `interval_s`: the planner's interval, given to the predictors that need it (level-shift).
 
     Raises ValueError for an unknown name, an unknown option or a bad option value."""
     try:
@@ -137,6 +182,10 @@ def make_predictor(name: str, **options: Any) -> Predictor:
     except KeyError:
         known = ", ".join(sorted(PREDICTORS))
         raise ValueError(f"unknown predictor {name!r} (known: {known})") from None
+    if factory is LevelShiftPredictor:
+        if interval_s is None:
+            raise ValueError("predictor 'level-shift' needs the planner's interval_s")
+        options = {"interval_s": interval_s, **options}
     try:
         return factory(**options)
     except TypeError as e:
