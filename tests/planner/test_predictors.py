@@ -103,8 +103,8 @@ def test_level_shift_averages_poisson_noise_that_the_constant_predictor_follows(
             const_err += abs(const.predict() - 1.0)
         shift.observe(value)
         const.observe(value)
-    # Constant: off by ~0.37/s an interval on average; level shift ~0.19/s (a false shift,
-    # about 1 interval in 60, restarts its mean from one value).
+    # Constant: off by ~0.37/s an interval on average; level shift ~0.19/s (a false shift, in
+    # 1.4% of the intervals, restarts its mean from one value).
     assert shift_err < 0.6 * const_err
 
 

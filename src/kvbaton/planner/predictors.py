@@ -131,9 +131,10 @@ class LevelShiftPredictor:
     The deviation is that of a Poisson count over one interval, expressed per second:
     sqrt(mean / interval_s). Arrivals are Poisson, so a rate measured over 5 s at 1 request/s
     wanders by +-0.45/s by chance alone; `threshold` 2.5 takes a jump past 2.1/s for a shift
-    (about 1 interval in 60 at a steady rate), while a step to 4/s is past it in its first
-    whole interval. The same measure is applied to mean lengths (tokens per request), where it
-    is a floor rather than a model: a shift of a few percent restarts the level."""
+    (1.4% of intervals at a steady 1/s: 11 arrivals or more where 5 are expected), while a
+    step to 4/s is past it in its first whole interval. The same measure is applied to mean
+    lengths (tokens per request), where it is a floor rather than a model: a shift of a few
+    percent restarts the level."""
 
     def __init__(self, interval_s: float, threshold: float = 2.5, window: int = 12) -> None:
         if not (isinstance(interval_s, int | float) and 0.0 < interval_s < math.inf):
