@@ -112,6 +112,14 @@ def test_decode_takes_the_largest_batch_on_a_non_monotone_curve() -> None:
     assert decode_batch_at_target(p, t) == pytest.approx(8 + 8 * 2 / 22)
 
 
+def test_the_batch_found_meets_the_target_despite_rounding_on_a_steep_segment() -> None:
+    # Found by hypothesis: interpolating back from the crossing gave an ITL 1.2e-9 over.
+    p = profile(decode=[(65062, 0.5), (65065, 1906.0)])
+    b = decode_batch_at_target(p, Targets(ttft_ms=300, itl_ms=1.0))
+    assert b is not None and b == pytest.approx(65062.000787)
+    assert decode_itl_ms(p, b) <= 1.0
+
+
 @pytest.mark.parametrize(
     ("prefill", "decode", "match"),
     [

@@ -134,7 +134,13 @@ def decode_batch_at_target(profile: Profile, targets: Targets) -> float | None:
     for i in range(len(pts) - 2, -1, -1):
         a, b = pts[i], pts[i + 1]  # b.ms > target here
         if a.ms <= target:
-            return a.x + (b.x - a.x) * (target - a.ms) / (b.ms - a.ms)
+            x = a.x + (b.x - a.x) * (target - a.ms) / (b.ms - a.ms)
+            # Rounding can put itl(x) a hair over the target on a steep segment: step x down.
+            for _ in range(64):
+                if x <= a.x or _interpolate(pts, x, extrapolate=False) <= target:
+                    return max(x, a.x)
+                x = math.nextafter(x, a.x)
+            return a.x
     return None
 
 
