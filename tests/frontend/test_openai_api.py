@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from kvbaton.llm.tokenizer import Tokenizer
+from kvbaton.planner.observer import parse_totals
 from tests.frontend.conftest import Deployment
 
 pytestmark = pytest.mark.integration
@@ -204,9 +205,27 @@ def test_models_health_live_metrics_openapi(served: Deployment) -> None:
         "kvbaton_frontend_input_tokens_total",
         "kvbaton_frontend_output_tokens_total",
         "kvbaton_frontend_request_duration_seconds_bucket",
+        "kvbaton_frontend_input_sequence_tokens_bucket",
+        "kvbaton_frontend_output_sequence_tokens_bucket",
     ):
         assert f"{name}{{" in metrics, name
     assert 'route="completions",status="200"' in metrics
+
+
+def test_each_completed_request_s_lengths_are_exported(served: Deployment) -> None:
+    """Per-request prompt and output lengths (the planner's means); a refused request counts
+    as a request, with its status, but has no lengths."""
+    with httpx.Client(base_url=served.url) as http:
+        before = parse_totals(http.get("/metrics").text, served.model, 0.0)
+        ok = {"model": served.model, "prompt": [20, 21, 22, 23, 24], "max_tokens": 3}
+        r = http.post("/v1/completions", json={**ok, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        too_long = {**ok, "prompt": [20] * 10_000}
+        assert http.post("/v1/completions", json=too_long).status_code == 400
+        after = parse_totals(http.get("/metrics").text, served.model, 0.0)
+    assert (after.isl_count - before.isl_count, after.isl_sum - before.isl_sum) == (1, 5)
+    assert (after.osl_count - before.osl_count, after.osl_sum - before.osl_sum) == (1, 3)
+    assert after.requests - before.requests == 2
 
 
 def test_request_id_is_echoed_and_reaches_the_worker_log(served: Deployment) -> None:

@@ -131,6 +131,12 @@ kvbaton_frontend_inflight_requests{model="m"} 20.0
 kvbaton_frontend_input_tokens_total{model="m"} 50000.0
 # TYPE kvbaton_frontend_output_tokens counter
 kvbaton_frontend_output_tokens_total{model="m"} 10000.0
+# TYPE kvbaton_frontend_input_sequence_tokens histogram
+kvbaton_frontend_input_sequence_tokens_sum{model="m"} 45000.0
+kvbaton_frontend_input_sequence_tokens_count{model="m"} 90.0
+# TYPE kvbaton_frontend_output_sequence_tokens histogram
+kvbaton_frontend_output_sequence_tokens_sum{model="m"} 2880.0
+kvbaton_frontend_output_sequence_tokens_count{model="m"} 90.0
 # TYPE kvbaton_frontend_time_to_first_token_seconds histogram
 kvbaton_frontend_time_to_first_token_seconds_sum{model="m"} 20.0
 kvbaton_frontend_time_to_first_token_seconds_count{model="m"} 100.0
@@ -161,8 +167,10 @@ def test_an_interval_is_the_difference_of_two_looks() -> None:
     )
     # Arrivals: the 100 that finished and the 20 still in flight, over 10 s.
     assert observation.request_rate == pytest.approx(12.0)
+    # Lengths: of the 90 that completed (status 200), not the token counters over all 100
+    # (the output counter also counts the tokens of the 20 still running: 10,000 / 100).
     assert observation.avg_input_tokens == pytest.approx(500)
-    assert observation.avg_output_tokens == pytest.approx(100)
+    assert observation.avg_output_tokens == pytest.approx(32)
     assert observation.ttft_ms == pytest.approx(200)
     assert observation.itl_ms == pytest.approx(5)
     # The prefill workers prefill: their queue and their cache hits are the ones that count.

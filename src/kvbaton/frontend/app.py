@@ -87,12 +87,14 @@ class RequestRecord:
         self.route = route
         self.started = self.last_token = time.monotonic()
         self.first = True
+        self.generated = 0
         self.m.in_flight.inc()
 
     def tokens(self, n: int) -> None:
         if n == 0:
             return
         now = time.monotonic()
+        self.generated += n
         self.m.output_tokens.inc(n)
         gaps = n
         if self.first:
@@ -109,6 +111,9 @@ class RequestRecord:
         self.m.in_flight.dec()
         self.m.requests(self.route, status).inc()
         self.m.input_tokens.inc(prompt_tokens)
+        if status == 200:
+            self.m.input_sequence_tokens.observe(prompt_tokens)
+            self.m.output_sequence_tokens.observe(self.generated)
         self.m.duration.observe(time.monotonic() - self.started)
 
 
@@ -161,6 +166,7 @@ class Frontend:
         prompt_tokens = 0
         try:
             served = self._served(body.model)
+            record = RequestRecord(self.metrics, body.model, route)  # arrived: TTFT runs
             prompts = await self._prompts(served, body, request)
             prompt_tokens = sum(len(p) for p in prompts)
             pres = build_requests(
@@ -169,7 +175,6 @@ class Frontend:
                 context_length=served.card.context_length,
                 vocab_size=served.tokenizer.vocab_size,
             )
-            record = RequestRecord(self.metrics, body.model, route)
             ctx = _Context(rid, body.stop_strings(), body.nvext)
             events = self._events(served, pres, ctx)
             try:

@@ -11,6 +11,7 @@ _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
 )  # fmt: skip
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_LENGTH_BUCKETS = tuple(4.0**i for i in range(11))  # 1 to 1,048,576 tokens
 
 
 class FrontendMetrics:
@@ -48,6 +49,22 @@ class FrontendMetrics:
         self.output_tokens = Counter(
             f"{prefix}_output_tokens", "Generated tokens", ["model"], registry=r
         )
+        # Lengths per request, observed when it completes: their means are exact (the token
+        # counters above also count requests still running, and so do not divide by requests).
+        self.input_sequence_tokens = Histogram(
+            f"{prefix}_input_sequence_tokens",
+            "Prompt tokens of each completed request (status 200)",
+            ["model"],
+            buckets=_LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.output_sequence_tokens = Histogram(
+            f"{prefix}_output_sequence_tokens",
+            "Generated tokens of each completed request (status 200)",
+            ["model"],
+            buckets=_LENGTH_BUCKETS,
+            registry=r,
+        )
         self.duration = Histogram(
             f"{prefix}_request_duration_seconds",
             "From request arrival to its last byte",
@@ -72,6 +89,8 @@ class ModelMetrics:
         self.itl = metrics.itl.labels(model)
         self.input_tokens = metrics.input_tokens.labels(model)
         self.output_tokens = metrics.output_tokens.labels(model)
+        self.input_sequence_tokens = metrics.input_sequence_tokens.labels(model)
+        self.output_sequence_tokens = metrics.output_sequence_tokens.labels(model)
         self.duration = metrics.duration.labels(model)
 
     @cache  # noqa: B019 (one per model, kept for the frontend's life)
