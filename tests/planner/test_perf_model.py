@@ -60,17 +60,23 @@ def test_prefill_time_interpolates(tokens: float, ms: float) -> None:
     assert prefill_ms(P, tokens) == pytest.approx(ms)
 
 
-def test_prefill_capacity_is_back_to_back_throughput() -> None:
-    assert prefill_capacity(P, T, 1000) == pytest.approx(10_000)  # 1000 tokens per 100 ms
-    assert prefill_capacity(P, T, 3000) == pytest.approx(3000 * 1000 / 350)
-    assert prefill_capacity(P, T, 500) == pytest.approx(5000)  # 500 tokens per 100 ms
+def test_prefill_capacity_leaves_room_for_the_queue_the_ttft_target_allows() -> None:
+    # 1000 tokens per 100 ms back to back; TTFT 300 ms leaves a mean wait of 200 ms, which an
+    # M/D/1 queue reaches at rho = 2 x 200 / (600 - 100) = 0.8.
+    assert prefill_capacity(P, T, 1000) == pytest.approx(0.8 * 10_000)
+    assert prefill_capacity(P, T, 500) == pytest.approx(0.8 * 5000)  # 500 tokens per 100 ms
+    assert prefill_capacity(P, T, 2000) == pytest.approx(0.5 * 10_000)  # 200 ms: rho 200/400
     assert prefill_capacity(P, T, 0) == 0.0
+    # At that load the mean TTFT is the target: t + rho t / (2 (1 - rho)).
+    rho, t = 0.8, 100
+    assert t + rho * t / (2 * (1 - rho)) == pytest.approx(T.ttft_ms)
 
 
 def test_prefill_over_the_ttft_target_still_has_the_capacity_of_running() -> None:
     assert not prefill_meets_ttft(P, T, 4000)  # 500 ms > 300 ms
     assert prefill_meets_ttft(P, T, 2000)
-    assert prefill_capacity(P, T, 4000) == pytest.approx(4000 * 1000 / 500)
+    assert prefill_capacity(P, T, 4000) == pytest.approx(4000 * 1000 / 500)  # back to back
+    assert prefill_capacity(P, T, 3000) == pytest.approx(3000 * 1000 / 350)
 
 
 def test_a_falling_last_segment_never_extrapolates_faster() -> None:

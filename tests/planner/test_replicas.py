@@ -2,7 +2,9 @@
 (step limit, scale-down patience), zero traffic and the queueing reaction.
 
 The profile (as in test_perf_model.py) and targets give, per worker:
-- prefill, TTFT 300 ms: 1000 tokens in 100 ms -> 10,000 tok/s; 2000 in 200 ms -> 10,000 tok/s;
+- prefill, TTFT 300 ms: 1000 tokens in 100 ms, 10,000 tok/s back to back, at 80% of that for
+  the queueing (2 x (300 - 100) / (600 - 100)) -> 8,000 tok/s; 2000 in 200 ms, at 50% (2 x 100 /
+  400) -> 5,000 tok/s;
 - decode, ITL 20 ms: batch 8 at 20 ms -> 400 tok/s.
 """
 
@@ -68,30 +70,30 @@ def run(pl: ReplicaPlanner, rates: list[float], start: tuple[int, int], **kw: An
 
 
 def test_hand_computed_counts() -> None:
-    # prefill: 25 req/s x 2000 tokens = 50,000 tok/s / 10,000 -> 5
+    # prefill: 25 req/s x 2000 tokens = 50,000 tok/s / 5,000 -> 10
     # decode:  25 req/s x 100 tokens = 2,500 tok/s / 400 = 6.25 -> 7
     d = decide(planner(**FREE), rate=25, isl=2000, osl=100)
-    assert (d.prefill, d.decode) == (5, 7)
+    assert (d.prefill, d.decode) == (10, 7)
     assert d.prefill_demand == pytest.approx(50_000)
     assert d.decode_demand == pytest.approx(2_500)
-    assert d.prefill_capacity == pytest.approx(10_000)
+    assert d.prefill_capacity == pytest.approx(5_000)
     assert d.decode_capacity == pytest.approx(400)
     assert (d.predicted_request_rate, d.predicted_input_tokens) == (25, 2000)
     assert (d.predicted_output_tokens, d.current_prefill, d.current_decode) == (100, 1, 1)
-    assert any("50000 tok/s over 10000 tok/s per worker -> 5" in r for r in d.reasons)
+    assert any("50000 tok/s over 5000 tok/s per worker -> 10" in r for r in d.reasons)
     assert any("2500 tok/s over 400 tok/s per worker -> 7" in r for r in d.reasons)
 
 
 def test_prefix_hits_cut_the_prefill_demand() -> None:
-    # 25 req/s x 2000 x (1 - 0.5) = 25,000 tok/s of 1000 uncached tokens each / 10,000 -> 3
-    d = decide(planner(**FREE), rate=25, isl=2000, osl=16, hit=0.5)
-    assert d.prefill_demand == pytest.approx(25_000)
+    # 20 req/s x 2000 x (1 - 0.5) = 20,000 tok/s of 1000 uncached tokens each / 8,000 -> 3
+    d = decide(planner(**FREE), rate=20, isl=2000, osl=20, hit=0.5)
+    assert d.prefill_demand == pytest.approx(20_000)
     assert d.prefix_hit_rate == 0.5
     assert (d.prefill, d.decode) == (3, 1)  # decode: 400 tok/s / 400 -> 1
 
 
 def test_an_exact_fit_does_not_round_up() -> None:
-    d = decide(planner(**FREE), rate=10, isl=1000, osl=40)  # 10,000/10,000 and 400/400
+    d = decide(planner(**FREE), rate=8, isl=1000, osl=50)  # 8,000/8,000 and 400/400
     assert (d.prefill, d.decode) == (1, 1)
     # 0.1 + 0.2 req/s x 4000/3 tokens is 400.00000000000006 tok/s: still one decode worker
     d = decide(planner(**FREE), rate=0.1 + 0.2, isl=1000, osl=4000 / 3)
@@ -106,7 +108,7 @@ def test_a_prompt_over_the_ttft_target_is_reported() -> None:
 def test_bounded_by_min_and_max() -> None:
     d = decide(planner(**{**FREE, "max_prefill": 4, "min_decode": 2}), rate=25, isl=2000, osl=1)
     assert (d.prefill, d.decode) == (4, 2)
-    assert any("prefill: wanted 5 -> max 4" in r for r in d.reasons)
+    assert any("prefill: wanted 10 -> max 4" in r for r in d.reasons)
     assert any("decode: wanted 1 -> min 2" in r for r in d.reasons)
 
 
@@ -128,8 +130,8 @@ def test_share_budget(
 
 def test_over_budget_the_budget_is_shared_in_proportion() -> None:
     d = decide(planner(**{**FREE, "max_total": 6}), rate=25, isl=2000, osl=100)
-    assert (d.prefill, d.decode) == (3, 3)
-    assert any("budget 6 < wanted 5 + 7: shared as 3 + 3" in r for r in d.reasons)
+    assert (d.prefill, d.decode) == (4, 2)  # 6 x 10/17 = 3.5 -> 4
+    assert any("budget 6 < wanted 10 + 7: shared as 4 + 2" in r for r in d.reasons)
 
 
 def test_scale_up_is_immediate_but_at_most_max_step() -> None:
@@ -137,29 +139,29 @@ def test_scale_up_is_immediate_but_at_most_max_step() -> None:
     current = (1, 1)
     seen = []
     for _ in range(4):
-        d = decide(pl, rate=25, isl=2000, osl=100, current=current)
+        d = decide(pl, rate=20, isl=2000, osl=100, current=current)  # wants 8 and 5
         current = (d.prefill, d.decode)
         seen.append(current)
-    assert seen == [(3, 3), (5, 5), (5, 7), (5, 7)]
+    assert seen == [(3, 3), (5, 5), (7, 5), (8, 5)]
 
 
 def test_a_short_dip_does_not_scale_down() -> None:
     pl = planner(max_step=1, scale_down_patience=3)
-    # 50 req/s x 1000 tokens -> 5 prefill; 10 req/s -> 1
-    counts = run(pl, [50, 50, 10, 10, 50, 10, 10, 50], start=(5, 1), osl=1)
+    # 40 req/s x 1000 tokens -> 5 prefill; 8 req/s -> 1
+    counts = run(pl, [40, 40, 8, 8, 40, 8, 8, 40], start=(5, 1), osl=1)
     assert counts == [5] * 8
 
 
 def test_a_sustained_dip_scales_down_stepwise_after_the_patience() -> None:
     pl = planner(max_step=1, scale_down_patience=3)
-    counts = run(pl, [50, 10, 10, 10, 10, 10, 10, 10, 10], start=(5, 1), osl=1)
+    counts = run(pl, [40, 8, 8, 8, 8, 8, 8, 8, 8], start=(5, 1), osl=1)
     assert counts == [5, 5, 5, 4, 3, 2, 1, 1, 1]
 
 
 def test_a_scale_down_goes_to_the_highest_count_wanted_in_the_window() -> None:
     pl = planner(max_step=10, scale_down_patience=3)
     # wanted 4, 3, 2 below the current 6: down to 4, the highest of the three
-    counts = run(pl, [40, 30, 20, 20, 20, 20], start=(6, 1), osl=1)
+    counts = run(pl, [32, 24, 16, 16, 16, 16], start=(6, 1), osl=1)
     assert counts == [6, 6, 4, 3, 2, 2]
 
 
@@ -191,8 +193,8 @@ def queued(ttft_ms: float, queued_prefill: int, serving: int = 2) -> Observation
 
 
 def test_queueing_over_the_ttft_target_adds_a_prefill_worker() -> None:
-    # The model wants 1 prefill worker (10,000 tok/s); 2 run; TTFT 500 ms > 300 with a queue.
-    d = decide(planner(), rate=10, current=(2, 1), obs=queued(500, 3))
+    # The model wants 1 prefill worker (8,000 tok/s); 2 run; TTFT 500 ms > 300 with a queue.
+    d = decide(planner(), rate=8, current=(2, 1), obs=queued(500, 3))
     assert d.prefill == 3
     assert any(r.startswith("queueing: measured TTFT 500 ms > target 300 ms") for r in d.reasons)
 
@@ -206,7 +208,7 @@ def test_queueing_over_the_ttft_target_adds_a_prefill_worker() -> None:
     ],
 )
 def test_no_queueing_reaction(obs: Observation, policy: dict[str, Any]) -> None:
-    d = decide(planner(**policy), rate=10, current=(2, 1), obs=obs)
+    d = decide(planner(**policy), rate=8, current=(2, 1), obs=obs)
     assert d.prefill == 2  # held: the model wants 1, within the patience
     assert not any(r.startswith("queueing") for r in d.reasons)
 
@@ -215,11 +217,11 @@ def test_no_queueing_reaction_while_prefill_workers_asked_for_are_starting() -> 
     # 2 asked for, 1 serves: the queue waits for the second rather than ask for a third...
     p = planner(scale_down_patience=10)  # (the model wants 1: no scale-down meanwhile)
     for _ in range(MAX_QUEUE_HOLDS):
-        d = decide(p, rate=10, current=(2, 1), obs=queued(500, 3, serving=1))
+        d = decide(p, rate=8, current=(2, 1), obs=queued(500, 3, serving=1))
         assert d.prefill == 2
         assert any("1 prefill worker(s) asked for are not serving yet" in r for r in d.reasons)
     # ... for a while: one that never comes up does not switch the reaction off.
-    d = decide(p, rate=10, current=(2, 1), obs=queued(500, 3, serving=1))
+    d = decide(p, rate=8, current=(2, 1), obs=queued(500, 3, serving=1))
     assert d.prefill == 3
 
 
@@ -227,29 +229,29 @@ def test_no_queueing_reaction_while_the_queue_drains_fast() -> None:
     # Each interval the queue at least halves: it is gone before a new worker would serve.
     p = planner(scale_down_patience=10)
     for backlog in (20, 10, 4):
-        d = decide(p, rate=10, current=(2, 1), obs=queued(500, backlog))
+        d = decide(p, rate=8, current=(2, 1), obs=queued(500, backlog))
         if backlog == 20:  # nothing to compare with yet: it reacts
             assert d.prefill == 3
             continue
         assert d.prefill == 2
         assert any("but the queue is draining" in r for r in d.reasons), d.reasons
     # Draining too slowly (4 -> 3): the reaction is back.
-    d = decide(p, rate=10, current=(2, 1), obs=queued(500, 3))
+    d = decide(p, rate=8, current=(2, 1), obs=queued(500, 3))
     assert d.prefill == 3
 
 
 def test_the_queueing_reaction_respects_the_maximum() -> None:
-    d = decide(planner(max_prefill=2), rate=10, current=(2, 1), obs=queued(500, 3))
+    d = decide(planner(max_prefill=2), rate=8, current=(2, 1), obs=queued(500, 3))
     assert d.prefill == 2
 
 
 def test_a_scale_up_waits_for_budget_the_other_role_still_holds() -> None:
     pl = planner(max_total=10, max_step=3, scale_down_patience=2)
-    # was 6 prefill + 4 decode; now 30 req/s x 1000 -> 3 prefill, 30 x 93 = 2790 -> 7 decode
-    d = decide(pl, rate=30, osl=93, current=(6, 4))
+    # was 6 prefill + 4 decode; now 24 req/s x 1000 -> 3 prefill, 24 x 110 = 2640 -> 7 decode
+    d = decide(pl, rate=24, osl=110, current=(6, 4))
     assert (d.prefill, d.decode) == (6, 4)  # prefill waits out its patience; decode waits too
     assert any("held back by the budget of 10" in r for r in d.reasons)
-    d = decide(pl, rate=30, osl=93, current=(6, 4))
+    d = decide(pl, rate=24, osl=110, current=(6, 4))
     assert (d.prefill, d.decode) == (3, 7)
 
 

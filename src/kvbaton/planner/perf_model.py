@@ -3,12 +3,16 @@
 The model (deliberately simple; the planner's queueing reaction corrects what it misses):
 
 Prefill. One request of n prompt tokens takes t(n) ms, linearly interpolated on the profile's
-prefill curve. A prefill worker runs requests back to back, one at a time, so it sustains
-    capacity(n) = n * 1000 / t(n)   prompt tokens/s.
-That is the full-utilisation rate: it counts no queueing delay, so at exactly that load TTFT
-grows without bound; the planner rounds replica counts up and reacts to measured queueing. If
-t(n) exceeds the TTFT target, no number of workers meets the target for such requests; the
-capacity is still that of running at all (the same formula) and `prefill_meets_ttft` says so.
+prefill curve. A prefill worker runs requests back to back, one at a time: n * 1000 / t(n)
+prompt tokens/s at full utilisation, where, arrivals being random, its queue grows without
+bound. At the TTFT target T it sustains the load at which the mean TTFT, t plus the mean wait
+of an M/D/1 queue (Poisson arrivals, a fixed service time t: rho * t / (2 * (1 - rho))), is T:
+    rho = 2 * (T - t) / (2 * T - t),   capacity(n) = rho * n * 1000 / t(n)   prompt tokens/s
+(rho = 8/9 at T = 5 t). Workers behind one router wait less than one such queue each, so this
+errs toward one worker more. Planning at full utilisation instead, bench/planner.py lost 14
+points of goodput to queues at its step up. If t(n) >= T, no number of workers meets the
+target for such requests; the capacity is then that of running at all (rho = 1) and
+`prefill_meets_ttft` says so.
 Below the first profiled point t is the first point's time (a conservative floor: the profile
 says nothing of smaller prompts, where a fixed cost per request dominates); beyond the last
 point t is extrapolated linearly along the last segment (slope floored at 0: a longer prompt
@@ -103,11 +107,14 @@ def prefill_meets_ttft(profile: Profile, targets: Targets, input_tokens: float) 
 
 
 def prefill_capacity(profile: Profile, targets: Targets, input_tokens: float) -> float:
-    """Prompt tokens/s one prefill worker sustains on requests of `input_tokens` tokens:
-    n * 1000 / t(n), back to back (see the module's docstring). 0.0 for n = 0."""
+    """Prompt tokens/s one prefill worker sustains on requests of `input_tokens` tokens at the
+    TTFT target: rho * n * 1000 / t(n) (see the module's docstring). 0.0 for n = 0."""
     validate_targets(targets)
     t = prefill_ms(profile, input_tokens)
     capacity = input_tokens * 1000.0 / t
+    target = targets.ttft_ms
+    if t < target:  # else no count meets the target: the capacity of running at all
+        capacity *= 2 * (target - t) / (2 * target - t)
     if not math.isfinite(capacity):
         raise ValueError(f"prefill capacity overflows at {input_tokens!r} tokens")
     return capacity
