@@ -557,11 +557,11 @@ def main() -> None:
     parser.add_argument("--itl-factor", type=float, default=3.0, help="x ITL at batch 1")
     parser.add_argument("--interval", type=float, default=5.0, help="planner, seconds")
     parser.add_argument("--patience", type=int, default=2, help="scale-down patience")
-    parser.add_argument("--max-step", type=int, default=1)
+    parser.add_argument("--max-step", type=int, default=2)
     parser.add_argument("--max-workers-per-role", type=int, default=8)
     parser.add_argument(
         "--predictor",
-        default="constant",
+        default="level-shift",
         choices=["constant", "moving-average", "holt", "level-shift"],
     )
     parser.add_argument("--window", type=int, default=3, help="moving-average intervals")

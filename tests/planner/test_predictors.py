@@ -123,6 +123,28 @@ def test_level_shift_follows_a_step_up_and_down_at_once() -> None:
     assert p.predict() == 1.0
 
 
+def test_level_shift_follows_a_step_that_arrives_as_a_ramp() -> None:
+    # The arrivals of bench/planner.py's trace, a step from 1 to 4/s, per 5 s interval.
+    p = LevelShiftPredictor(interval_s=5.0)
+    for v in (1.0, 0.6, 1.2, 0.8, 1.0):
+        p.observe(v)
+    seen = []
+    for v in (2.2, 3.0, 4.0, 4.4):
+        p.observe(v)
+        seen.append(p.predict())
+    # 2.2 is a shift (2.7 deviations); 3.0 and 4.0 are more than one deviation further up while
+    # the level is young: it is still shifting. 4.4 (0.5 deviation) is averaged in.
+    assert seen == pytest.approx([2.2, 3.0, 4.0, 4.2])
+
+
+def test_level_shift_averages_noise_back_towards_an_old_level() -> None:
+    p = LevelShiftPredictor(interval_s=5.0)
+    for v in (1.0, 1.0, 1.0, 1.0, 2.2):  # up: a young level at 2.2
+        p.observe(v)
+    p.observe(1.6)  # down, against the shift, by 0.9 deviations: noise, averaged
+    assert p.predict() == pytest.approx(1.9)
+
+
 def test_level_shift_averages_at_most_its_window() -> None:
     p = LevelShiftPredictor(interval_s=100.0, threshold=1e9, window=2)
     for v in (10.0, 20.0, 30.0):

@@ -126,7 +126,11 @@ class HoltPredictor:
 class LevelShiftPredictor:
     """The mean of the values seen since the level last shifted (the last `window` of them at
     most). A value more than `threshold` standard deviations away from that mean is a shift:
-    the level restarts from it alone.
+    the level restarts from it alone. So is, while the level is young (fewer than `YOUNG`
+    values), a value more than one deviation further in the direction of the shift that
+    started it: the shift is still under way (a step seen through Poisson arrivals looks like
+    a ramp over the first intervals, as 2.2, 3.0, 4.0/s after a step from 1 to 4/s), and
+    averaging it would lag.
 
     The deviation is that of a Poisson count over one interval, expressed per second:
     sqrt(mean / interval_s). Arrivals are Poisson, so a rate measured over 5 s at 1 request/s
@@ -135,6 +139,8 @@ class LevelShiftPredictor:
     step to 4/s is past it in its first whole interval. The same measure is applied to mean
     lengths (tokens per request), where it is a floor rather than a model: a shift of a few
     percent restarts the level."""
+
+    YOUNG = 3
 
     def __init__(self, interval_s: float, threshold: float = 2.5, window: int = 12) -> None:
         if not (isinstance(interval_s, int | float) and 0.0 < interval_s < math.inf):
@@ -146,6 +152,7 @@ class LevelShiftPredictor:
         self.interval_s = float(interval_s)
         self.threshold = float(threshold)
         self._values: deque[float] = deque(maxlen=window)
+        self._direction = 0.0  # the sign of the last shift (0: none yet)
 
     def _mean(self) -> float:
         n = len(self._values)
@@ -157,8 +164,15 @@ class LevelShiftPredictor:
         if self._values:
             mean = self._mean()
             deviation = math.sqrt(max(mean, 0.0) / self.interval_s)
-            if abs(value - mean) > self.threshold * deviation:
+            off = value - mean
+            under_way = (
+                len(self._values) < self.YOUNG
+                and off * self._direction > 0
+                and abs(off) > deviation
+            )
+            if abs(off) > self.threshold * deviation or under_way:
                 self._values.clear()
+                self._direction = math.copysign(1.0, off)
         self._values.append(value)
 
     def predict(self) -> float:
