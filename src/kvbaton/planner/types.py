@@ -16,8 +16,8 @@ class Targets(msgspec.Struct, frozen=True, kw_only=True):
 class Observation(msgspec.Struct, kw_only=True):
     """One adjustment interval as seen from the frontend's metrics and the workers' loads.
 
-    Rates are per second over the interval; averages are over the requests that finished in it
-    (0 when none did). `queued_prefill` counts requests waiting in the prefill workers' queues
+    Rates are per second over the interval; the mean lengths are over the requests that
+    completed in it (status 200; 0 when none did). `queued_prefill` counts requests waiting in the prefill workers' queues
     (or, aggregated, the decode workers') at the end of the interval."""
 
     interval_s: float
