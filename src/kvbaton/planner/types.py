@@ -17,8 +17,9 @@ class Observation(msgspec.Struct, kw_only=True):
     """One adjustment interval as seen from the frontend's metrics and the workers' loads.
 
     Rates are per second over the interval; the mean lengths are over the requests that
-    completed in it (status 200; 0 when none did). `queued_prefill` counts requests waiting in the prefill workers' queues
-    (or, aggregated, the decode workers') at the end of the interval."""
+    completed in it (status 200; 0 when none did). `queued_prefill` counts requests waiting in
+    the prefill workers' queues (or, aggregated, the decode workers') at the end of the
+    interval."""
 
     interval_s: float
     request_rate: float = 0.0
