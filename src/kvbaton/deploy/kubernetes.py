@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
-import yaml
 
 from kvbaton.planner.types import Profile
 from kvbaton.runtime.discovery import kube_objects
@@ -480,6 +479,8 @@ def manifests(options: KubernetesOptions) -> list[Obj]:
 
 def to_yaml(objects: list[Obj]) -> str:
     """One YAML document per object, in order (what `kubectl apply -f -` reads)."""
+    import yaml  # here: every kvbaton command imports this module for `deploy`'s flags
+
     return yaml.safe_dump_all(objects, sort_keys=False)
 
 
