@@ -204,11 +204,9 @@ def main() -> None:
     bandwidth = read_bandwidth_gbs(args.trials, device)
     model = engine.runner.model
     narrow_bytes = sum(
-        p.weight.numel() * p.weight.element_size()
-        for layer in model.layers
-        for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        p.nbytes for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
     )
-    narrow_bytes += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    narrow_bytes += model.lm_head.nbytes
     bound = bandwidth * 1e9 / narrow_bytes
 
     rows = []

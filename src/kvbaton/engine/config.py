@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
+MATMULS = ("auto", "native", "fbgemm-fp16")
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch threads on CPU; None: torch's default
     seed: int = 0  # for requests without their own seed
-    matmul_dtype: str = "auto"  # wide copies of the projections: "auto" (see model.py), "off"
+    matmul: str = "auto"  # projections' kernel: "auto", "native", "fbgemm-fp16" (see model.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -34,7 +35,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
-        if self.matmul_dtype not in ("auto", "off", *DTYPES):
-            raise ValueError(f"matmul_dtype must be 'auto', 'off' or one of {DTYPES}")
+        if self.matmul not in MATMULS:
+            raise ValueError(f"matmul must be one of {MATMULS}, not {self.matmul!r}")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be positive")

@@ -5,11 +5,12 @@ RMSNorm in float32 then cast, RoPE tables from transformers' own init functions 
 type it knows), residuals in the model dtype. Q/K/V and gate/up projections are fused.
 
 On a CPU without bfloat16 arithmetic (AVX2 only), PyTorch's bfloat16 matmul is a reference
-kernel: fine for a few rows, where reading the weights is the cost and bfloat16 halves it, but
-about 3x slower than float32 for many rows. There each projection also keeps its
-bfloat16-rounded weights in float32 and a call with many rows multiplies in float32: the same
-products, summed in float32 as a bfloat16 GEMM sums them, then rounded back to bfloat16.
-Activations, residuals and the KV cache stay bfloat16.
+kernel, and its float32 GEMM is slow for the few rows of a decode step. There a bfloat16 model's
+projections run on FBGEMM's float16-weight GEMM instead (the kernel of PyTorch's dynamic float16
+linear): every bfloat16 weight in [2^-14, 65504] is a float16 exactly (smaller ones keep an
+absolute error under 2^-25), activations stay float32, products are summed in float32 as a
+bfloat16 GEMM sums them, and the result is rounded back to bfloat16. Activations, residuals and
+the KV cache stay bfloat16.
 
 The cache is one tensor [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]: a block is
 contiguous across all layers, so a request's KV moves between processes in one piece per block.
@@ -31,29 +32,35 @@ import torch.nn.functional as F
 SUPPORTED = ("llama", "mistral", "qwen2")
 
 
-WIDE_FROM_ROWS = 8  # from this many rows on, a projection multiplies in its wide copy
+FLOAT16_MAX = 65504.0
 
 
 class Projection:
-    """A linear layer: weight [out, in] and optional bias in the model dtype, and optionally a
-    wide (float32) copy used for calls of WIDE_FROM_ROWS rows or more. Output in x's dtype."""
+    """A linear layer: weight [out, in] and optional bias in the model dtype, or (`fp16_gemm`)
+    the same values packed for FBGEMM's float16 GEMM, unless a weight is beyond float16's range.
+    Output in x's dtype."""
 
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, wide: torch.dtype | None
-    ) -> None:
-        self.weight = weight.contiguous()
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fp16_gemm: bool) -> None:
+        self.nbytes = weight.numel() * weight.element_size()  # read once per step
         self.bias = bias
-        self.wide = (
-            None
-            if wide is None or wide == weight.dtype
-            else (weight.to(wide).contiguous(), None if bias is None else bias.to(wide))
-        )
+        self.weight: torch.Tensor | None = weight.contiguous()
+        self.packed: Any = None
+        if fp16_gemm and weight.abs().max().item() <= FLOAT16_MAX:
+            self.packed = torch.ops.quantized.linear_prepack_fp16(
+                weight.float(), None if bias is None else bias.float()
+            )
+            self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wide is None or x.shape[0] < WIDE_FROM_ROWS:
+        if self.weight is not None:
             return F.linear(x, self.weight, self.bias)
-        weight, bias = self.wide
-        return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+        out: torch.Tensor = torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed)
+        return out.to(x.dtype)
+
+
+def fp16_gemm_available() -> bool:
+    """Whether this PyTorch has FBGEMM's float16 GEMM (x86 builds)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
 
 
 @dataclass
@@ -152,10 +159,10 @@ def load_weights(
     config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
-    wide: torch.dtype | None,
+    fp16_gemm: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, Projection, list[LayerWeights]]:
     """(embedding, final norm, lm_head, layers) from the directory's safetensors files, in
-    `dtype`; projections with a `wide` copy too, if given."""
+    `dtype`; projections packed for the float16 GEMM with `fp16_gemm`."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -177,7 +184,7 @@ def load_weights(
         return take(name) if name in raw else None
 
     def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
-        return Projection(weight, bias, wide)
+        return Projection(weight, bias, fp16_gemm)
 
     embed = take("model.embed_tokens.weight")
     layers = []
@@ -223,13 +230,13 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         max_len: int,
-        wide: torch.dtype | None = None,
+        fp16_gemm: bool = False,
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
         self.embed, self.norm, self.lm_head, self.layers = load_weights(
-            model_dir, self.config, dtype, device, wide
+            model_dir, self.config, dtype, device, fp16_gemm
         )
         cos, sin = rope_tables(self.config, max_len, device)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)

@@ -9,25 +9,31 @@ from pathlib import Path
 import torch
 
 from kvbaton.engine.config import EngineConfig
-from kvbaton.engine.model import LlamaModel, ModelConfig, PrefillSpan, StepBatch
+from kvbaton.engine.model import (
+    LlamaModel,
+    ModelConfig,
+    PrefillSpan,
+    StepBatch,
+    fp16_gemm_available,
+)
 from kvbaton.engine.sampler import Sampler
 from kvbaton.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def wide_matmul_dtype(choice: str, dtype: torch.dtype, device: torch.device) -> torch.dtype | None:
-    """The dtype of the projections' wide copies (see model.py), or None for none. "auto":
-    float32 for bfloat16 on a CPU without bfloat16 arithmetic; "off": none."""
-    if choice == "off":
-        return None
-    if choice != "auto":
-        return DTYPES[choice]
-    if device.type == "cpu" and dtype == torch.bfloat16:
-        capability = torch.backends.cpu.get_cpu_capability()
-        if "BF16" not in capability and "AMX" not in capability:
-            return torch.float32
-    return None
+def use_fp16_gemm(choice: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the projections run on FBGEMM's float16 GEMM (see model.py). "auto": for
+    bfloat16 on a CPU without bfloat16 arithmetic, where this PyTorch has it; "native": never."""
+    if choice == "native":
+        return False
+    possible = device.type == "cpu" and dtype == torch.bfloat16 and fp16_gemm_available()
+    if choice == "fbgemm-fp16":
+        if not possible:
+            raise ValueError("matmul 'fbgemm-fp16' needs a bfloat16 model on an x86 CPU")
+        return True
+    capability = torch.backends.cpu.get_cpu_capability()
+    return possible and "BF16" not in capability and "AMX" not in capability
 
 
 class ModelRunner:
@@ -38,7 +44,7 @@ class ModelRunner:
         device: str,
         max_model_len: int | None,
         seed: int,
-        matmul_dtype: str = "auto",
+        matmul: str = "auto",
     ) -> None:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
@@ -54,7 +60,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             self.max_model_len,
-            wide_matmul_dtype(matmul_dtype, self.dtype, self.device),
+            use_fp16_gemm(matmul, self.dtype, self.device),
         )
         self.sampler = Sampler(seed, self.device)
         self.vocab_size = config.vocab_size
@@ -82,7 +88,7 @@ class ModelRunner:
             config.device,
             config.max_model_len,
             config.seed,
-            config.matmul_dtype,
+            config.matmul,
         )
         per_block = runner.model.kv_bytes_per_block(config.block_size)
         num_blocks = config.num_kv_blocks or int(config.kv_cache_gib * 2**30 // per_block)
