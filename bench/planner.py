@@ -556,7 +556,7 @@ def main() -> None:
     parser.add_argument("--ttft-factor", type=float, default=5.0, help="x prefill time")
     parser.add_argument("--itl-factor", type=float, default=3.0, help="x ITL at batch 1")
     parser.add_argument("--interval", type=float, default=5.0, help="planner, seconds")
-    parser.add_argument("--patience", type=int, default=2, help="scale-down patience")
+    parser.add_argument("--patience", type=int, default=1, help="scale-down patience")
     parser.add_argument("--max-step", type=int, default=2)
     parser.add_argument("--max-workers-per-role", type=int, default=8)
     parser.add_argument(

@@ -1,5 +1,6 @@
 """bench/planner.py runs on a very short trace: the table has its three configurations and no
-request was lost, the planner's scale-downs included (figures are not judged here)."""
+request was lost, the planner's scale-downs included; bench/planner_replay.py prints every seed
+and variant (figures are not judged here)."""
 
 import pytest
 
@@ -24,3 +25,20 @@ def test_planner_bench_runs_three_configurations_and_loses_nothing() -> None:
         assert float(row[10]) > 0  # worker-seconds
     assert by_config["fixed-1P1D"][1] == "1P+1D"
     assert "planner vs fixed-peak:" in out
+
+
+@pytest.mark.integration
+def test_planner_replay_prints_every_seed_and_variant_and_the_sums() -> None:
+    out, rows = run_bench(
+        "planner_replay.py", "--seeds", "2", "--variants", "level-shift:2,constant:1"
+    )
+    assert [(row[0], row[1]) for row in rows] == [
+        (seed, variant)
+        for seed in ("0", "1")
+        for variant in ("level-shift, patience 2", "constant, patience 1")
+    ]
+    for row in rows:
+        assert float(row[2]) >= 2 * 180  # at least 1P+1D all along
+        assert float(row[3]) >= 0 and int(row[5]) <= int(row[4])  # never below 1P+1D
+    assert "- level-shift, patience 2: " in out and "(100.0%)" in out
+    assert "- constant, patience 1: " in out

@@ -158,6 +158,23 @@ def test_a_sustained_dip_scales_down_stepwise_after_the_patience() -> None:
     assert counts == [5, 5, 5, 4, 3, 2, 1, 1, 1]
 
 
+def test_with_a_patience_of_one_a_scale_up_is_never_reversed_at_the_next_decision() -> None:
+    pl = planner(max_step=10, scale_down_patience=1)
+    # 40 req/s x 1000 tokens -> 5 prefill; 8 req/s -> 1: up; the dip right after it is held;
+    # a dip that follows a decision without a scale-up scales down at once
+    counts = run(pl, [40, 8, 40, 8, 8], start=(1, 1), osl=1)
+    assert counts == [5, 5, 5, 1, 1]
+    d = decide(pl, rate=40, current=(1, 1), osl=1)
+    d = decide(pl, rate=8, current=(d.prefill, d.decode), osl=1)
+    assert d.prefill == 5 and any("right after a scale-up" in r for r in d.reasons)
+
+
+def test_with_a_patience_of_one_a_scale_down_follows_a_scale_down_at_once() -> None:
+    pl = planner(max_step=1, scale_down_patience=1)
+    counts = run(pl, [8, 8, 8, 8], start=(4, 1), osl=1)
+    assert counts == [3, 2, 1, 1]
+
+
 def test_a_scale_down_goes_to_the_highest_count_wanted_in_the_window() -> None:
     pl = planner(max_step=10, scale_down_patience=3)
     # wanted 4, 3, 2 below the current 6: down to 4, the highest of the three

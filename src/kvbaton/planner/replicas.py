@@ -17,9 +17,11 @@ Each interval, `ReplicaPlanner.decide` goes through these steps, in order:
 3. bounds: each count clamped to [min, max] of its role; if the two exceed the total budget,
    the budget is shared in proportion to the wanted counts, each at least its min;
 4. pacing, per role: scale up at once by at most `max_step`; scale down only after the wanted
-   count has stayed below the current one for `scale_down_patience` consecutive intervals, then
-   by at most `max_step` per interval, to the highest count wanted within that window (as
-   Kubernetes' HPA stabilisation window does);
+   count has stayed below the current one for `scale_down_patience` consecutive intervals, and
+   never at the decision right after a scale-up of the role (that would reverse it on one
+   interval: flapping; with a patience of 2 or more this holds anyway), then by at most
+   `max_step` per interval, to the highest count wanted within that window (as Kubernetes' HPA
+   stabilisation window does);
 5. hard limits: the result is always within [min, max] and the budget, even when the current
    counts are not (then bounds win over pacing); a scale-up that would break the budget while
    the other role waits out its patience is held back first.
@@ -133,6 +135,7 @@ class _Pacer:
         self.role = role
         self.patience = patience
         self.window: deque[int] = deque(maxlen=patience)
+        self.scaled_up = False  # by the last decision (set by the planner, after hard limits)
 
     def step(self, current: int, wanted: int, max_step: int, reasons: list[str]) -> int:
         self.window.append(wanted)
@@ -141,6 +144,12 @@ class _Pacer:
             reasons.append(f"{self.role}: scale up {current} -> {new} (wanted {wanted})")
             return new
         if wanted == current:
+            return current
+        if self.scaled_up:
+            reasons.append(
+                f"{self.role}: wanted {wanted} < current {current} right after a scale-up: "
+                f"holding at {current}"
+            )
             return current
         streak = 0  # consecutive intervals, up to this one, that wanted fewer than `current`
         for w in reversed(self.window):
@@ -310,6 +319,7 @@ class ReplicaPlanner:
         for role in new:
             if new[role] == current[role] == want[role]:
                 reasons.append(f"{role}: unchanged at {current[role]}")
+            self._pacers[role].scaled_up = new[role] > current[role]
 
         return Decision(
             prefill=new["prefill"],
