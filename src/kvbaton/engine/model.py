@@ -94,7 +94,8 @@ class StepBatch:
     write_rows: torch.Tensor  # [T] cache row of each token's K in layer 0
     num_decodes: int
     decode_rows: torch.Tensor | None  # [D, Lmax] rows of layer 0's K for each decode's context
-    decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] True where attended
+    decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] float32 added to the scores: 0 where
+    # attended, -inf past a decode's length; None when every decode attends to all Lmax rows
     prefills: list[PrefillSpan]
     logits_index: torch.Tensor  # [S] flat indices of the tokens whose next token is sampled
 
@@ -303,18 +304,20 @@ class LlamaModel:
         return self.lm_head(h).float()
 
     def _decode_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         """One query per sequence against its gathered context, in float32 batched matmuls:
-        q [D, heads, dim], k and v [D, L, kv_heads, dim], mask [D, 1, 1, L] (True: attend).
-        CPU SDPA takes a slow generic path for this shape; this is several times faster."""
+        q [D, heads, dim], k and v [D, L, kv_heads, dim], mask [D, 1, 1, L] added to the scores
+        (or None). CPU SDPA takes a slow generic path for this shape; this is several times
+        faster."""
         c = self.config
         d, group = q.shape[0], c.num_heads // c.num_kv_heads
         qf = q.view(d, c.num_kv_heads, group, c.head_dim).float()
-        scores = torch.einsum("dkgh,dlkh->dkgl", qf, k.float()) * self.scale
-        scores.masked_fill_(~mask, float("-inf"))
+        scores = torch.matmul(qf, k.float().permute(0, 2, 3, 1)).mul_(self.scale)
+        if mask is not None:
+            scores.add_(mask)
         probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("dkgl,dlkh->dkgh", probs, v.float())
+        out = torch.matmul(probs, v.float().transpose(1, 2))  # [D, kv_heads, group, dim]
         return out.reshape(d, c.num_heads, c.head_dim).to(q.dtype)
 
     def _attention(
@@ -331,7 +334,7 @@ class LlamaModel:
         out = torch.empty_like(q)
         d = batch.num_decodes
         if d:
-            assert batch.decode_rows is not None and batch.decode_mask is not None
+            assert batch.decode_rows is not None
             idx = batch.decode_rows + offset
             length = idx.shape[1]
             kk = rows.index_select(0, idx.flatten()).view(d, length, c.num_kv_heads, c.head_dim)

@@ -191,7 +191,11 @@ class ModelRunner:
             )
             span = torch.arange(int(lengths.max()), device=self.device)
             decode_rows = tables[:, span // self.block_size] * stride + span % self.block_size
-            decode_mask = (span[None, :] < lengths[:, None])[:, None, None, :]
+            if bool((lengths != lengths[0]).any()):  # equal lengths attend to every row
+                pad = span[None, :] >= lengths[:, None]
+                decode_mask = torch.zeros(pad.shape, device=self.device).masked_fill_(
+                    pad, float("-inf")
+                )[:, None, None, :]
             write_rows[: len(decodes)] = decode_rows[torch.arange(len(decodes)), lengths - 1]
         spans = []
         flat = len(decodes)
