@@ -180,18 +180,17 @@ class ModelRunner:
         write_rows = torch.empty_like(pos)
         decode_rows = decode_mask = None
         if decodes:
-            lengths = torch.tensor(
-                [s.seq.num_computed_tokens + 1 for s in decodes], device=self.device
-            )
+            lens = [s.seq.num_computed_tokens + 1 for s in decodes]  # host ints: no device sync
+            lengths = torch.tensor(lens, device=self.device)
             width = max(len(s.seq.block_table) for s in decodes)
             tables = torch.tensor(
                 [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes],
                 dtype=torch.long,
                 device=self.device,
             )
-            span = torch.arange(int(lengths.max()), device=self.device)
+            span = torch.arange(max(lens), device=self.device)
             decode_rows = tables[:, span // self.block_size] * stride + span % self.block_size
-            if bool((lengths != lengths[0]).any()):  # equal lengths attend to every row
+            if min(lens) != max(lens):  # equal lengths attend to every row: no mask
                 pad = span[None, :] >= lengths[:, None]
                 decode_mask = torch.zeros(pad.shape, device=self.device).masked_fill_(
                     pad, float("-inf")
