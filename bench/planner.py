@@ -539,42 +539,51 @@ def report(
     return 0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_shared_flags(parser: argparse.ArgumentParser) -> None:
+    """The trace's, the mocker's and the planner's flags, shared with bench/planner_replay.py."""
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of arrivals")
     parser.add_argument(
         "--peak-share", type=float, default=1 / 3, help="of --duration at the peak, centred"
     )
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speedup-ratio", type=float, default=0.05, help="the mocker's")
     parser.add_argument("--base-rate", type=float, default=1.0, help="requests/s")
     parser.add_argument("--peak-factor", type=float, default=4.0)
     parser.add_argument("--isl", type=int, default=1024, help="prompt tokens")
     parser.add_argument("--osl", type=int, default=32, help="output tokens")
     parser.add_argument("--decode-kv-blocks", type=int, default=8192)
-    parser.add_argument("--prefill-kv-blocks", type=int, default=4096)
     parser.add_argument("--ttft-factor", type=float, default=5.0, help="x prefill time")
     parser.add_argument("--itl-factor", type=float, default=3.0, help="x ITL at batch 1")
     parser.add_argument("--interval", type=float, default=5.0, help="planner, seconds")
-    parser.add_argument("--patience", type=int, default=1, help="scale-down patience")
     parser.add_argument("--max-step", type=int, default=2)
     parser.add_argument("--max-workers-per-role", type=int, default=8)
+    parser.add_argument("--window", type=int, default=3, help="moving-average intervals")
+    parser.add_argument(
+        "--model", default="smollm2", help="whose tokenizer and config the mocker uses"
+    )
+
+
+def check_shared_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not 0.0 < args.peak_share <= 1.0:
+        parser.error("--peak-share must be in (0, 1]")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_shared_flags(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-kv-blocks", type=int, default=4096)
+    parser.add_argument("--patience", type=int, default=1, help="scale-down patience")
     parser.add_argument(
         "--predictor",
         default="level-shift",
         choices=["constant", "moving-average", "holt", "level-shift"],
-    )
-    parser.add_argument("--window", type=int, default=3, help="moving-average intervals")
-    parser.add_argument(
-        "--model", default="smollm2", help="whose tokenizer and config the mocker uses"
     )
     parser.add_argument("--profile", help="a `kvbaton profile` file (default: the timing model)")
     parser.add_argument(
         "--configs", default=",".join(CONFIGS), help=f"which runs, of {','.join(CONFIGS)}"
     )
     args = parser.parse_args()
-    if not 0.0 < args.peak_share <= 1.0:
-        parser.error("--peak-share must be in (0, 1]")
+    check_shared_flags(parser, args)
     args.configs = [c for c in args.configs.split(",") if c]
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:

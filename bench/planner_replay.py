@@ -26,7 +26,16 @@ from kvbaton.planner.perf_model import prefill_capacity
 from kvbaton.planner.predictors import make_predictor
 from kvbaton.planner.replicas import ReplicaPlanner
 from kvbaton.planner.types import Observation
-from planner import model_profile, policy, predictor_spec, targets_for, trace, vocab_size
+from planner import (
+    add_shared_flags,
+    check_shared_flags,
+    model_profile,
+    policy,
+    predictor_spec,
+    targets_for,
+    trace,
+    vocab_size,
+)
 
 
 @dataclass
@@ -90,19 +99,9 @@ def main() -> None:
         default="level-shift:2,level-shift:1,constant:2,constant:1",
         help="PREDICTOR:PATIENCE, comma-separated; the first is the baseline",
     )
-    for flag, default in (("--duration", 180.0), ("--peak-share", 1 / 3), ("--base-rate", 1.0)):
-        parser.add_argument(flag, type=float, default=default)
-    for flag, default in (("--peak-factor", 4.0), ("--speedup-ratio", 0.05)):
-        parser.add_argument(flag, type=float, default=default)
-    for flag, default in (("--ttft-factor", 5.0), ("--itl-factor", 3.0), ("--interval", 5.0)):
-        parser.add_argument(flag, type=float, default=default)
-    for flag, number in (("--isl", 1024), ("--osl", 32), ("--decode-kv-blocks", 8192)):
-        parser.add_argument(flag, type=int, default=number)
-    parser.add_argument("--max-step", type=int, default=2)
-    parser.add_argument("--window", type=int, default=3, help="moving-average intervals")
-    parser.add_argument("--max-workers-per-role", type=int, default=8)
-    parser.add_argument("--model", default="smollm2", help="whose vocabulary the trace uses")
+    add_shared_flags(parser)
     args = parser.parse_args()
+    check_shared_flags(parser, args)
     variants = []
     for spec in args.variants.split(","):
         name, _, patience = spec.partition(":")
