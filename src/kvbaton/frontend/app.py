@@ -22,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from kvbaton.frontend.asgi import ASGIApp
 from kvbaton.frontend.errors import (
     OpenAIError,
     as_openai_error,
@@ -29,6 +30,7 @@ from kvbaton.frontend.errors import (
     from_validation_errors,
     model_not_found,
 )
+from kvbaton.frontend.fast_path import FastPath
 from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager, ServedModel
 from kvbaton.frontend.openai_types import (
@@ -121,7 +123,14 @@ class Frontend:
     def __init__(self, models: ModelManager, metrics: FrontendMetrics | None = None) -> None:
         self.models = models
         self.metrics = metrics or FrontendMetrics()
-        self.app = self._build()
+        self.api = self._build()  # every route, and /openapi.json
+        self.app: ASGIApp = FastPath(  # the generation routes' well-formed requests go round it
+            self.api,
+            {
+                "/v1/chat/completions": (ChatCompletionRequest, self._chat_completions),
+                "/v1/completions": (CompletionRequest, self._completions),
+            },
+        )
 
     # -- the request's path ----------------------------------------------------------------------
     def _served(self, name: str) -> ServedModel:
@@ -284,6 +293,12 @@ class Frontend:
             await events.aclose()
             record.done(status, prompt_tokens)
 
+    async def _chat_completions(self, request: Request, body: ChatCompletionRequest) -> Response:
+        return await self._handle(request, body, "chat_completions")
+
+    async def _completions(self, request: Request, body: CompletionRequest) -> Response:
+        return await self._handle(request, body, "completions")
+
     # -- the app -------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
         app = FastAPI(title="kvbaton", summary="OpenAI-compatible LLM serving")
@@ -298,11 +313,11 @@ class Frontend:
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-            return await self._handle(request, body, "chat_completions")
+            return await self._chat_completions(request, body)
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request) -> Response:
-            return await self._handle(request, body, "completions")
+            return await self._completions(request, body)
 
         @app.get("/v1/models")
         async def list_models() -> Response:

@@ -74,7 +74,7 @@ class RequestIdAndLimits:
                 more = message.get("more_body", False)
                 if len(body) > self.max_body_bytes:
                     return await self._too_large(send_with_id)
-            receive = _replay(bytes(body), receive)
+            receive = replay(bytes(body), receive)
         return await self.app(scope, receive, send_with_id)
 
     async def _too_large(self, send: Send) -> None:
@@ -104,14 +104,15 @@ async def _reject(
     await send({"type": "http.response.body", "body": error.json()})
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` with the body, already read, given again first."""
     sent = False
 
-    async def replay() -> Message:
+    async def replayed() -> Message:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
 
-    return replay
+    return replayed
