@@ -58,3 +58,15 @@ def test_stop_strings_never_leak_however_the_text_is_cut(
     expected, stopped = reference(text, stops)
     assert "".join(sent) == expected
     assert (matcher.matched is not None) == stopped
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    text=st.text(max_size=60) | st.sampled_from(["<|im_start|>user\nhi<|im_end|>\n", " \n\n a"]),
+    special=st.booleans(),
+)
+def test_encoding_equals_transformers(tokenizer: Tokenizer, text: str, special: bool) -> None:
+    assert tokenizer.encode(text, special) == tokenizer.hf.encode(text, add_special_tokens=special)
+    assert tokenizer.encode_batch([text, text[::-1]], special) == [
+        tokenizer.hf.encode(t, add_special_tokens=special) for t in (text, text[::-1])
+    ]

