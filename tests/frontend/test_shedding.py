@@ -54,6 +54,24 @@ def test_busy_by_kv_usage_or_waiting_prefill_tokens() -> None:
     assert not m.busy(2, limits)
 
 
+def test_a_prompt_counts_as_waiting_until_prefilled_or_the_next_load() -> None:
+    limits = BusyThresholds(kv_usage=None, prefill_tokens=1000)
+    m = monitor(load(1, 0, 500))
+    first = m.sent(1, 300)
+    second = m.sent(1, 300)
+    assert m.busy(1, limits)  # 500 + 600 waiting
+    first()
+    first()  # once only
+    assert not m.busy(1, limits)  # 800
+    third = m.sent(1, 300)
+    assert m.busy(1, limits)
+    m.answered(1, load(1, 0, 900))  # it counts what still waits
+    second()  # sent before that load: already out of the count, not taken off again
+    third()
+    assert m.busy(1, limits) is False and m._sent.get(1, 0) == 0
+    assert m.busy(1, BusyThresholds(kv_usage=None, prefill_tokens=900))
+
+
 def test_every_worker_busy_is_a_503_with_retry_after() -> None:
     limits = BusyThresholds(kv_usage=0.5, retry_after_s=3)
     m = monitor(load(1, 60, 0), load(2, 99, 0))

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import shutil
 import tempfile
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,7 +137,9 @@ class ServedModel:
     ) -> AsyncGenerator[EngineOutput, None]:
         """One try at the request. The first may be refused (503) if every worker is busy; a
         continuation (`migrated`) is not, and goes to a worker it has not been lost on, if any
-        is left. The worker routed to first is appended to `tried`."""
+        is left. The worker routed to first is appended to `tried`; the load shedder counts the
+        prompt as waiting there until its first output (or its end)."""
+        prefilled: Callable[[], None] = _nothing
         override = nvext.router_config_override if nvext else None
         hints = RouteRequest(
             request.token_ids,
@@ -181,7 +183,7 @@ class ServedModel:
                     self.canary.used(first)
                 if self.loads is not None and not prefill:
                     cached = route.overlaps.get(first, 0) * self.card.kv_block_size
-                    self.loads.sent(first, max(0, len(request.token_ids) - cached))
+                    prefilled = self.loads.sent(first, max(0, len(request.token_ids) - cached))
             if prefill:
                 assert self.prefill.router is not None
                 outputs = Disaggregated(
@@ -201,9 +203,13 @@ class ServedModel:
                     route,
                     served_by,
                 )
-        async with contextlib.aclosing(outputs):
-            async for out in outputs:
-                yield out
+        try:
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    prefilled()
+                    yield out
+        finally:
+            prefilled()
 
     def _prefill_workers(self, request: PreprocessedRequest, route: Route, shed: bool) -> list[int]:
         """The prefill workers to disaggregate on (those not busy, if `shed`: 503 if all are);
@@ -231,6 +237,10 @@ class ServedModel:
         except OpenAIError:
             route.done()
             raise
+
+
+def _nothing() -> None:
+    pass
 
 
 class ModelManager:

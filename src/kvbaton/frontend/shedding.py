@@ -4,9 +4,10 @@ bound.
 
 A worker is busy when its KV blocks in use reach `BusyThresholds.kv_usage` of its pool, or its
 prompt tokens waiting for prefill reach `prefill_tokens`. Each worker's load is its last
-`load_metrics` answer (polled every `POLL_S`), plus the uncached prompt tokens this frontend sent
-it since that answer, so that a burst between two polls counts at once. A worker whose load is
-unknown (not yet polled, or no answer for `STALE_S`) is not busy: shedding never stops a
+`load_metrics` answer (polled every `POLL_S`), plus the uncached prompt tokens this frontend sent it
+since that answer whose prefill has not ended yet, so that a burst between two polls counts at once,
+and a prompt already prefilled (or abandoned) does not count until the next answer. A worker whose
+load is unknown (not yet polled, or no answer for `STALE_S`) is not busy: shedding never stops a
 deployment that would otherwise serve.
 
 Invariants: `LoadMonitor.close()` ends its tasks and client; `admit` returns the candidates
@@ -22,7 +23,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvbaton.frontend.errors import OpenAIError
 from kvbaton.frontend.settings import BusyThresholds
@@ -46,6 +47,7 @@ class LoadMonitor:
         self.loads: dict[int, WorkerLoad] = {}
         self._sent: dict[int, int] = {}  # worker -> prompt tokens sent since its last load
         self._at: dict[int, float] = {}  # worker -> when its last load came
+        self._loads_seen: dict[int, int] = {}  # worker -> how many loads came (ends `_sent`'s)
         self._client: Client | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -66,8 +68,20 @@ class LoadMonitor:
         fresh = self._age(worker) <= FRESH_S
         return load is not None and fresh and (load.running > 0 or load.waiting > 0)
 
-    def sent(self, worker: int, prompt_tokens: int) -> None:
+    def sent(self, worker: int, prompt_tokens: int) -> Callable[[], None]:
+        """Count `prompt_tokens` as waiting at `worker` until its next load comes, or until the
+        call returned (its prefill ended: first token, end or error), whichever is first. The
+        call may be made any number of times."""
         self._sent[worker] = self._sent.get(worker, 0) + prompt_tokens
+        seen = self._loads_seen.get(worker, 0)
+
+        def prefilled() -> None:
+            nonlocal prompt_tokens
+            if prompt_tokens and self._loads_seen.get(worker, 0) == seen and worker in self._sent:
+                self._sent[worker] -= prompt_tokens
+            prompt_tokens = 0
+
+        return prefilled
 
     def _age(self, worker: int) -> float:
         return time.monotonic() - self._at.get(worker, -math.inf)
@@ -96,6 +110,7 @@ class LoadMonitor:
                     self.loads.pop(gone, None)
                     self._sent.pop(gone, None)
                     self._at.pop(gone, None)
+                    self._loads_seen.pop(gone, None)
                 for worker in live:
                     if worker not in asking:
                         task = asyncio.create_task(self._ask(client, worker))
@@ -111,9 +126,14 @@ class LoadMonitor:
     async def _ask(self, client: Client, worker: int) -> None:
         with contextlib.suppress(Exception):  # no answer: the last load stands (or none)
             load: WorkerLoad = await anext(client.direct(None, worker, timeout=ANSWER_S))
-            self.loads[worker] = load
-            self._at[worker] = time.monotonic()
-            self._sent.pop(worker, None)
+            self.answered(worker, load)
+
+    def answered(self, worker: int, load: WorkerLoad) -> None:
+        """`load` came from `worker`: it counts every prompt that still waits there."""
+        self.loads[worker] = load
+        self._at[worker] = time.monotonic()
+        self._sent.pop(worker, None)
+        self._loads_seen[worker] = self._loads_seen.get(worker, 0) + 1
 
 
 def _forget(asking: dict[int, asyncio.Task[None]], worker: int, _: object) -> None:
