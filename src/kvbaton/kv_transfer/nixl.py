@@ -10,8 +10,10 @@ peer needs to name our blocks. A peer's agent is added lazily, on the first tran
 and cached by its agent name; a peer that publishes new metadata under the same name is
 re-added, and one whose transfer fails or times out is dropped (re-added on the next try).
 
-A transfer is one NIXL request whose descriptors are the runs of consecutive blocks
-(`block_runs`): blocks are contiguous across all layers, so a request's KV moves in as many
+Each pool's blocks are prepared once as NIXL descriptor lists (`prep_xfer_dlist`, one
+descriptor per block): ours when the agent starts, a peer's when it is added. A transfer is one
+NIXL request made from block indices (`make_prepped_xfer`), which NIXL merges into the runs of
+consecutive blocks: blocks are contiguous across all layers, so a request's KV moves in as many
 pieces as it has runs. READ and WRITE are one-sided; neither sends a notification.
 
 Progress: NIXL's own progress thread spins a core (its delay is 0), so the agent runs without
@@ -35,7 +37,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvbaton.kv_transfer.pool import KvPool, block_runs
+from kvbaton.kv_transfer.pool import KvPool
 from kvbaton.protocols.llm import KvPoolInfo
 
 log = logging.getLogger(__name__)
@@ -80,10 +82,7 @@ class _Published(msgspec.Struct, kw_only=True):
 class _Peer:
     name: str
     raw: bytes  # the metadata it was added from
-    mem: str
-    device: int
-    address: int
-    nbytes: int
+    blocks: Any  # its blocks' prepared descriptor list
 
 
 class NixlBackend:
@@ -117,6 +116,9 @@ class NixlBackend:
             raise RuntimeError("NIXL has no UCX backend here")
         region = np.array([[self._address, self._nbytes, self._device]], dtype=np.uint64)
         self._registered = self._agent.register_memory(region, self._mem)
+        self._blocks_dlist = self._prep_blocks(
+            "NIXL_INIT_AGENT", self._address, self.num_blocks, self._device, self._mem
+        )
         self._metadata = msgspec.msgpack.encode(
             _Published(
                 name=self.name,
@@ -158,10 +160,11 @@ class NixlBackend:
             peers = list(self._peers.values())
             self._peers.clear()
         for peer in peers:
-            self._call_quietly(agent.remove_remote_agent, peer.name)
+            self._forget(agent, peer)
         for handle in self._unreleased:
             self._call_quietly(agent.release_xfer_handle, handle)
         self._unreleased.clear()
+        self._call_quietly(agent.release_dlist_handle, self._blocks_dlist)
         self._call_quietly(agent.deregister_memory, self._registered)
         self._blocks = None
 
@@ -181,23 +184,14 @@ class NixlBackend:
         if any(b < 0 or b >= info.num_blocks for b in theirs):
             raise ValueError(f"the peer's block ids must be in [0, {info.num_blocks})")
         peer = self._peer(info)
-        runs = np.array(block_runs(ours, theirs), dtype=np.uint64)  # (ours, theirs, count)
-        size = runs[:, 2] * np.uint64(self.block_bytes)
-        local = np.empty((len(runs), 3), dtype=np.uint64)
-        local[:, 0] = np.uint64(self._address) + runs[:, 0] * np.uint64(self.block_bytes)
-        local[:, 1] = size
-        local[:, 2] = self._device
-        remote = np.empty_like(local)
-        remote[:, 0] = np.uint64(peer.address) + runs[:, 1] * np.uint64(self.block_bytes)
-        remote[:, 1] = size
-        remote[:, 2] = peer.device
         what = f"NIXL {op} of {len(ours)} blocks with {peer.name}"
         try:
-            handle = agent.initialize_xfer(
+            handle = agent.make_prepped_xfer(
                 op,
-                agent.get_xfer_descs(local, self._mem),
-                agent.get_xfer_descs(remote, peer.mem),
-                peer.name,
+                self._blocks_dlist,
+                np.asarray(ours, dtype=np.int32),
+                peer.blocks,
+                np.asarray(theirs, dtype=np.int32),
             )
         except Exception as exc:
             self._drop(peer)
@@ -264,7 +258,7 @@ class NixlBackend:
                 raise RuntimeError("the NIXL backend is closed")
             if known is not None:  # it published new metadata under the same name
                 del self._peers[known.name]
-                self._call_quietly(agent.remove_remote_agent, known.name)
+                self._forget(agent, known)
             try:
                 loaded = agent.add_remote_agent(published.agent)
             except Exception as exc:
@@ -278,16 +272,28 @@ class NixlBackend:
                 raise ValueError(
                     f"the peer's NIXL metadata names agent {loaded!r}, not {published.name!r}"
                 )
-            peer = _Peer(
-                name=published.name,
-                raw=raw,
-                mem=published.mem,
-                device=published.device,
-                address=published.address,
-                nbytes=published.nbytes,
-            )
+            try:
+                blocks = self._prep_blocks(
+                    published.name,
+                    published.address,
+                    info.num_blocks,
+                    published.device,
+                    published.mem,
+                )
+            except Exception as exc:
+                self._call_quietly(agent.remove_remote_agent, published.name)
+                raise ConnectionError(
+                    f"NIXL cannot prepare peer {published.name}'s blocks: {exc}"
+                ) from exc
+            peer = _Peer(name=published.name, raw=raw, blocks=blocks)
             self._peers[peer.name] = peer
             return peer
+
+    def _prep_blocks(self, agent_name: str, address: int, count: int, device: int, mem: str) -> Any:
+        """The descriptor list of a pool's blocks (a strided list: `count` blocks of
+        `block_bytes` from `address`), prepared for transfers with `agent_name`'s memory."""
+        strided = np.array([[address, self.block_bytes, device, self.block_bytes, count]])
+        return self._agent.prep_xfer_dlist(agent_name, strided.astype(np.uint64), mem)
 
     def _drop(self, peer: _Peer) -> None:
         with self._lock:
@@ -295,7 +301,11 @@ class NixlBackend:
                 return  # dropped, or re-added, by another thread
             del self._peers[peer.name]
             if self._agent is not None:
-                self._call_quietly(self._agent.remove_remote_agent, peer.name)
+                self._forget(self._agent, peer)
+
+    def _forget(self, agent: Any, peer: _Peer) -> None:
+        self._call_quietly(agent.release_dlist_handle, peer.blocks)
+        self._call_quietly(agent.remove_remote_agent, peer.name)
 
     @staticmethod
     def _call_quietly(call: Any, *args: Any) -> None:
