@@ -1,5 +1,6 @@
 """The generation routes served without FastAPI's per-request machinery (routing by regex,
-dependency solving, its middleware stack): about a quarter of the frontend's CPU per request.
+dependency solving, its middleware stack), which took about a third of the frontend's CPU per
+request (py-spy, at concurrency 64).
 
 Invariant: a request takes the fast path only where FastAPI would hand the route's handler the same
 validated body: a JSON content type (FastAPI's strict rule: none is not JSON), a body that msgspec
