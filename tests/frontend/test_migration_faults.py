@@ -97,6 +97,22 @@ async def used_blocks(runtime: DistributedRuntime, component: str) -> dict[int, 
     return used
 
 
+async def clear_cache(runtime: DistributedRuntime, component: str, count: int) -> None:
+    """Drop the cached blocks of the `count` workers of `component`, so that the next run's
+    prefills take as long as the first run's did."""
+    client = await runtime.endpoint(f"{NS}.{component}.clear_kv_blocks").client()
+    try:
+
+        async def listed() -> bool:
+            return len(client.instance_ids()) == count
+
+        await poll(listed, 30, f"{count} {component} workers to clear")
+        for instance in client.instance_ids():
+            assert "cleared" in await anext(client.direct(None, instance, timeout=10))
+    finally:
+        await client.close()
+
+
 SHORT_DRAIN = ("--drain-timeout", "0.3")
 
 
@@ -140,6 +156,11 @@ async def test_a_worker_killed_under_50_streams_loses_no_request_and_no_token(
             tokens = max(TOKENS[engine] for _, engine, _ in workers)
             reference = await serve_all(client, model, tokens)
             assert all(n == tokens for _, n in reference), reference
+            # Without their cached prefixes the prompts prefill as slowly again, so that the kill
+            # lands while prefills are in flight however slowly this client reads.
+            await clear_cache(rt, "backend", serving)
+            if len(workers) > serving:
+                await clear_cache(rt, "prefill", len(workers) - serving)
 
             victim = procs[victim_index]
             chunks = 0
