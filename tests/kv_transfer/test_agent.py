@@ -1,6 +1,7 @@
 """The transfer agent over shared memory and TCP, between this process and a peer process that
-owns a pool: reads and writes land byte-exact (runs and scattered blocks), `auto` picks shm on
-one host, and every bad request fails clearly without touching a pool."""
+owns a pool: reads and writes land byte-exact (runs and scattered blocks, whole or some layers of
+each), `auto` picks shm on one host, and every bad request fails clearly without touching a
+pool."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ pytestmark = pytest.mark.unit
 LAYOUT = "bfloat16:2x2x4x1x8"
 BLOCKS = 32
 BLOCK_BYTES = 2 * 2 * 4 * 1 * 8 * 2  # 256
+LAYERS = 2
 
 
 def make_pool(shared: bool, seed: int) -> KvPool:
     pool = KvPool(shared=shared)
     buffer = pool.allocate(BLOCKS * BLOCK_BYTES)
-    pool.attach(buffer, LAYOUT, BLOCKS, BLOCK_BYTES)
+    pool.attach(buffer, LAYOUT, BLOCKS, BLOCK_BYTES, LAYERS)
     assert pool.blocks is not None
     pool.blocks[:] = np.random.default_rng(seed).integers(0, 256, pool.blocks.shape, np.uint8)
     return pool
@@ -105,6 +107,53 @@ def test_reads_and_writes_land_byte_exact(peer: Peer, backend: str) -> None:
     finally:
         agent.close()
         agent.pool.close()
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_some_layers_of_each_block_land_byte_exact_and_nothing_else(
+    peer: Peer, backend: str
+) -> None:
+    """Layer 1 of scattered blocks (each block's second half), read and written: those bytes
+    move, the rest of every block stays."""
+    agent = KvTransferAgent(make_pool(shared=False, seed=7), backend)
+    half = BLOCK_BYTES // LAYERS
+    try:
+        ours = agent.pool.blocks
+        assert ours is not None
+        before = ours.copy()
+        theirs = peer.blocks()
+        assert agent.read(peer.info, SRC, DST, layers=(1, 2)) == backend
+        expected = before.copy()
+        expected[DST, half:] = theirs[SRC, half:]
+        assert np.array_equal(ours, expected)
+
+        ours[[7, 8]] = 0xCD
+        agent.write(peer.info, [7, 8], [20, 6], layers=(0, 1))
+        after = peer.blocks()
+        changed = theirs.copy()
+        changed[[20, 6], :half] = 0xCD
+        assert np.array_equal(after, changed)
+        agent.write(peer.info, [7], [20], layers=(0, 2))  # both layers: the whole block
+        assert (peer.blocks()[20] == 0xCD).all()
+        for bad in [(1, 1), (0, 3), (-1, 1)]:
+            with pytest.raises(ValueError, match="layers must be a range"):
+                agent.read(peer.info, [0], [0], layers=bad)
+    finally:
+        agent.close()
+        agent.pool.close()
+
+
+def test_the_tcp_server_refuses_a_part_outside_a_block(peer: Peer, local: KvTransferAgent) -> None:
+    from kvbaton.kv_transfer import tcp
+
+    client = tcp.TcpClient(5.0)
+    blocks = local.pool.blocks
+    assert blocks is not None
+    try:
+        with pytest.raises(RuntimeError, match="not within a block"):
+            client.read(peer.info.tcp_address, LAYOUT, [0], blocks, [0], slice(200, 300))
+    finally:
+        client.close()
 
 
 def test_auto_picks_shm_on_one_host_and_tcp_otherwise(peer: Peer, local: KvTransferAgent) -> None:
@@ -193,9 +242,9 @@ def test_vectored_sends_and_receives_split_and_resume_anywhere() -> None:
     dst = [39 - i for i in range(len(ids))]
     left, right = socket.socketpair()
     left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
-    sender = threading.Thread(target=tcp._send_blocks, args=(left, source, ids))
+    sender = threading.Thread(target=tcp._send_blocks, args=(left, source, ids, tcp.WHOLE))
     sender.start()
-    tcp._recv_blocks(right, target, dst)
+    tcp._recv_blocks(right, target, dst, tcp.WHOLE)
     sender.join()
     left.close()
     right.close()

@@ -1,6 +1,7 @@
 """The NIXL backend moves KV blocks between two processes byte for byte (READ and WRITE, runs
-and scattered ids, concurrent transfers), `auto` picks it when both agents have NIXL, and a bad
-peer, a dead one or a stalled one raises clearly. Runs on the CPU: UCX moves host memory."""
+and scattered ids, some layers of each block, concurrent transfers), `auto` picks it when both
+agents have NIXL, and a bad peer, a dead one or a stalled one raises clearly. Runs on the CPU:
+UCX moves host memory."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.integration
 NUM_BLOCKS = 64
 BLOCK_BYTES = 12 * 1024
 LAYOUT = "test:uint8[12288]"
+LAYERS = 4  # of 3 KB
 PEER_SEED, LOCAL_SEED = 7, 11
 
 
@@ -40,7 +42,7 @@ def pool_bytes(seed: int) -> np.ndarray:
 
 def make_pool(seed: int) -> KvPool:
     pool = KvPool(shared=False)
-    pool.attach(pool.allocate(NUM_BLOCKS * BLOCK_BYTES), LAYOUT, NUM_BLOCKS, BLOCK_BYTES)
+    pool.attach(pool.allocate(NUM_BLOCKS * BLOCK_BYTES), LAYOUT, NUM_BLOCKS, BLOCK_BYTES, LAYERS)
     assert pool.blocks is not None
     pool.blocks[:] = pool_bytes(seed)
     return pool
@@ -157,6 +159,25 @@ def test_nixl_writes_into_a_peers_blocks(peer: Peer, local: KvTransferAgent) -> 
         expected[DST] = ours[SRC]
         np.testing.assert_array_equal(peer.blocks(), expected)
         np.testing.assert_array_equal(blocks_of(local), ours)  # a write leaves ours alone
+    finally:
+        peer.reset()
+
+
+def test_nixl_moves_some_layers_of_each_block(peer: Peer, local: KvTransferAgent) -> None:
+    """Layers 1 and 2 of scattered blocks (the middle half of each), read then written."""
+    part = slice(BLOCK_BYTES // LAYERS, 3 * BLOCK_BYTES // LAYERS)
+    theirs, ours = pool_bytes(PEER_SEED), blocks_of(local).copy()
+    try:
+        assert local.read(peer.info, SRC, DST, layers=(1, 3)) == "nixl"
+        expected = ours.copy()
+        expected[DST, part] = theirs[SRC, part]
+        np.testing.assert_array_equal(blocks_of(local), expected)
+        assert local.bytes_moved == len(SRC) * BLOCK_BYTES // 2
+
+        assert local.write(peer.info, [0, 1], [40, 9], layers=(1, 3)) == "nixl"
+        expected = theirs.copy()
+        expected[[40, 9], part] = blocks_of(local)[[0, 1], part]
+        np.testing.assert_array_equal(peer.blocks(), expected)
     finally:
         peer.reset()
 

@@ -116,20 +116,42 @@ class KvTransferAgent:
             raise ValueError("the peer serves no KV over TCP")
         return "tcp"
 
-    def read(self, peer: KvPoolInfo, src: list[int], dst: list[int]) -> str:
-        """Copy the peer's blocks `src` into ours `dst` (blocking); the backend used."""
-        return self._move(peer, src, dst, "read")
+    def read(
+        self,
+        peer: KvPoolInfo,
+        src: list[int],
+        dst: list[int],
+        layers: tuple[int, int] | None = None,
+    ) -> str:
+        """Copy the peer's blocks `src` into ours `dst` (blocking); the backend used. With
+        `layers` (first, end), only those layers of each block."""
+        return self._move(peer, src, dst, "read", layers)
 
-    def write(self, peer: KvPoolInfo, src: list[int], dst: list[int]) -> str:
-        """Copy our blocks `src` into the peer's `dst` (blocking); the backend used."""
-        return self._move(peer, src, dst, "write")
+    def write(
+        self,
+        peer: KvPoolInfo,
+        src: list[int],
+        dst: list[int],
+        layers: tuple[int, int] | None = None,
+    ) -> str:
+        """Copy our blocks `src` into the peer's `dst` (blocking); the backend used. With
+        `layers` (first, end), only those layers of each block."""
+        return self._move(peer, src, dst, "write", layers)
 
-    def _move(self, peer: KvPoolInfo, src: list[int], dst: list[int], op: str) -> str:
+    def _move(
+        self,
+        peer: KvPoolInfo,
+        src: list[int],
+        dst: list[int],
+        op: str,
+        layers: tuple[int, int] | None,
+    ) -> str:
         if len(src) != len(dst):
             raise ValueError("as many source blocks as destination blocks")
         backend = self.choose(peer)
         if not src or backend == "none":
             return backend
+        offset, length = self.pool.byte_span(layers)
         ours, theirs = (dst, src) if op == "read" else (src, dst)
         self.pool.check_blocks(ours)
         if any(b < 0 or b >= peer.num_blocks for b in theirs):
@@ -137,22 +159,23 @@ class KvTransferAgent:
         blocks = self.pool.blocks
         assert blocks is not None
         started = time.perf_counter()
+        span = slice(offset, offset + length)
         if backend == "shm":
             other = self._peer_blocks(peer)
             source, target = (other, blocks) if op == "read" else (blocks, other)
             for s, d, n in block_runs(src, dst):
-                target[d : d + n] = source[s : s + n]
+                target[d : d + n, span] = source[s : s + n, span]
         elif backend == "nixl":
             assert self._nixl is not None
             move = self._nixl.read if op == "read" else self._nixl.write
-            move(peer, src, dst, self.timeout_s)
+            move(peer, src, dst, self.timeout_s, None if layers is None else (offset, length))
         elif op == "read":
-            self._tcp.read(peer.tcp_address, peer.layout, src, blocks, dst)
+            self._tcp.read(peer.tcp_address, peer.layout, src, blocks, dst, span)
         else:
-            self._tcp.write(peer.tcp_address, peer.layout, src, blocks, dst)
+            self._tcp.write(peer.tcp_address, peer.layout, src, blocks, dst, span)
         with self._lock:  # transfers run on several threads
             self.seconds += time.perf_counter() - started
-            self.bytes_moved += len(src) * self.pool.block_bytes
+            self.bytes_moved += len(src) * length
         return backend
 
     def _peer_blocks(self, peer: KvPoolInfo) -> np.ndarray:

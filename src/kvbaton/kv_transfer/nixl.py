@@ -14,7 +14,9 @@ Each pool's blocks are prepared once as NIXL descriptor lists (`prep_xfer_dlist`
 descriptor per block): ours when the agent starts, a peer's when it is added. A transfer is one
 NIXL request made from block indices (`make_prepped_xfer`), which NIXL merges into the runs of
 consecutive blocks: blocks are contiguous across all layers, so a request's KV moves in as many
-pieces as it has runs. READ and WRITE are one-sided; neither sends a notification.
+pieces as it has runs. A transfer of some layers of each block (a part) moves one piece per
+block, from descriptor lists made for it. READ and WRITE are one-sided; neither sends a
+notification.
 
 Progress: NIXL's own progress thread spins a core (its delay is 0), so the agent runs without
 it, and a thread of ours progresses the agent every `progress_interval_s` (a peer's first
@@ -83,6 +85,9 @@ class _Peer:
     name: str
     raw: bytes  # the metadata it was added from
     blocks: Any  # its blocks' prepared descriptor list
+    address: int  # of its pool, registered as memory `mem` of `device`
+    device: int
+    mem: str
 
 
 class NixlBackend:
@@ -141,13 +146,28 @@ class NixlBackend:
         """This agent's metadata, for peers to add it (published in `KvPoolInfo`)."""
         return self._metadata
 
-    def read(self, peer: KvPoolInfo, src: list[int], dst: list[int], timeout_s: float) -> None:
-        """Copy the peer's blocks `src` into ours `dst`; blocks until done or raises."""
-        self._transfer("READ", peer, dst, src, timeout_s)
+    def read(
+        self,
+        peer: KvPoolInfo,
+        src: list[int],
+        dst: list[int],
+        timeout_s: float,
+        part: tuple[int, int] | None = None,
+    ) -> None:
+        """Copy the peer's blocks `src` into ours `dst` (of each, the bytes (offset, length) of
+        `part`, if given); blocks until done or raises."""
+        self._transfer("READ", peer, dst, src, timeout_s, part)
 
-    def write(self, peer: KvPoolInfo, src: list[int], dst: list[int], timeout_s: float) -> None:
-        """Copy our blocks `src` into the peer's `dst`; blocks until done or raises."""
-        self._transfer("WRITE", peer, src, dst, timeout_s)
+    def write(
+        self,
+        peer: KvPoolInfo,
+        src: list[int],
+        dst: list[int],
+        timeout_s: float,
+        part: tuple[int, int] | None = None,
+    ) -> None:
+        """Copy our blocks `src` into the peer's `dst` (of each, the bytes of `part`)."""
+        self._transfer("WRITE", peer, src, dst, timeout_s, part)
 
     def close(self) -> None:
         """Drop the peers and the registration. Call once no transfer runs."""
@@ -170,7 +190,13 @@ class NixlBackend:
 
     # -- internals ---------------------------------------------------------------------------
     def _transfer(
-        self, op: str, info: KvPoolInfo, ours: list[int], theirs: list[int], timeout_s: float
+        self,
+        op: str,
+        info: KvPoolInfo,
+        ours: list[int],
+        theirs: list[int],
+        timeout_s: float,
+        part: tuple[int, int] | None,
     ) -> None:
         if len(ours) != len(theirs):
             raise ValueError("as many source blocks as destination blocks")
@@ -183,16 +209,23 @@ class NixlBackend:
             raise ValueError(f"block ids must be in [0, {self.num_blocks})")
         if any(b < 0 or b >= info.num_blocks for b in theirs):
             raise ValueError(f"the peer's block ids must be in [0, {info.num_blocks})")
+        if part is not None and (part[0] < 0 or part[1] <= 0 or sum(part) > self.block_bytes):
+            raise ValueError(f"bytes {part[0]}+{part[1]} are not within a block")
         peer = self._peer(info)
         what = f"NIXL {op} of {len(ours)} blocks with {peer.name}"
         try:
-            handle = agent.make_prepped_xfer(
-                op,
-                self._blocks_dlist,
-                np.asarray(ours, dtype=np.int32),
-                peer.blocks,
-                np.asarray(theirs, dtype=np.int32),
-            )
+            if part is None:
+                handle = agent.make_prepped_xfer(
+                    op,
+                    self._blocks_dlist,
+                    np.asarray(ours, dtype=np.int32),
+                    peer.blocks,
+                    np.asarray(theirs, dtype=np.int32),
+                )
+            else:
+                local = self._parts(agent, self._address, ours, part, self._device, self._mem)
+                remote = self._parts(agent, peer.address, theirs, part, peer.device, peer.mem)
+                handle = agent.initialize_xfer(op, local, remote, peer.name)
         except Exception as exc:
             self._drop(peer)
             raise ConnectionError(f"{what}: {type(exc).__name__}: {exc}") from exc
@@ -285,7 +318,14 @@ class NixlBackend:
                 raise ConnectionError(
                     f"NIXL cannot prepare peer {published.name}'s blocks: {exc}"
                 ) from exc
-            peer = _Peer(name=published.name, raw=raw, blocks=blocks)
+            peer = _Peer(
+                name=published.name,
+                raw=raw,
+                blocks=blocks,
+                address=published.address,
+                device=published.device,
+                mem=published.mem,
+            )
             self._peers[peer.name] = peer
             return peer
 
@@ -294,6 +334,15 @@ class NixlBackend:
         `block_bytes` from `address`), prepared for transfers with `agent_name`'s memory."""
         strided = np.array([[address, self.block_bytes, device, self.block_bytes, count]])
         return self._agent.prep_xfer_dlist(agent_name, strided.astype(np.uint64), mem)
+
+    def _parts(
+        self, agent: Any, address: int, ids: list[int], part: tuple[int, int], device: int, mem: str
+    ) -> Any:
+        """A descriptor list of the bytes `part` (offset, length) of each block `ids`."""
+        starts = address + part[0] + np.asarray(ids, dtype=np.uint64) * np.uint64(self.block_bytes)
+        descs = np.empty((len(ids), 3), dtype=np.uint64)
+        descs[:, 0], descs[:, 1], descs[:, 2] = starts, part[1], device
+        return agent.get_xfer_descs(descs, mem)
 
     def _drop(self, peer: _Peer) -> None:
         with self._lock:

@@ -1,7 +1,8 @@
 """A worker's KV pool as the transfer layer sees it: `num_blocks` blocks of `block_bytes` bytes,
 block i at offset i * block_bytes of one buffer (the engine lays each block out contiguous
-across all layers, so a block is one piece). The buffer lives in a shared-memory segment when
-peers on this host may reach it there.
+across all layers, so a block is one piece; within it, layer l's K and V are the `block_bytes //
+num_layers` bytes from l * that, so a run of layers of a block is one piece too). The buffer
+lives in a shared-memory segment when peers on this host may reach it there.
 
 Invariant: the segment is created by the pool's owner, which alone unlinks it (`close`, or its
 resource tracker if the process dies); peers only attach (`attach_segment`)."""
@@ -48,6 +49,7 @@ class KvPool:
         self.layout = ""
         self.num_blocks = 0
         self.block_bytes = 0
+        self.num_layers = 1
 
     def allocate(self, nbytes: int) -> memoryview:
         """The buffer for the engine's cache (zeroed): in shared memory if `shared` and the
@@ -67,10 +69,18 @@ class KvPool:
         return memoryview(bytearray(nbytes))
 
     def attach(
-        self, buffer: memoryview | None, layout: str, num_blocks: int, block_bytes: int
+        self,
+        buffer: memoryview | None,
+        layout: str,
+        num_blocks: int,
+        block_bytes: int,
+        num_layers: int = 1,
     ) -> None:
         """The engine's cache: `buffer` (None when its KV is not in host memory, or has none)."""
+        if num_layers < 1 or block_bytes % num_layers:
+            raise ValueError("a block holds a whole number of bytes per layer")
         self.layout, self.num_blocks, self.block_bytes = layout, num_blocks, block_bytes
+        self.num_layers = num_layers
         if buffer is not None and block_bytes:
             self.blocks = np.frombuffer(buffer, dtype=np.uint8, count=num_blocks * block_bytes)
             self.blocks = self.blocks.reshape(num_blocks, block_bytes)
@@ -85,6 +95,16 @@ class KvPool:
             tcp_address=tcp_address,
             nixl_metadata=nixl_metadata,
         )
+
+    def byte_span(self, layers: tuple[int, int] | None) -> tuple[int, int]:
+        """(offset, length) within each block of layers [first, end); None: the whole block."""
+        if layers is None:
+            return 0, self.block_bytes
+        first, end = layers
+        if not 0 <= first < end <= self.num_layers:
+            raise ValueError(f"layers must be a range within [0, {self.num_layers})")
+        per_layer = self.block_bytes // self.num_layers
+        return first * per_layer, (end - first) * per_layer
 
     def check_blocks(self, block_ids: list[int]) -> None:
         if any(b < 0 or b >= self.num_blocks for b in block_ids):

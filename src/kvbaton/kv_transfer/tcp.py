@@ -2,7 +2,8 @@
 streams its pool's blocks out (READ) and receives blocks into it (WRITE), and the client calls.
 
 A transfer is a header (4-byte big-endian length, then msgpack), an answer header, and the raw
-bytes of the blocks in the order named, each block read from or written into the pool in place
+bytes of the blocks in the order named (of each, the bytes `offset...offset + length` when the
+header names a part: some layers), each block read from or written into the pool in place
 (`recv_into` a run of consecutive blocks; `sendall` of a run). A client keeps its connections
 open for the next transfer to the same peer (a connection and a server thread per transfer
 cost more than moving a short prompt's KV), and retries once on a fresh connection when a kept
@@ -38,6 +39,14 @@ class TransferRequest(msgspec.Struct, kw_only=True):
     op: str  # "read" or "write"
     layout: str
     blocks: list[int]
+    offset: int = 0  # the part of each block moved; length None: from offset to its end
+    length: int | None = None
+
+    def span(self, block_bytes: int) -> slice:
+        length = block_bytes - self.offset if self.length is None else self.length
+        if self.offset < 0 or length <= 0 or self.offset + length > block_bytes:
+            raise ValueError(f"bytes {self.offset}+{length} are not within a block")
+        return slice(self.offset, self.offset + length)
 
 
 class TransferAnswer(msgspec.Struct, kw_only=True):
@@ -70,9 +79,15 @@ def _recv_header(sock: socket.socket, kind: type[msgspec.Struct]) -> msgspec.Str
     return msgspec.msgpack.decode(body, type=kind)
 
 
-def _pieces(blocks: np.ndarray, ids: list[int]) -> deque[memoryview]:
-    """The bytes of blocks `ids` in order, in place: one view per run of consecutive blocks."""
-    return deque(_bytes(blocks[start : start + n]) for start, _, n in block_runs(ids, ids))
+WHOLE = slice(None)
+
+
+def _pieces(blocks: np.ndarray, ids: list[int], span: slice) -> deque[memoryview]:
+    """The bytes `span` of blocks `ids` in order, in place: one view per run of consecutive
+    blocks if whole, else one per block."""
+    if span.indices(blocks.shape[1]) == (0, blocks.shape[1], 1):
+        return deque(_bytes(blocks[start : start + n]) for start, _, n in block_runs(ids, ids))
+    return deque(_bytes(blocks[b, span]) for b in ids)
 
 
 def _batch(pieces: deque[memoryview]) -> list[memoryview]:
@@ -98,16 +113,16 @@ def _advance(pieces: deque[memoryview], batch: list[memoryview], done: int) -> N
         done -= len(piece)
 
 
-def _send_blocks(sock: socket.socket, blocks: np.ndarray, ids: list[int]) -> None:
-    pieces = _pieces(blocks, ids)
+def _send_blocks(sock: socket.socket, blocks: np.ndarray, ids: list[int], span: slice) -> None:
+    pieces = _pieces(blocks, ids, span)
     while pieces:
         batch = _batch(pieces)
         _advance(pieces, batch, sock.sendmsg(batch))
 
 
-def _recv_blocks(sock: socket.socket, blocks: np.ndarray, ids: list[int]) -> None:
+def _recv_blocks(sock: socket.socket, blocks: np.ndarray, ids: list[int], span: slice) -> None:
     """Scattered blocks come in a few large reads, not one per block."""
-    pieces = _pieces(blocks, ids)
+    pieces = _pieces(blocks, ids, span)
     while pieces:
         batch = _batch(pieces)
         n = sock.recvmsg_into(batch)[0]
@@ -170,6 +185,7 @@ class KvTransferServer:
             if request.op not in ("read", "write") or pool.blocks is None:
                 raise ValueError(f"cannot {request.op!r} blocks of this pool")
             pool.check_blocks(request.blocks)
+            span = request.span(pool.block_bytes)
         except Exception as exc:
             log.warning("KV transfer refused: %s", exc)
             with contextlib.suppress(OSError):
@@ -178,9 +194,9 @@ class KvTransferServer:
         try:
             _send_header(sock, TransferAnswer(ok=True))
             if request.op == "read":
-                _send_blocks(sock, pool.blocks, request.blocks)
+                _send_blocks(sock, pool.blocks, request.blocks, span)
             else:
-                _recv_blocks(sock, pool.blocks, request.blocks)
+                _recv_blocks(sock, pool.blocks, request.blocks, span)
                 _send_header(sock, TransferAnswer(ok=True))
             return True
         except (OSError, ConnectionError) as exc:
@@ -201,26 +217,40 @@ class TcpClient:
         self._lock = threading.Lock()
 
     def read(
-        self, address: str, layout: str, src: list[int], blocks: np.ndarray, dst: list[int]
+        self,
+        address: str,
+        layout: str,
+        src: list[int],
+        blocks: np.ndarray,
+        dst: list[int],
+        span: slice = WHOLE,
     ) -> None:
-        """Read the peer's blocks `src` into our `blocks[dst]` (in that order)."""
+        """Read the peer's blocks `src` into our `blocks[dst]` (in that order); of each block
+        the bytes `span` (the same in both pools: their layouts are equal)."""
 
         def read(sock: socket.socket) -> None:
-            _send_header(sock, TransferRequest(op="read", layout=layout, blocks=src))
+            _send_header(sock, _request("read", layout, src, span))
             _expect_ok(sock, address)
-            _recv_blocks(sock, blocks, dst)
+            _recv_blocks(sock, blocks, dst, span)
 
         self._run(address, read)
 
     def write(
-        self, address: str, layout: str, src: list[int], blocks: np.ndarray, dst: list[int]
+        self,
+        address: str,
+        layout: str,
+        src: list[int],
+        blocks: np.ndarray,
+        dst: list[int],
+        span: slice = WHOLE,
     ) -> None:
-        """Write our `blocks[src]` into the peer's blocks `dst` (in that order)."""
+        """Write our `blocks[src]` into the peer's blocks `dst` (in that order); of each block
+        the bytes `span`."""
 
         def write(sock: socket.socket) -> None:
-            _send_header(sock, TransferRequest(op="write", layout=layout, blocks=dst))
+            _send_header(sock, _request("write", layout, dst, span))
             _expect_ok(sock, address)
-            _send_blocks(sock, blocks, src)
+            _send_blocks(sock, blocks, src, span)
             _expect_ok(sock, address)
 
         self._run(address, write)
@@ -251,6 +281,14 @@ class TcpClient:
         for socks in idle.values():
             for sock in socks:
                 sock.close()
+
+
+def _request(op: str, layout: str, blocks: list[int], span: slice) -> TransferRequest:
+    if span == WHOLE:
+        return TransferRequest(op=op, layout=layout, blocks=blocks)
+    return TransferRequest(
+        op=op, layout=layout, blocks=blocks, offset=span.start, length=span.stop - span.start
+    )
 
 
 def _connect(address: str, timeout_s: float) -> socket.socket:
