@@ -186,7 +186,13 @@ def test_a_cache_the_transfer_cannot_address_moves_through_its_host_mirror(
     try:
         first, blocks = prefill(p_eng, "r", prompt)
         assert pools[0].blocks is not None and not pools[0].blocks[blocks].any()  # not staged
-        p_eng.kv_cache().stage_out(blocks)
+        view = p_eng.kv_cache()
+        layer_bytes = view.block_bytes // view.num_layers
+        view.stage_out(blocks, (1, 2))  # one layer: a decode-first prompt's, as it is computed
+        staged = pools[0].blocks[blocks]
+        assert staged[:, layer_bytes : 2 * layer_bytes].any()
+        assert not staged[:, :layer_bytes].any() and not staged[:, 2 * layer_bytes :].any()
+        view.stage_out(blocks)
         d_eng.add_request("r", prompt, greedy(), kv_source=blocks, output_token_ids=first)
         tokens = list(first)
         while d_eng.has_unfinished() or d_eng.scheduler.loading:

@@ -31,6 +31,7 @@ from pathlib import Path
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.engine import EngineStats, LLMEngine
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
+from kvbaton.engine.sequence import KvSink
 from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput, SamplingParams
 
@@ -47,6 +48,7 @@ class _Add:
     hold_kv: bool
     kv_source: object
     output_token_ids: list[int] | None
+    kv_sink: KvSink | None
 
 
 @dataclass
@@ -120,6 +122,7 @@ class AsyncEngine:
         hold_kv: bool = False,
         kv_source: object = None,
         output_token_ids: list[int] | None = None,
+        kv_sink: KvSink | None = None,
     ) -> AsyncGenerator[EngineOutput, None]:
         """Outputs of one request, the last with a finish reason (or, held, its blocks). Raises
         ValueError at once for a request that could never run; closing the iterator early
@@ -142,6 +145,7 @@ class AsyncEngine:
                     hold_kv,
                     kv_source,
                     output_token_ids,
+                    kv_sink,
                 )
             )
         return self._stream(request_id, outputs)
@@ -263,6 +267,7 @@ class AsyncEngine:
                 hold_kv=message.hold_kv,
                 kv_source=message.kv_source,
                 output_token_ids=message.output_token_ids,
+                kv_sink=message.kv_sink,
             )
         except ValueError as exc:  # checked before queueing; the engine's state may differ
             self._deliver(message.request_id, exc)

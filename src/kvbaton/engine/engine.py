@@ -14,7 +14,7 @@ from typing import Protocol
 from kvbaton.engine.block_manager import BlockManager
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.scheduler import KvLoad, Scheduler, SchedulerOutput
-from kvbaton.engine.sequence import Sequence
+from kvbaton.engine.sequence import KvSink, Sequence
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput, SamplingParams, Usage
@@ -36,6 +36,15 @@ class EngineStats:
     active_decode_blocks: int = 0
 
 
+class Staging(Protocol):
+    def __call__(self, block_ids: list[int], layers: tuple[int, int] | None = None) -> None:
+        """Copy blocks (of each, layers [first, end) if given) between cache and mirror."""
+
+
+def _not_mirrored(block_ids: list[int], layers: tuple[int, int] | None = None) -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class KvCacheView:
     """The KV cache as a transfer layer sees it. Peers move blocks in `buffer`; where that is
@@ -47,8 +56,9 @@ class KvCacheView:
     block_bytes: int  # a block, all layers, contiguous; 0: blocks with no bytes (mocker)
     buffer: memoryview | None  # host memory of the blocks, if the engine was given some
     mirrored: bool = False  # `buffer` mirrors the cache: stage blocks out and in
-    stage_out: Callable[[list[int]], None] = lambda ids: None
-    stage_in: Callable[[list[int]], None] = lambda ids: None
+    stage_out: Staging = _not_mirrored
+    stage_in: Staging = _not_mirrored
+    num_layers: int = 1  # a block's bytes are this many equal parts, one per layer, in order
 
 
 class StepRunner(Protocol):
@@ -153,10 +163,13 @@ class LLMEngine:
         hold_kv: bool = False,
         kv_source: object = None,
         output_token_ids: list[int] | None = None,
+        kv_sink: KvSink | None = None,
     ) -> None:
         """`hold_kv`: end after the first token, keeping the blocks until `release_kv` (unless
         the request stops there). `kv_source`: the prompt's KV is read from there (the loader's
-        business) instead of computed, and `output_token_ids` were sampled there already."""
+        business) instead of computed, and `output_token_ids` were sampled there already.
+        `kv_sink`: told of each layer of the prompt's KV the model runner writes (a stand-in
+        runner writes none)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_request(prompt_token_ids, params)
@@ -177,6 +190,7 @@ class LLMEngine:
             num_emitted_tokens=len(known),
             hold_kv=hold_kv,
             kv_source=kv_source,
+            kv_sink=kv_sink,
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -277,6 +291,7 @@ class LLMEngine:
             r.mirror is not None,
             r.stage_out,
             r.stage_in,
+            r.model.config.num_layers,
         )
 
     def clear_kv_blocks(self) -> int:

@@ -22,6 +22,7 @@ cache, so a sequence may read blocks that another sequence of the same step is f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -269,8 +270,14 @@ class LlamaModel:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, cache: torch.Tensor) -> torch.Tensor:
-        """Logits [S, vocab] (float32) at `batch.logits_index`; writes the step's K/V."""
+    def forward(
+        self,
+        batch: StepBatch,
+        cache: torch.Tensor,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Logits [S, vocab] (float32) at `batch.logits_index`; writes the step's K/V, and calls
+        `on_layer(i)` once layer i's are in the cache (queued, on a GPU), before layer i + 1."""
         c = self.config
         block_size = cache.shape[3]
         rows = cache.view(-1, c.num_kv_heads, c.head_dim)
@@ -295,6 +302,8 @@ class LlamaModel:
             q, k, v = qk[:, :nh], qk[:, nh:], heads[:, nqk:]
             rows.index_copy_(0, write[i, 0], k)
             rows.index_copy_(0, write[i, 1], v)
+            if on_layer is not None:
+                on_layer(i)
             attn = self._attention(batch, q, k, v, rows, i * layer_stride, block_size)
             h = h + w.o(attn)
             x = rms_norm(h, w.post_norm, c.eps)

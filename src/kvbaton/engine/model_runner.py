@@ -18,6 +18,7 @@ from kvbaton.engine.model import (
 )
 from kvbaton.engine.sampler import Sampler
 from kvbaton.engine.scheduler import ScheduledSeq, SchedulerOutput
+from kvbaton.engine.sequence import KvSink, PromptChunk
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -123,19 +124,23 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
 
-    def stage_out(self, block_ids: list[int]) -> None:
-        """Copy blocks of the cache to its host mirror (before a peer moves them)."""
-        if self.mirror is not None and block_ids:
-            assert self.cache is not None
-            index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-            self.mirror[index.cpu()] = self.cache[index].cpu()
-
-    def stage_in(self, block_ids: list[int]) -> None:
-        """Copy blocks of the host mirror into the cache (after a peer moved them there)."""
+    def stage_out(self, block_ids: list[int], layers: tuple[int, int] | None = None) -> None:
+        """Copy blocks of the cache (layers [first, end) of each, if given) to its host mirror
+        (before a peer moves them)."""
         if self.mirror is not None and block_ids:
             assert self.cache is not None
             index = torch.tensor(block_ids, dtype=torch.long)
-            self.cache[index.to(self.device)] = self.mirror[index].to(self.device)
+            part = slice(*layers) if layers else slice(None)
+            self.mirror[index, part] = self.cache[index.to(self.device), part].cpu()
+
+    def stage_in(self, block_ids: list[int], layers: tuple[int, int] | None = None) -> None:
+        """Copy blocks of the host mirror (layers [first, end) of each, if given) into the
+        cache (after a peer moved them there)."""
+        if self.mirror is not None and block_ids:
+            assert self.cache is not None
+            index = torch.tensor(block_ids, dtype=torch.long)
+            part = slice(*layers) if layers else slice(None)
+            self.cache[index.to(self.device), part] = self.mirror[index, part].to(self.device)
 
     def kv_layout(self) -> str:
         """The cache's dtype and block shape: caches exchange blocks only when equal."""
@@ -227,13 +232,34 @@ class ModelRunner:
         )
         return batch, [ordered[i] for i in sampling]
 
+    def _layer_calls(self, scheduled: list[ScheduledSeq]) -> Callable[[int], None] | None:
+        """The forward pass's per-layer call: tells each sink of the step's prompt chunks."""
+        chunks: list[tuple[KvSink, PromptChunk]] = []
+        for s in scheduled:
+            seq = s.seq
+            if seq.kv_sink is None or seq.num_computed_tokens >= seq.num_prompt_tokens:
+                continue
+            start = seq.num_computed_tokens
+            end = min(start + s.num_tokens, seq.num_prompt_tokens)
+            first, last = start // self.block_size, (end - 1) // self.block_size
+            blocks = seq.block_table[first : last + 1]
+            chunks.append((seq.kv_sink, PromptChunk(start, end, first, blocks)))
+        if not chunks:
+            return None
+
+        def on_layer(layer: int) -> None:
+            for sink, chunk in chunks:
+                sink.layer_written(chunk, layer)
+
+        return on_layer
+
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Run the step; the sampled token of each sequence that samples, by request id."""
         assert self.cache is not None, "allocate_cache first"
         if not output.scheduled:
             return {}
         batch, sampling = self.build(output.scheduled)
-        logits = self.model.forward(batch, self.cache)
+        logits = self.model.forward(batch, self.cache, self._layer_calls(output.scheduled))
         if not sampling:
             return {}
         seqs = [s.seq for s in sampling]

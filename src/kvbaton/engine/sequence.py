@@ -9,14 +9,16 @@ received from a prefill worker) are tokens that became computed without a forwar
 Disaggregation adds two lives: a prefill worker's sequence with `hold_kv` ends after its first
 token with its blocks still held (for a decode worker to read, until released); a decode
 worker's sequence with `kv_source` arrives with its prompt and first token, and waits in
-LOADING while its prompt's KV is read from the prefill worker into its blocks.
+LOADING while its prompt's KV is read from the prefill worker into its blocks. A sequence with a
+`kv_sink` is told of each layer of its prompt's KV as a step writes it into the cache (the
+decode-first order streams it to the decode worker as it is computed).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvbaton.llm.hashing import block_extra_keys, hash_blocks
 from kvbaton.protocols.llm import SamplingParams, TokenLogprob
@@ -27,6 +29,26 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     LOADING = "loading"  # blocks allocated, the prompt's KV being read from a prefill worker
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """Prompt tokens [start, end) computed in one step, in blocks `block_ids`: the sequence's
+    blocks `first_block...` at that step (the blocks that hold those tokens)."""
+
+    start: int
+    end: int
+    first_block: int
+    block_ids: list[int]
+
+
+class KvSink(Protocol):
+    def layer_written(self, chunk: PromptChunk, layer: int) -> None:
+        """Called on the engine's thread once a step wrote layer `layer`'s K and V of `chunk`
+        into the cache, before the next layer's (layers in order, every layer of a chunk; a
+        chunk may be computed again after a preemption, in other blocks). Must not block; the
+        blocks stay the sequence's until its step ends, no longer."""
+        ...
 
 
 @dataclass(eq=False)
@@ -49,6 +71,7 @@ class Sequence:
     num_emitted_tokens: int = 0  # output tokens already handed to the caller
     hold_kv: bool = False  # end after the first token, blocks held for a decode worker
     kv_source: object = None  # where the prompt's KV is (opaque here; given to the loader)
+    kv_sink: KvSink | None = None  # told of each layer of the prompt's KV as it is written
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 
 from kvbaton.engine.engine import EngineStats
+from kvbaton.engine.sequence import KvSink
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.protocols.kv import KvDump
 from kvbaton.protocols.llm import EngineOutput, SamplingParams, Usage
@@ -34,6 +35,7 @@ class FixedTokensEngine:
         hold_kv: bool = False,
         kv_source: object = None,
         output_token_ids: list[int] | None = None,
+        kv_sink: KvSink | None = None,
     ) -> AsyncGenerator[EngineOutput, None]:
         """Runs whole requests only (an "agg" worker): the disaggregation arguments are
         ignored."""
