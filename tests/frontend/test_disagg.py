@@ -1,8 +1,9 @@
 """Disaggregated serving through a real deployment: `kvbaton serve --mode disagg` (a prefill and
 a decode worker) on a tiny random model, in both transfer orders, the KV moving over shared
-memory or TCP. Greedy tokens equal aggregated serving's (the same decode worker, pinned, runs
-the request whole), with and without prefix-cache hits on either side; every block comes back
-on both workers."""
+memory, TCP or NIXL (decode-first: written layer by layer as the prefill worker computes it, or
+whole blocks at the end with `--kv-push blocks`). Greedy tokens equal aggregated serving's (the
+same decode worker, pinned, runs the request whole), with and without prefix-cache hits on
+either side; every block comes back on both workers."""
 
 from __future__ import annotations
 
@@ -65,23 +66,26 @@ async def wait_all_blocks_free(discovery: str) -> None:
 class Disagg(Deployment):
     backend: str = ""
     order: str = ""
+    push: str = ""
 
 
 @pytest.fixture(
     scope="module",
     params=[
-        ("shm", "prefill-first"),
-        ("tcp", "prefill-first"),
-        ("shm", "decode-first"),
-        ("tcp", "decode-first"),
-        ("nixl", "prefill-first"),
+        ("shm", "prefill-first", "layers"),
+        ("tcp", "prefill-first", "layers"),
+        ("shm", "decode-first", "layers"),
+        ("tcp", "decode-first", "layers"),
+        ("nixl", "prefill-first", "layers"),
+        ("nixl", "decode-first", "layers"),
+        ("shm", "decode-first", "blocks"),
     ],
-    ids=lambda p: "-".join(p),
+    ids=lambda p: "-".join(p).removesuffix("-layers"),
 )
 def disagg(
     request: pytest.FixtureRequest, chat_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Disagg]:
-    backend, order = request.param
+    backend, order, push = request.param
     deployment = start_serve(
         chat_model,
         tmp_path_factory.mktemp("discovery"),
@@ -93,9 +97,11 @@ def disagg(
         backend,
         "--transfer-order",
         order,
+        "--kv-push",
+        push,
     )
     wait_for_health(deployment.url, deployment.model, 1)
-    yield Disagg(**vars(deployment), backend=backend, order=order)
+    yield Disagg(**vars(deployment), backend=backend, order=order, push=push)
     assert stop_serve(deployment.proc) == 0
 
 
@@ -135,9 +141,17 @@ def test_disaggregated_tokens_equal_aggregated(disagg: Disagg) -> None:
         assert cold == whole == warm, len(prompt)
     moved = "read" if disagg.order == "prefill-first" else "wrote"
     assert re.search(rf"{moved} \d+ KV blocks .* over {disagg.backend}", disagg.log_text())
+    streamed = re.findall(r"layer by layer in (\d+) writes, (\d+) more whole", disagg.log_text())
+    if disagg.order == "decode-first" and disagg.push == "layers":
+        # Every block went as the prompt was computed (none was cached here and not there).
+        assert streamed and all(int(n) > 0 and whole == "0" for n, whole in streamed), streamed
+    else:
+        assert not streamed
     prefill_load, decode_load = asyncio.run(loads(disagg.discovery))
     mover = decode_load if disagg.order == "prefill-first" else prefill_load
     assert mover.kv_transfer_bytes > 0 and mover.kv_transfer_seconds > 0
+    assert mover.kv_handoffs >= len(PROMPT_LENGTHS) - 1  # (a 1-token prompt needs no KV moved)
+    assert mover.kv_handoff_wait_seconds > 0
     asyncio.run(wait_all_blocks_free(disagg.discovery))
 
 

@@ -97,7 +97,7 @@ async def _handoff(
             raise ValueError(f"--role {args.role} needs --engine torch or mocker")
         return None
     view = engine.engine.kv_cache()
-    pool.attach(view.buffer, view.layout, view.num_blocks, view.block_bytes)
+    pool.attach(view.buffer, view.layout, view.num_blocks, view.block_bytes, view.num_layers)
     agent = KvTransferAgent(pool, args.kv_transfer, args.kv_transfer_timeout)
     if args.role != "agg":  # peers reach its pool (an agg worker only reads theirs)
         agent.start(runtime.settings.host, f"kvbaton-{await runtime.ensure_instance_id():x}")
@@ -109,6 +109,7 @@ async def _handoff(
         f"{args.namespace}.{component}",
         engine.block_size,
         args.kv_hold_timeout,
+        args.kv_push,
     )
     engine.kv_loader = handoff.load
     return handoff
@@ -152,6 +153,14 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds a prefill worker holds a request's KV for its decode worker",
     )
+    disagg.add_argument(
+        "--kv-push",
+        choices=["layers", "blocks"],
+        default="layers",
+        help="decode-first: a prefill worker writes the prompt's KV into the decode worker's "
+        "blocks layer by layer as it computes them (layers), or whole blocks once the prompt is "
+        "computed (blocks)",
+    )
     mocker = parser.add_argument_group("mocker (timing defaults: Dynamo's mocker)")
     mocker.add_argument("--speedup-ratio", type=float, help="divide step times by it (default 1)")
     mocker.add_argument("--mocker-prefill", metavar="A,B,C", help="prefill ms = A*t^2 + B*t + C")
@@ -173,6 +182,6 @@ ENGINE_FLAGS = (
     "num_threads",
 )
 MOCKER_FLAGS = ("speedup_ratio", "mocker_prefill", "mocker_decode")
-DISAGG_FLAGS = ("kv_transfer", "kv_transfer_timeout", "kv_hold_timeout")
+DISAGG_FLAGS = ("kv_transfer", "kv_transfer_timeout", "kv_hold_timeout", "kv_push")
 # What `serve` passes on to its workers.
 WORKER_FLAGS = (*ENGINE_FLAGS, *MOCKER_FLAGS, *DISAGG_FLAGS, "served_model_name", "fixed_tokens")

@@ -199,3 +199,8 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     active_decode_blocks: int = 0
     kv_transfer_bytes: int = 0  # KV this worker read or wrote for disaggregation, so far
     kv_transfer_seconds: float = 0.0
+    # Prompts whose KV this worker moved to or from a peer, and the time they waited on it
+    # after the prompt was computed (a decode worker's read; decode-first, a prefill worker's
+    # writes still running once the forward pass had ended, and those of cached blocks).
+    kv_handoffs: int = 0
+    kv_handoff_wait_seconds: float = 0.0

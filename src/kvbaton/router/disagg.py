@@ -143,8 +143,11 @@ _ABANDONING: set[asyncio.Task[None]] = set()
 def _abandon_on_failure(
     prefill: PrefillRouter, target: KvTarget, task: asyncio.Task[EngineOutput | None]
 ) -> None:
-    """A prefill that wrote nothing: end the decode worker's wait now, not at its timeout."""
-    if task.cancelled() or task.exception() is not None or task.result() is None:
+    """A prefill that failed: end the decode worker's wait now, not at its timeout. (A prefill
+    cancelled with its request is reported by the prefill worker, once its writes ended.)"""
+    if task.cancelled():
+        return
+    if task.exception() is not None or task.result() is None:
         abandoning = asyncio.ensure_future(prefill.abandon(target))
         _ABANDONING.add(abandoning)
         abandoning.add_done_callback(_ABANDONING.discard)

@@ -3,20 +3,23 @@
 Prefill-first: a prefill worker holds a request's blocks after its first token and answers with
 `DisaggregatedParams`; the decode worker reads the prompt's KV from its pool, then tells it to
 release. Decode-first: the decode worker allocates blocks and answers first with a `KvTarget`
-(its room); the prefill worker writes the prompt's KV into them, tells the decode worker
+(its room); the prefill worker writes the prompt's KV into them (layer by layer as it computes
+them, `kv_push.py`, unless told to write whole blocks at the end), tells the decode worker
 (`kv_ready`, with the first token) and frees its own blocks at once; the decode worker waits
 for that in its room, at most `timeout_s`.
 
 Invariants: held blocks are released exactly once, by a `kv_release` call or, if none comes,
 after `hold_timeout_s`; a decode worker sends one release per request it was given params for
 (after its read, or when the request ends without one), and never waits on it; a room ends
-exactly once (kv_ready, its timeout, or its request ending), and its blocks are not freed while
-a writer may still be told to write them (the engine frees a loading request's blocks only
-when its load ends)."""
+exactly once (kv_ready, its timeout, or its request ending before its blocks were announced),
+and its blocks are not freed while a writer may still write them (the engine frees a loading
+request's blocks only when its load ends); a prefill worker reports (`kv_ready`) on every
+decode-first request it was given, once its writes have ended."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -29,10 +32,13 @@ from kvbaton.kv_transfer import KvTransferAgent
 from kvbaton.llm.peer_calls import PeerCalls
 from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput, KvPoolInfo, KvTarget
 from kvbaton.runtime import Context, DistributedRuntime
+from kvbaton.workers.kv_push import LayerPush
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HOLD_TIMEOUT_S = 30.0
+PUSH_MODES = ("layers", "blocks")
+PUSH_THREADS = 4  # writers of decode-first pushes in flight at once
 
 
 class HoldingEngine(Protocol):
@@ -56,6 +62,7 @@ class KvRoom:
     block_ids: list[int] = field(default_factory=list)
     first_block: int = 0
     done: threading.Event = field(default_factory=threading.Event)
+    announced: bool = False  # its blocks were handed out: a writer may write them
     ok: bool = False
     token_ids: list[int] = field(default_factory=list)
 
@@ -78,12 +85,16 @@ class KvHandoff:
         component_path: str,
         block_size: int,
         hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
+        push: str = "layers",
     ) -> None:
         """`cache`: the engine's, whose blocks the agent's pool holds (or mirrors);
         `component_path`: "namespace.component" of this worker (its kv_release and kv_ready
-        endpoints)."""
+        endpoints); `push`: how a prefill worker writes decode-first KV ("layers": as the
+        engine computes each layer; "blocks": whole blocks once the prompt is computed)."""
         if hold_timeout_s <= 0:
             raise ValueError("the KV hold timeout must be positive")
+        if push not in PUSH_MODES:
+            raise ValueError(f"the KV push must be one of {', '.join(PUSH_MODES)}")
         self.runtime = runtime
         self.engine = engine
         self.agent = agent
@@ -96,6 +107,13 @@ class KvHandoff:
         self._rooms: dict[str, KvRoom] = {}
         self.peers = PeerCalls(runtime)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.push_layers = push == "layers"
+        self.handoffs = 0  # prompts whose KV was read or written here (see WorkerLoad)
+        self.handoff_wait_s = 0.0
+        self._count_lock = threading.Lock()
+        self._writers = concurrent.futures.ThreadPoolExecutor(
+            PUSH_THREADS, thread_name_prefix="kvbaton-kv-push"
+        )
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -107,6 +125,7 @@ class KvHandoff:
         for room in list(self._rooms.values()):
             room.end(False, [])
         await self.peers.close()
+        await asyncio.to_thread(self._writers.shutdown)
         await asyncio.to_thread(self.agent.close)
 
     # -- prefill side --------------------------------------------------------------------------
@@ -170,8 +189,10 @@ class KvHandoff:
             src = params.block_ids[load.first_block : load.first_block + len(load.dst_blocks)]
             if len(src) != len(load.dst_blocks):
                 raise ValueError("the prefill worker sent fewer blocks than the prompt needs")
+            started = time.perf_counter()
             self._move("read", params.pool, src, load.dst_blocks, load.request_id)
             self.cache.stage_in(load.dst_blocks)
+            self._waited(started)
         finally:
             assert self._loop is not None
             asyncio.run_coroutine_threadsafe(self.release_remote(fetch), self._loop)
@@ -193,6 +214,11 @@ class KvHandoff:
             (time.perf_counter() - started) * 1e3,
         )
 
+    def _waited(self, since: float) -> None:
+        with self._count_lock:
+            self.handoffs += 1
+            self.handoff_wait_s += time.perf_counter() - since
+
     async def release_remote(self, fetch: KvFetch) -> None:
         """Tell the prefill worker to release the blocks of `fetch` (once)."""
         if not fetch.released:
@@ -206,13 +232,18 @@ class KvHandoff:
         return room
 
     def close_room(self, room: KvRoom) -> None:
-        """The request ended: a writer that has not reported is too late."""
-        room.end(False, [])
-        self._rooms.pop(room.name, None)
+        """The request ended. A room whose blocks were announced stays open for its writer's
+        report (or the timeout): the engine keeps the blocks of an aborted request until its
+        load ends, so no write lands in blocks given to another request meanwhile."""
         if not room.allocated.done():
             room.allocated.cancel()
+        if not room.announced:
+            room.end(False, [])
+            self._rooms.pop(room.name, None)
 
     def target(self, room: KvRoom) -> KvTarget:
+        """The room's blocks, for the PrefillRouter to hand a prefill worker (its writer)."""
+        room.announced = True
         return KvTarget(
             decode_instance_id=self.runtime.instance_id or 0,
             notify_endpoint=self.notify_endpoint,
@@ -235,6 +266,7 @@ class KvHandoff:
         self._loop.call_soon_threadsafe(allocated)
         if not room.done.wait(self.agent.timeout_s):
             room.end(False, [])
+        self._rooms.pop(room.name, None)
         if not room.ok:
             raise KvLoadFailed(f"room {room.name}: the prompt's KV was not written", room.token_ids)
         self.cache.stage_in(load.dst_blocks)
@@ -252,21 +284,47 @@ class KvHandoff:
         tokens = [int(t) for t in request.get("token_ids", [])]
         return {"accepted": room is not None and room.end(bool(request.get("ok")), tokens)}
 
-    async def push(self, handle: str, out: EngineOutput, target: KvTarget) -> EngineOutput:
-        """Prefill side: write a held request's KV into the target's blocks, report to the
-        decode worker, free our blocks; the answer for the PrefillRouter."""
+    def layer_push(self, handle: str, target: KvTarget) -> LayerPush | None:
+        """The engine's sink for a decode-first prompt whose KV is written layer by layer
+        (None: it is written whole at the end, or has no bytes)."""
+        if not self.push_layers or not self.agent.pool.block_bytes:
+            return None
+        if target.block_size != self.block_size:
+            return None  # `push` refuses it
+        return LayerPush(handle, target, self.agent, self.cache, self._writers)
+
+    async def push(
+        self,
+        handle: str,
+        out: EngineOutput,
+        target: KvTarget,
+        streamed: LayerPush | None = None,
+    ) -> EngineOutput:
+        """Prefill side: write a held request's KV into the target's blocks (what `streamed`
+        did not write as the prompt was computed), report to the decode worker, free our
+        blocks; the answer for the PrefillRouter."""
         ok = False
         if out.kv_blocks is not None:
             src = out.kv_blocks[target.first_block : target.first_block + len(target.block_ids)]
             try:
                 if len(src) != len(target.block_ids) or target.block_size != self.block_size:
                     raise ValueError("the decode worker's blocks do not fit this prompt's")
-                await asyncio.to_thread(self._stage_and_write, target, src, handle)
+                started = time.perf_counter()
+                if streamed is not None:
+                    await asyncio.to_thread(streamed.finish, out.kv_blocks)
+                else:
+                    await asyncio.to_thread(self._stage_and_write, target, src, handle)
+                self._waited(started)
                 ok = True
             except Exception as exc:
                 log.warning("request %s: KV write to %s failed: %s", handle, target.room, exc)
             finally:
+                if streamed is not None:  # no write reads our blocks once they are freed
+                    await asyncio.to_thread(streamed.stop)
                 self.engine.release_kv(handle)
+        elif streamed is not None:  # it stopped at its first token: no KV is wanted
+            await asyncio.to_thread(streamed.stop)
+        # The decode worker frees its blocks on this report: our writes have ended.
         await self.peers.kv_ready(target, ok, out.token_ids)
         return EngineOutput(
             request_id=out.request_id,

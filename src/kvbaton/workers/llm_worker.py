@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvbaton.engine.engine import EngineStats
+from kvbaton.engine.sequence import KvSink
 from kvbaton.llm.model_cards import model_card_key
 from kvbaton.protocols.kv import KvDump
 from kvbaton.protocols.llm import (
@@ -75,6 +76,7 @@ class ServingEngine(Protocol):
         hold_kv: bool = False,
         kv_source: object = None,
         output_token_ids: list[int] | None = None,
+        kv_sink: KvSink | None = None,
     ) -> AsyncGenerator[EngineOutput, None]: ...
 
     def release_kv(self, request_id: str) -> None: ...
@@ -128,6 +130,9 @@ class LLMWorker:
         room = None
         if request.bootstrap and self.handoff is not None and self.role != "prefill":
             room = self.handoff.open_room(engine_id)
+        streamed = None
+        if request.kv_target is not None and self.handoff is not None:
+            streamed = self.handoff.layer_push(engine_id, request.kv_target)
         outputs = await self.engine.add_request(
             engine_id,
             request.token_ids,
@@ -137,17 +142,19 @@ class LLMWorker:
             hold_kv=self.role == "prefill",
             kv_source=room or self._readable(fetch),
             output_token_ids=fetch.params.first_token_ids if fetch else None,
+            kv_sink=streamed,
         )
         generated = 0
         finish = "cancelled"
+        pushed = False  # decode-first: the decode worker was told whether its KV was written
         stream = outputs if room is None else self._announced(room, outputs)
         try:
             async for out in stream:
                 generated += len(out.token_ids)
                 if request.kv_target is not None:
                     assert self.handoff is not None
-                    out = await self.handoff.push(engine_id, out, request.kv_target)
-                    finish = "pushed"
+                    out = await self.handoff.push(engine_id, out, request.kv_target, streamed)
+                    finish, pushed = "pushed", True
                 elif out.kv_blocks is not None:
                     assert self.handoff is not None
                     out = await self.handoff.hold(engine_id, out, len(request.token_ids))
@@ -158,7 +165,12 @@ class LLMWorker:
                 elif context.is_stopped():
                     break
         finally:
+            if streamed is not None:  # before the abort frees the blocks it reads
+                await asyncio.to_thread(streamed.stop)
             await outputs.aclose()  # aborts an unfinished request
+            if request.kv_target is not None and not pushed:
+                assert self.handoff is not None  # no more writes: the decode worker may go on
+                await self.handoff.peers.kv_ready(request.kv_target, False, [])
             if room is not None:
                 assert self.handoff is not None
                 self.handoff.close_room(room)
@@ -223,6 +235,8 @@ class LLMWorker:
             instance_id=self.runtime.instance_id or 0,
             kv_transfer_bytes=agent.bytes_moved if agent else 0,
             kv_transfer_seconds=agent.seconds if agent else 0.0,
+            kv_handoffs=self.handoff.handoffs if self.handoff else 0,
+            kv_handoff_wait_seconds=self.handoff.handoff_wait_s if self.handoff else 0.0,
             **stats,
         )
 

@@ -1,0 +1,176 @@
+"""Decode-first, on the prefill worker: a prompt's KV written into the decode worker's blocks
+layer by layer, as the engine computes it (the engine's `KvSink` for the request).
+
+The engine tells the push of each layer of each prompt chunk once that layer's K and V are in
+the cache. A writer (at most one at a time per push, on a shared thread pool) writes the layers
+told since its last write, of the chunk's blocks, into the target's blocks at the same positions
+in the prompt: a block's layers are contiguous, so a writer that falls behind the forward pass
+moves several layers of a block as one piece. `finish` then writes, whole, the blocks that were
+not streamed (found in the prefix cache here; every block if a chunk was computed again after a
+preemption, since a write may have read a block after its reuse) and reports whether all went.
+
+Invariants: one push's writes run one at a time, in the order the layers were computed; once
+`finish` or `stop` returns, none of its writes runs or starts; the engine's thread never waits
+on a write."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from kvbaton.engine.engine import KvCacheView
+from kvbaton.engine.sequence import PromptChunk
+from kvbaton.kv_transfer import KvTransferAgent
+from kvbaton.protocols.llm import KvTarget
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Layers:
+    chunk: PromptChunk
+    first: int
+    end: int
+
+
+class LayerPush:
+    def __init__(
+        self,
+        request_id: str,
+        target: KvTarget,
+        agent: KvTransferAgent,
+        cache: KvCacheView,
+        writers: concurrent.futures.Executor,
+    ) -> None:
+        self.request_id = request_id
+        self.target = target
+        self.agent = agent
+        self.cache = cache
+        self.writers = writers
+        self.num_layers = cache.num_layers
+        self._cond = threading.Condition()
+        self._pending: list[_Layers] = []
+        self._writing = False
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._next_start: int | None = None
+        self._redo_all = False  # a chunk was computed again: write every block whole at the end
+        self._streamed: dict[int, int] = {}  # prompt block index -> block id written, all layers
+        self.writes = 0  # transfers made while the prompt was computed
+
+    # -- the engine's thread -------------------------------------------------------------------
+    def layer_written(self, chunk: PromptChunk, layer: int) -> None:
+        with self._cond:
+            if self._stopped or self._error is not None:
+                return
+            if layer == 0:
+                if self._next_start is not None and chunk.start != self._next_start:
+                    self._redo_all = True
+                self._next_start = chunk.end
+            last = self._pending[-1] if self._pending else None
+            if last is not None and last.chunk is chunk and last.end == layer:
+                self._pending[-1] = _Layers(chunk, last.first, layer + 1)
+            else:
+                self._pending.append(_Layers(chunk, layer, layer + 1))
+            if not self._writing:
+                self._writing = True
+                try:
+                    self.writers.submit(self._drain)
+                except RuntimeError as exc:  # the pool is shut down
+                    self._writing = False
+                    self._error = exc
+
+    # -- a writer thread -----------------------------------------------------------------------
+    def _drain(self) -> None:
+        while True:
+            with self._cond:
+                if not self._pending or self._stopped or self._error is not None:
+                    self._writing = False
+                    self._cond.notify_all()
+                    return
+                job = self._pending.pop(0)
+            try:
+                self._write(job)
+            except BaseException as exc:
+                room = self.target.room
+                log.warning("request %s: KV write to %s failed: %s", self.request_id, room, exc)
+                with self._cond:
+                    self._error = exc
+
+    def _write(self, job: _Layers) -> None:
+        src: list[int] = []
+        dst: list[int] = []
+        for k, block in enumerate(job.chunk.block_ids):
+            slot = self._slot(job.chunk.first_block + k)
+            if slot is not None:
+                src.append(block)
+                dst.append(slot)
+        if not src:
+            return
+        layers = (job.first, job.end)
+        self.cache.stage_out(src, layers)
+        self.agent.write(self.target.pool, src, dst, layers)
+        self.writes += 1
+        if job.end == self.num_layers:
+            with self._cond:
+                for k, block in enumerate(job.chunk.block_ids):
+                    self._streamed[job.chunk.first_block + k] = block
+
+    def _slot(self, index: int) -> int | None:
+        """The target's block for the prompt's block `index` (None: the decode worker has it)."""
+        k = index - self.target.first_block
+        return self.target.block_ids[k] if 0 <= k < len(self.target.block_ids) else None
+
+    # -- the worker ----------------------------------------------------------------------------
+    def _quiesce(self, timeout_s: float) -> None:
+        """Until no write runs (the writes still pending are dropped if stopped)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._writing, timeout_s):
+                self._stopped = True
+                raise TimeoutError(f"KV writes to {self.target.room} still run after {timeout_s}s")
+
+    def stop(self) -> None:
+        """No more writes (the request ended early); returns once none runs."""
+        with self._cond:
+            self._stopped = True
+        try:
+            self._quiesce(self.agent.timeout_s)
+        except TimeoutError as exc:
+            log.error("request %s: %s", self.request_id, exc)
+
+    def finish(self, prompt_blocks: list[int]) -> None:
+        """The prompt is computed, in `prompt_blocks` (its block table): wait for the streamed
+        writes, then write whole the blocks they did not cover. Raises if any write failed."""
+        started = time.perf_counter()
+        target = self.target
+        end = target.first_block + len(target.block_ids)
+        if len(prompt_blocks) < end:
+            self.stop()
+            raise ValueError("the decode worker's blocks do not fit this prompt's")
+        self._quiesce(self.agent.timeout_s)
+        with self._cond:
+            self._stopped = True
+            if self._error is not None:
+                raise self._error
+            missing = [
+                i
+                for i in range(target.first_block, end)
+                if self._redo_all or self._streamed.get(i) != prompt_blocks[i]
+            ]
+        src = [prompt_blocks[i] for i in missing]
+        dst = [target.block_ids[i - target.first_block] for i in missing]
+        self.cache.stage_out(src)
+        backend = self.agent.write(target.pool, src, dst)
+        log.info(
+            "request %s: wrote %d KV blocks layer by layer in %d writes, %d more whole, over "
+            "%s; done %.1f ms after the prompt was computed",
+            self.request_id,
+            len(target.block_ids),
+            self.writes,
+            len(src),
+            backend,
+            (time.perf_counter() - started) * 1e3,
+        )

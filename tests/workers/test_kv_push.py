@@ -1,0 +1,210 @@
+"""A decode-first push writes each layer as the engine reports it, into the target's blocks at
+the same prompt positions; layers reported while a write runs go in one write; `finish` writes
+whole what was not streamed (blocks found in the prefix cache, everything after a chunk was
+computed again) and raises if a write failed; after `stop` nothing more is written."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvbaton.engine.engine import KvCacheView
+from kvbaton.engine.sequence import PromptChunk
+from kvbaton.protocols.llm import KvPoolInfo, KvTarget
+from kvbaton.workers.kv_push import LayerPush
+
+pytestmark = pytest.mark.unit
+
+LAYERS, LAYER_BYTES, BLOCKS = 4, 8, 16
+BLOCK = 4  # tokens
+
+
+class FakeAgent:
+    """Moves bytes between two arrays as a transfer agent would (ours -> the peer's); a write
+    may be held until `gate` is set, or fail."""
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(0)
+        self.ours = rng.integers(1, 256, (BLOCKS, LAYERS * LAYER_BYTES), np.uint8)
+        self.theirs = np.zeros_like(self.ours)
+        self.writes: list[tuple[list[int], list[int], tuple[int, int] | None]] = []
+        self.timeout_s = 5.0
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started = threading.Event()
+        self.fail = False
+
+    def write(
+        self,
+        peer: KvPoolInfo,
+        src: list[int],
+        dst: list[int],
+        layers: tuple[int, int] | None = None,
+    ) -> str:
+        self.started.set()
+        assert self.gate.wait(5)
+        if self.fail:
+            raise ConnectionError("the peer is gone")
+        part = slice(None) if layers is None else slice(*(n * LAYER_BYTES for n in layers))
+        self.theirs[dst, part] = self.ours[src, part]
+        if src:
+            self.writes.append((src, dst, layers))
+        return "fake"
+
+
+@pytest.fixture
+def writers() -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    yield pool
+    pool.shutdown()
+
+
+def target(block_ids: list[int], first_block: int = 0) -> KvTarget:
+    pool = KvPoolInfo(layout="test", num_blocks=BLOCKS, block_bytes=LAYERS * LAYER_BYTES, host="")
+    return KvTarget(
+        decode_instance_id=1,
+        notify_endpoint="ns.backend.kv_ready",
+        room="room",
+        block_ids=block_ids,
+        first_block=first_block,
+        block_size=BLOCK,
+        pool=pool,
+    )
+
+
+def push(
+    agent: FakeAgent, writers: concurrent.futures.Executor, dst: list[int], first_block: int = 0
+) -> LayerPush:
+    view = KvCacheView("test", BLOCKS, LAYERS * LAYER_BYTES, None, num_layers=LAYERS)
+    return LayerPush("r", target(dst, first_block), agent, view, writers)  # type: ignore[arg-type]
+
+
+def compute(p: LayerPush, chunk: PromptChunk) -> None:
+    for layer in range(LAYERS):
+        p.layer_written(chunk, layer)
+
+
+PROMPT = [3, 5, 6]  # our blocks of a 10-token prompt
+DST = [9, 2, 11]
+
+
+def test_each_layer_is_written_as_it_is_reported(
+    writers: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    agent = FakeAgent()
+    p = push(agent, writers, DST)
+    chunk = PromptChunk(0, 10, 0, PROMPT)
+    for layer in range(LAYERS):
+        p.layer_written(chunk, layer)
+        for _ in range(500):  # the writer takes it up without waiting for the next layer
+            if agent.writes and agent.writes[-1][2] == (layer, layer + 1):
+                break
+            threading.Event().wait(0.01)
+        assert agent.writes[-1] == (PROMPT, DST, (layer, layer + 1))
+    p.finish(PROMPT)
+    assert len(agent.writes) == LAYERS and p.writes == LAYERS  # nothing more at the end
+    assert np.array_equal(agent.theirs[DST], agent.ours[PROMPT])
+
+
+def test_layers_reported_during_a_write_go_in_one_write(
+    writers: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    agent = FakeAgent()
+    agent.gate.clear()
+    p = push(agent, writers, DST)
+    chunks = [PromptChunk(0, 6, 0, PROMPT[:2]), PromptChunk(6, 10, 1, PROMPT[1:])]
+    p.layer_written(chunks[0], 0)
+    assert agent.started.wait(5)  # layer 0 is being written
+    for layer in range(1, LAYERS):
+        p.layer_written(chunks[0], layer)
+    compute(p, chunks[1])
+    agent.gate.set()
+    p.finish(PROMPT)
+    assert [w[2] for w in agent.writes] == [(0, 1), (1, LAYERS), (0, LAYERS)]
+    assert agent.writes[2][:2] == (PROMPT[1:], DST[1:])
+    assert np.array_equal(agent.theirs[DST], agent.ours[PROMPT])
+
+
+def test_only_the_targets_blocks_are_written(
+    writers: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    """The decode worker has the first block cached: it gets blocks 1 and 2 only."""
+    agent = FakeAgent()
+    p = push(agent, writers, DST[1:], first_block=1)
+    compute(p, PromptChunk(0, 10, 0, PROMPT))
+    p.finish(PROMPT)
+    assert {tuple(w[0]) for w in agent.writes} == {tuple(PROMPT[1:])}
+    assert np.array_equal(agent.theirs[DST[1:]], agent.ours[PROMPT[1:]])
+    assert not agent.theirs[DST[0]].any()
+
+
+def test_blocks_found_in_the_prefix_cache_go_whole_at_the_end(
+    writers: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    agent = FakeAgent()
+    p = push(agent, writers, DST)
+    compute(p, PromptChunk(8, 10, 2, PROMPT[2:]))  # blocks 0 and 1 were cached here
+    p.finish(PROMPT)
+    assert agent.writes[-1] == (PROMPT[:2], DST[:2], None)
+    assert np.array_equal(agent.theirs[DST], agent.ours[PROMPT])
+
+
+def test_a_chunk_computed_again_rewrites_every_block_at_the_end(
+    writers: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    """Preempted after its first chunk, the prompt is computed again in other blocks: what
+    was streamed may have been read from blocks reused meanwhile."""
+    agent = FakeAgent()
+    p = push(agent, writers, DST)
+    compute(p, PromptChunk(0, 6, 0, [7, 8]))
+    final = [3, 5, 6]
+    compute(p, PromptChunk(0, 10, 0, final))  # again from the start
+    p.finish(final)
+    assert agent.writes[-1] == (final, DST, None)
+    assert np.array_equal(agent.theirs[DST], agent.ours[final])
+
+
+def test_a_failed_write_fails_the_push_and_ends_its_writes(
+    writers: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    agent = FakeAgent()
+    agent.fail = True
+    p = push(agent, writers, DST)
+    chunk = PromptChunk(0, 10, 0, PROMPT)
+    compute(p, chunk)
+    with pytest.raises(ConnectionError, match="gone"):
+        p.finish(PROMPT)
+    assert not agent.writes
+
+
+def test_nothing_is_written_after_stop(writers: concurrent.futures.ThreadPoolExecutor) -> None:
+    agent = FakeAgent()
+    agent.gate.clear()
+    p = push(agent, writers, DST)
+    chunk = PromptChunk(0, 10, 0, PROMPT)
+    p.layer_written(chunk, 0)
+    assert agent.started.wait(5)
+    p.layer_written(chunk, 1)  # pending when stopped: dropped
+    stopper = threading.Thread(target=p.stop)
+    stopper.start()
+    threading.Event().wait(0.05)
+    assert stopper.is_alive()  # stop waits for the write that runs
+    agent.gate.set()
+    stopper.join(5)
+    assert not stopper.is_alive()
+    p.layer_written(chunk, 2)
+    writers.shutdown(wait=True)
+    assert [w[2] for w in agent.writes] == [(0, 1)]
+
+
+def test_a_prompt_the_target_does_not_fit_is_refused(
+    writers: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    agent = FakeAgent()
+    p = push(agent, writers, [*DST, 12])
+    with pytest.raises(ValueError, match="do not fit"):
+        p.finish(PROMPT)
