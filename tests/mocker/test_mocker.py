@@ -125,6 +125,10 @@ def test_load_counts_prefill_and_decode(mocker_model: Path) -> None:
     assert stats.active_prefill_tokens == 0
     assert stats.active_decode_blocks == 5  # 20 computed tokens in blocks of 4
     mocker.engine.add_request("b", list(range(30, 50)), SamplingParams(max_tokens=4))
+    # Waiting, it counts only what the prefix cache will not give it: a's 4 full blocks are
+    # there, and the last token is always computed (a router that read 20 would send b's
+    # like elsewhere, to a worker without its prefix).
+    assert mocker.engine.stats().active_prefill_tokens == 20 - 16
     mocker.engine.step()  # b finds a's 4 full blocks in the cache and shares them
     assert mocker.engine.stats().active_decode_blocks == 5 + 2  # a's tail grew; b's own tail
 

@@ -30,7 +30,9 @@ class EngineStats:
     kv_blocks_used: int
     kv_blocks_free: int
     prefix_cache_hit_rate: float
-    active_prefill_tokens: int = 0  # prompt tokens admitted or waiting, not yet computed
+    # Prompt tokens admitted or waiting, not yet computed (of a waiting request, those the
+    # prefix cache will not give it).
+    active_prefill_tokens: int = 0
     # Blocks held by running requests, a block shared by several once (what a router's own
     # count of the requests it sent measures too).
     active_decode_blocks: int = 0
@@ -308,7 +310,10 @@ class LLMEngine:
         for queue in (self.scheduler.waiting, self.scheduler.running):
             for seq in queue:
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
-                    prefill += seq.num_tokens - seq.num_computed_tokens
+                    computed = seq.num_computed_tokens
+                    if not seq.block_table:  # not admitted: the prefix cache will give some
+                        computed = len(self.blocks.match_prefix(seq)) * self.config.block_size
+                    prefill += seq.num_tokens - computed
         return EngineStats(
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
