@@ -1,7 +1,8 @@
-"""A decode-first push writes each layer as the engine reports it, into the target's blocks at
-the same prompt positions; layers reported while a write runs go in one write; `finish` writes
-whole what was not streamed (blocks found in the prefix cache, everything after a chunk was
-computed again) and raises if a write failed; after `stop` nothing more is written."""
+"""A decode-first push writes nothing until the decode worker let it (its room claimed), then
+each layer as the engine reports it, into the target's blocks at the same prompt positions;
+layers reported while a write runs go in one write; `finish` writes whole what was not streamed
+(blocks found in the prefix cache, everything after a chunk was computed again) and raises if a
+write failed; after `stop` nothing more is written."""
 
 from __future__ import annotations
 
@@ -80,7 +81,9 @@ def push(
     agent: FakeAgent, writers: concurrent.futures.Executor, dst: list[int], first_block: int = 0
 ) -> LayerPush:
     view = KvCacheView("test", BLOCKS, LAYERS * LAYER_BYTES, None, num_layers=LAYERS)
-    return LayerPush("r", target(dst, first_block), agent, view, writers)  # type: ignore[arg-type]
+    made = LayerPush("r", target(dst, first_block), agent, view, writers)  # type: ignore[arg-type]
+    made.claimed(True)
+    return made
 
 
 def compute(p: LayerPush, chunk: PromptChunk) -> None:
@@ -199,6 +202,26 @@ def test_nothing_is_written_after_stop(writers: concurrent.futures.ThreadPoolExe
     p.layer_written(chunk, 2)
     writers.shutdown(wait=True)
     assert [w[2] for w in agent.writes] == [(0, 1)]
+
+
+def test_layers_wait_for_the_claim_and_a_refused_claim_writes_nothing(
+    writers: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    view = KvCacheView("test", BLOCKS, LAYERS * LAYER_BYTES, None, num_layers=LAYERS)
+    for ok in (True, False):
+        agent = FakeAgent()
+        p = LayerPush("r", target(DST), agent, view, writers)  # type: ignore[arg-type]
+        compute(p, PromptChunk(0, 10, 0, PROMPT))
+        threading.Event().wait(0.05)
+        assert not agent.writes  # not claimed yet
+        p.claimed(ok)
+        if ok:
+            p.finish(PROMPT)  # the layers told before the claim, in one write
+            assert agent.writes == [(PROMPT, DST, (0, LAYERS))]
+        else:
+            with pytest.raises(ConnectionError, match="did not let us write"):
+                p.finish(PROMPT)
+            assert not agent.writes
 
 
 def test_a_prompt_the_target_does_not_fit_is_refused(

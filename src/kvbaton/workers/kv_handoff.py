@@ -3,18 +3,20 @@
 Prefill-first: a prefill worker holds a request's blocks after its first token and answers with
 `DisaggregatedParams`; the decode worker reads the prompt's KV from its pool, then tells it to
 release. Decode-first: the decode worker allocates blocks and answers first with a `KvTarget`
-(its room); the prefill worker writes the prompt's KV into them (layer by layer as it computes
-them, `kv_push.py`, unless told to write whole blocks at the end), tells the decode worker
-(`kv_ready`, with the first token) and frees its own blocks at once; the decode worker waits
-for that in its room, at most `timeout_s`.
+(its room); the prefill worker claims the room (`kv_ready` with `claim`), writes the prompt's
+KV into its blocks (layer by layer as it computes them, `kv_push.py`, unless told to write whole
+blocks at the end), tells the decode worker (`kv_ready`, with the first token) and frees its own
+blocks at once. The decode worker waits for that in its room: for a claim at most `timeout_s`,
+then, claimed, for the report (see `KvRoom`).
 
 Invariants: held blocks are released exactly once, by a `kv_release` call or, if none comes,
 after `hold_timeout_s`; a decode worker sends one release per request it was given params for
 (after its read, or when the request ends without one), and never waits on it; a room ends
-exactly once (kv_ready, its timeout, or its request ending before its blocks were announced),
-and its blocks are not freed while a writer may still write them (the engine frees a loading
-request's blocks only when its load ends); a prefill worker reports (`kv_ready`) on every
-decode-first request it was given, once its writes have ended."""
+exactly once, and a claimed one only by a report (or the long timeout): its blocks are not
+freed while a writer may still write them (the engine frees a loading request's blocks only
+when its load ends), and a room that ended refuses a claim; a prefill worker writes only into a
+room it claimed, and reports (`kv_ready`) on every decode-first request it was given, once its
+writes have ended."""
 
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ from kvbaton.workers.kv_push import LayerPush
 log = logging.getLogger(__name__)
 
 DEFAULT_HOLD_TIMEOUT_S = 30.0
+# How long a claimed room waits for its writer's report: the PrefillRouter's prefill timeout
+# (it reports a prefill it gave up on), as a bound for when no report can come.
+CLAIMED_TIMEOUT_S = 300.0
 PUSH_MODES = ("layers", "blocks")
 PUSH_THREADS = 4  # writers of decode-first pushes in flight at once
 
@@ -55,24 +60,44 @@ class KvFetch:
 
 @dataclass
 class KvRoom:
-    """A decode-first request's KV source: where its prompt's KV will be written."""
+    """A decode-first request's KV source: where its prompt's KV will be written. A writer
+    claims it before its first write; a claimed room ends only by a report (its writer's, or
+    the router's that the prefill failed) or the long `CLAIMED_TIMEOUT_S`; an unclaimed one
+    also when its wait times out or its request ends, after which a claim is refused."""
 
     name: str
     allocated: asyncio.Future[None]  # resolved once the engine gave the request its blocks
     block_ids: list[int] = field(default_factory=list)
     first_block: int = 0
     done: threading.Event = field(default_factory=threading.Event)
-    announced: bool = False  # its blocks were handed out: a writer may write them
+    claimed: bool = False
     ok: bool = False
     token_ids: list[int] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def end(self, ok: bool, token_ids: list[int]) -> bool:
         """The first end counts; False for a later one."""
-        if self.done.is_set():
-            return False
-        self.ok, self.token_ids = ok, token_ids
-        self.done.set()
-        return True
+        with self._lock:
+            if self.done.is_set():
+                return False
+            self.ok, self.token_ids = ok, token_ids
+            self.done.set()
+            return True
+
+    def claim(self) -> bool:
+        """A writer may write the room's blocks (once, and only while it is open)."""
+        with self._lock:
+            if self.done.is_set() or self.claimed:
+                return False
+            self.claimed = True
+            return True
+
+    def expire(self) -> bool:
+        """End the room unless a writer claimed it; whether it is ended."""
+        with self._lock:
+            if not self.claimed and not self.done.is_set():
+                self.done.set()
+            return self.done.is_set()
 
 
 class KvHandoff:
@@ -232,18 +257,16 @@ class KvHandoff:
         return room
 
     def close_room(self, room: KvRoom) -> None:
-        """The request ended. A room whose blocks were announced stays open for its writer's
-        report (or the timeout): the engine keeps the blocks of an aborted request until its
-        load ends, so no write lands in blocks given to another request meanwhile."""
+        """The request ended. A room a writer claimed stays open for its report (or the long
+        timeout): the engine keeps the blocks of an aborted request until its load ends, so no
+        write lands in blocks given to another request meanwhile."""
         if not room.allocated.done():
             room.allocated.cancel()
-        if not room.announced:
-            room.end(False, [])
+        if room.expire():
             self._rooms.pop(room.name, None)
 
     def target(self, room: KvRoom) -> KvTarget:
         """The room's blocks, for the PrefillRouter to hand a prefill worker (its writer)."""
-        room.announced = True
         return KvTarget(
             decode_instance_id=self.runtime.instance_id or 0,
             notify_endpoint=self.notify_endpoint,
@@ -264,7 +287,9 @@ class KvHandoff:
                 room.allocated.set_result(None)
 
         self._loop.call_soon_threadsafe(allocated)
-        if not room.done.wait(self.agent.timeout_s):
+        claimed = not room.done.wait(self.agent.timeout_s) and not room.expire()
+        # Claimed: the prefill worker computes and writes; it or the router will report.
+        if claimed and not room.done.wait(CLAIMED_TIMEOUT_S):
             room.end(False, [])
         self._rooms.pop(room.name, None)
         if not room.ok:
@@ -277,9 +302,16 @@ class KvHandoff:
         self._move("write", target.pool, src, target.block_ids, handle)
 
     async def kv_ready(self, request: Any, context: Context) -> dict[str, bool]:
-        """Endpoint: a prefill worker wrote the KV of `room` (ok) or will not."""
+        """Endpoint: a prefill worker claims `room` before its first write ('claim'), or
+        reports that it wrote the KV of `room` (ok) or will not."""
         if not isinstance(request, dict) or not isinstance(request.get("room"), str):
-            raise ValueError("kv_ready takes {'room': str, 'ok': bool, 'token_ids': [int]}")
+            raise ValueError(
+                "kv_ready takes {'room': str, 'claim': true} or "
+                "{'room': str, 'ok': bool, 'token_ids': [int]}"
+            )
+        if request.get("claim"):
+            claimed = self._rooms.get(request["room"])
+            return {"accepted": claimed is not None and claimed.claim()}
         room = self._rooms.pop(request["room"], None)
         tokens = [int(t) for t in request.get("token_ids", [])]
         return {"accepted": room is not None and room.end(bool(request.get("ok")), tokens)}
@@ -293,22 +325,37 @@ class KvHandoff:
             return None  # `push` refuses it
         return LayerPush(handle, target, self.agent, self.cache, self._writers)
 
+    def claim(self, target: KvTarget, streamed: LayerPush | None) -> asyncio.Task[bool]:
+        """Claim the target's room, in the background: `streamed` writes only once it is
+        claimed (and never if the decode worker refuses)."""
+
+        async def claim() -> bool:
+            ok = await self.peers.claim(target)
+            if streamed is not None:
+                streamed.claimed(ok)
+            return ok
+
+        return asyncio.create_task(claim())
+
     async def push(
         self,
         handle: str,
         out: EngineOutput,
         target: KvTarget,
+        claim: asyncio.Task[bool],
         streamed: LayerPush | None = None,
     ) -> EngineOutput:
-        """Prefill side: write a held request's KV into the target's blocks (what `streamed`
-        did not write as the prompt was computed), report to the decode worker, free our
-        blocks; the answer for the PrefillRouter."""
+        """Prefill side: write a held request's KV into the target's blocks once `claim`ed
+        (what `streamed` did not write as the prompt was computed), report to the decode
+        worker, free our blocks; the answer for the PrefillRouter."""
         ok = False
         if out.kv_blocks is not None:
             src = out.kv_blocks[target.first_block : target.first_block + len(target.block_ids)]
             try:
                 if len(src) != len(target.block_ids) or target.block_size != self.block_size:
                     raise ValueError("the decode worker's blocks do not fit this prompt's")
+                if not await claim:
+                    raise ConnectionError("the decode worker no longer waits for this KV")
                 started = time.perf_counter()
                 if streamed is not None:
                     await asyncio.to_thread(streamed.finish, out.kv_blocks)

@@ -2,16 +2,17 @@
 layer by layer, as the engine computes it (the engine's `KvSink` for the request).
 
 The engine tells the push of each layer of each prompt chunk once that layer's K and V are in
-the cache. A writer (at most one at a time per push, on a shared thread pool) writes the layers
-told since its last write, of the chunk's blocks, into the target's blocks at the same positions
-in the prompt: a block's layers are contiguous, so a writer that falls behind the forward pass
-moves several layers of a block as one piece. `finish` then writes, whole, the blocks that were
-not streamed (found in the prefix cache here; every block if a chunk was computed again after a
-preemption, since a write may have read a block after its reuse) and reports whether all went.
+the cache. Once the decode worker lets it write (`claimed`: it claimed the room), a writer (at
+most one at a time per push, on a shared thread pool) writes the layers told since its last
+write, of the chunk's blocks, into the target's blocks at the same positions in the prompt: a
+block's layers are contiguous, so a writer that falls behind the forward pass moves several
+layers of a block as one piece. `finish` then writes, whole, the blocks that were not streamed
+(found in the prefix cache here; every block if a chunk was computed again after a preemption,
+since a write may have read a block after its reuse) and reports whether all went.
 
-Invariants: one push's writes run one at a time, in the order the layers were computed; once
-`finish` or `stop` returns, none of its writes runs or starts; the engine's thread never waits
-on a write."""
+Invariants: nothing is written before the room is claimed; one push's writes run one at a
+time, in the order the layers were computed; once `finish` or `stop` returns, none of its writes
+runs or starts; the engine's thread never waits on a write."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class LayerPush:
         self.num_layers = cache.num_layers
         self._cond = threading.Condition()
         self._pending: list[_Layers] = []
+        self._claimed = False  # the decode worker let us write (`claimed`)
         self._writing = False
         self._stopped = False
         self._error: BaseException | None = None
@@ -75,13 +77,28 @@ class LayerPush:
                 self._pending[-1] = _Layers(chunk, last.first, layer + 1)
             else:
                 self._pending.append(_Layers(chunk, layer, layer + 1))
-            if not self._writing:
-                self._writing = True
-                try:
-                    self.writers.submit(self._drain)
-                except RuntimeError as exc:  # the pool is shut down
-                    self._writing = False
-                    self._error = exc
+            self._start_writer()
+
+    def _start_writer(self) -> None:
+        """(Holding the lock.) A writer for the pending layers, unless one runs or the decode
+        worker has not let us write yet."""
+        if self._claimed and self._pending and not self._writing:
+            self._writing = True
+            try:
+                self.writers.submit(self._drain)
+            except RuntimeError as exc:  # the pool is shut down
+                self._writing = False
+                self._error = exc
+
+    # -- the worker's event loop ----------------------------------------------------------------
+    def claimed(self, ok: bool) -> None:
+        """The decode worker let us write (`ok`), or no longer waits: nothing is written."""
+        with self._cond:
+            if ok:
+                self._claimed = True
+                self._start_writer()
+            else:
+                self._stopped = True
 
     # -- a writer thread -----------------------------------------------------------------------
     def _drain(self) -> None:
@@ -155,6 +172,8 @@ class LayerPush:
             self._stopped = True
             if self._error is not None:
                 raise self._error
+            if not self._claimed:
+                raise ConnectionError("the decode worker did not let us write its blocks")
             missing = [
                 i
                 for i in range(target.first_block, end)

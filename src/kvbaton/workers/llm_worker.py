@@ -130,9 +130,10 @@ class LLMWorker:
         room = None
         if request.bootstrap and self.handoff is not None and self.role != "prefill":
             room = self.handoff.open_room(engine_id)
-        streamed = None
+        streamed = claim = None
         if request.kv_target is not None and self.handoff is not None:
             streamed = self.handoff.layer_push(engine_id, request.kv_target)
+            claim = self.handoff.claim(request.kv_target, streamed)
         outputs = await self.engine.add_request(
             engine_id,
             request.token_ids,
@@ -152,8 +153,10 @@ class LLMWorker:
             async for out in stream:
                 generated += len(out.token_ids)
                 if request.kv_target is not None:
-                    assert self.handoff is not None
-                    out = await self.handoff.push(engine_id, out, request.kv_target, streamed)
+                    assert self.handoff is not None and claim is not None
+                    out = await self.handoff.push(
+                        engine_id, out, request.kv_target, claim, streamed
+                    )
                     finish, pushed = "pushed", True
                 elif out.kv_blocks is not None:
                     assert self.handoff is not None
@@ -165,6 +168,8 @@ class LLMWorker:
                 elif context.is_stopped():
                     break
         finally:
+            if claim is not None:
+                claim.cancel()  # (done, unless the request ended first)
             if streamed is not None:  # before the abort frees the blocks it reads
                 await asyncio.to_thread(streamed.stop)
             await outputs.aclose()  # aborts an unfinished request
