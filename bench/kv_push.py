@@ -38,10 +38,10 @@ from typing import Any
 
 import httpx
 
-from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model, served_name
+from kvbaton.llm.model_files import resolve_model, served_name
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import Client, DistributedRuntime
-from serving import clean_env, log, sse_chunks, stop
+from serving import clean_env, log, run_benchmark, sse_chunks, stop
 
 MODES = ("layers", "blocks")
 BACKENDS = ("shm", "tcp", "nixl")
@@ -160,7 +160,7 @@ async def one_deployment(
             await asyncio.to_thread(stop, proc)
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace) -> int:
     vocab = int(json.loads((resolve_model(args.model) / "config.json").read_text())["vocab_size"])
     batch = prompts(args.lengths, args.prompts, vocab)
     samples: list[Sample] = []
@@ -200,6 +200,7 @@ async def run(args: argparse.Namespace) -> None:
                 f"{wait[0] / wait[1]:.2f} | {ttft[0] * 1e3:.0f} | {ttft[1] * 1e3:.0f} | "
                 f"{ttft[0] / ttft[1]:.3f} |"
             )
+    return 0
 
 
 def main() -> None:
@@ -210,10 +211,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=5, help="prompts of each length")
     parser.add_argument("--trials", type=int, default=2, help="deployments per mode and backend")
     parser.add_argument("--max-model-len", type=int, help="(default: the model's)")
-    args = parser.parse_args()
-    if args.model in KNOWN_MODELS:
-        pull(args.model, progress=log)
-    asyncio.run(run(args))
+    run_benchmark(run, parser.parse_args())
 
 
 if __name__ == "__main__":
