@@ -194,6 +194,7 @@ class LLMEngine:
             kv_source=kv_source,
             kv_sink=kv_sink,
         )
+        seq.prefix_hint_tokens = len(self.blocks.match_prefix(seq)) * self.config.block_size
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -312,7 +313,7 @@ class LLMEngine:
                 if seq.num_computed_tokens < seq.num_prompt_tokens:
                     computed = seq.num_computed_tokens
                     if not seq.block_table:  # not admitted: the prefix cache will give some
-                        computed = len(self.blocks.match_prefix(seq)) * self.config.block_size
+                        computed = seq.prefix_hint_tokens  # (looked up once, at arrival)
                     prefill += seq.num_tokens - computed
         return EngineStats(
             waiting=len(self.scheduler.waiting),

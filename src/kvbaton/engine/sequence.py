@@ -62,6 +62,7 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    prefix_hint_tokens: int = 0  # ... found there when it arrived (a waiting request's load)
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
