@@ -32,7 +32,7 @@ from kvbaton.engine.engine import KvCacheView
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.kv_transfer import KvTransferAgent
 from kvbaton.llm.peer_calls import PeerCalls
-from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput, KvPoolInfo, KvTarget
+from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput, KvTarget
 from kvbaton.runtime import Context, DistributedRuntime
 from kvbaton.workers.kv_push import LayerPush
 
@@ -215,29 +215,21 @@ class KvHandoff:
             if len(src) != len(load.dst_blocks):
                 raise ValueError("the prefill worker sent fewer blocks than the prompt needs")
             started = time.perf_counter()
-            self._move("read", params.pool, src, load.dst_blocks, load.request_id)
+            backend = self.agent.read(params.pool, src, load.dst_blocks)
+            log.info(
+                "request %s: read %d KV blocks (%.2f MB) over %s in %.1f ms",
+                load.request_id,
+                len(src),
+                len(src) * self.agent.pool.block_bytes / 1e6,
+                backend,
+                (time.perf_counter() - started) * 1e3,
+            )
             self.cache.stage_in(load.dst_blocks)
             self._waited(started)
         finally:
             assert self._loop is not None
             asyncio.run_coroutine_threadsafe(self.release_remote(fetch), self._loop)
         return None
-
-    def _move(
-        self, op: str, peer: KvPoolInfo, src: list[int], dst: list[int], request_id: str
-    ) -> None:
-        started = time.perf_counter()
-        move = self.agent.read if op == "read" else self.agent.write
-        backend = move(peer, src, dst)
-        log.info(
-            "request %s: %s %d KV blocks (%.2f MB) over %s in %.1f ms",
-            request_id,
-            "read" if op == "read" else "wrote",
-            len(src),
-            len(src) * self.agent.pool.block_bytes / 1e6,
-            backend,
-            (time.perf_counter() - started) * 1e3,
-        )
 
     def _waited(self, since: float) -> None:
         with self._count_lock:
@@ -297,10 +289,6 @@ class KvHandoff:
         self.cache.stage_in(load.dst_blocks)
         return room.token_ids
 
-    def _stage_and_write(self, target: KvTarget, src: list[int], handle: str) -> None:
-        self.cache.stage_out(src)
-        self._move("write", target.pool, src, target.block_ids, handle)
-
     async def kv_ready(self, request: Any, context: Context) -> dict[str, bool]:
         """Endpoint: a prefill worker claims `room` before its first write ('claim'), or
         reports that it wrote the KV of `room` (ok) or will not."""
@@ -316,23 +304,18 @@ class KvHandoff:
         tokens = [int(t) for t in request.get("token_ids", [])]
         return {"accepted": room is not None and room.end(bool(request.get("ok")), tokens)}
 
-    def layer_push(self, handle: str, target: KvTarget) -> LayerPush | None:
-        """The engine's sink for a decode-first prompt whose KV is written layer by layer
-        (None: it is written whole at the end, or has no bytes)."""
-        if not self.push_layers or not self.agent.pool.block_bytes:
-            return None
-        if target.block_size != self.block_size:
-            return None  # `push` refuses it
+    def layer_push(self, handle: str, target: KvTarget) -> LayerPush:
+        """The writer of a decode-first prompt's KV (the engine's sink for it if `push_layers`:
+        else it writes whole blocks at the end)."""
         return LayerPush(handle, target, self.agent, self.cache, self._writers)
 
-    def claim(self, target: KvTarget, streamed: LayerPush | None) -> asyncio.Task[bool]:
-        """Claim the target's room, in the background: `streamed` writes only once it is
+    def claim(self, target: KvTarget, pusher: LayerPush) -> asyncio.Task[bool]:
+        """Claim the target's room, in the background: `pusher` writes only once it is
         claimed (and never if the decode worker refuses)."""
 
         async def claim() -> bool:
             ok = await self.peers.claim(target)
-            if streamed is not None:
-                streamed.claimed(ok)
+            pusher.claimed(ok)
             return ok
 
         return asyncio.create_task(claim())
@@ -343,34 +326,29 @@ class KvHandoff:
         out: EngineOutput,
         target: KvTarget,
         claim: asyncio.Task[bool],
-        streamed: LayerPush | None = None,
+        pusher: LayerPush,
     ) -> EngineOutput:
         """Prefill side: write a held request's KV into the target's blocks once `claim`ed
-        (what `streamed` did not write as the prompt was computed), report to the decode
-        worker, free our blocks; the answer for the PrefillRouter."""
+        (what `pusher` did not write as the prompt was computed), report to the decode worker,
+        free our blocks; the answer for the PrefillRouter."""
         ok = False
         if out.kv_blocks is not None:
-            src = out.kv_blocks[target.first_block : target.first_block + len(target.block_ids)]
             try:
-                if len(src) != len(target.block_ids) or target.block_size != self.block_size:
+                if target.block_size != self.block_size:
                     raise ValueError("the decode worker's blocks do not fit this prompt's")
                 if not await claim:
                     raise ConnectionError("the decode worker no longer waits for this KV")
                 started = time.perf_counter()
-                if streamed is not None:
-                    await asyncio.to_thread(streamed.finish, out.kv_blocks)
-                else:
-                    await asyncio.to_thread(self._stage_and_write, target, src, handle)
+                await asyncio.to_thread(pusher.finish, out.kv_blocks)
                 self._waited(started)
                 ok = True
             except Exception as exc:
                 log.warning("request %s: KV write to %s failed: %s", handle, target.room, exc)
             finally:
-                if streamed is not None:  # no write reads our blocks once they are freed
-                    await asyncio.to_thread(streamed.stop)
+                await asyncio.to_thread(pusher.stop)  # no write reads our blocks once freed
                 self.engine.release_kv(handle)
-        elif streamed is not None:  # it stopped at its first token: no KV is wanted
-            await asyncio.to_thread(streamed.stop)
+        else:  # it stopped at its first token: no KV is wanted
+            await asyncio.to_thread(pusher.stop)
         # The decode worker frees its blocks on this report: our writes have ended.
         await self.peers.kv_ready(target, ok, out.token_ids)
         return EngineOutput(

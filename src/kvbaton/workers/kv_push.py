@@ -1,5 +1,6 @@
-"""Decode-first, on the prefill worker: a prompt's KV written into the decode worker's blocks
-layer by layer, as the engine computes it (the engine's `KvSink` for the request).
+"""Decode-first, on the prefill worker: a prompt's KV written into the decode worker's blocks,
+layer by layer as the engine computes it when it is the engine's `KvSink` for the request, else
+(`--kv-push blocks`, or a runner that writes no layers) whole once the prompt is computed.
 
 The engine tells the push of each layer of each prompt chunk once that layer's K and V are in
 the cache. Once the decode worker lets it write (`claimed`: it claimed the room), a writer (at
@@ -183,13 +184,14 @@ class LayerPush:
         dst = [target.block_ids[i - target.first_block] for i in missing]
         self.cache.stage_out(src)
         backend = self.agent.write(target.pool, src, dst)
+        streamed = f"layer by layer in {self.writes} writes, {len(src)} more whole, "
         log.info(
-            "request %s: wrote %d KV blocks layer by layer in %d writes, %d more whole, over "
-            "%s; done %.1f ms after the prompt was computed",
+            "request %s: wrote %d KV blocks (%.2f MB) %sover %s; done %.1f ms after the prompt "
+            "was computed",
             self.request_id,
             len(target.block_ids),
-            self.writes,
-            len(src),
+            len(target.block_ids) * self.cache.block_bytes / 1e6,
+            streamed if self.writes else "",
             backend,
             (time.perf_counter() - started) * 1e3,
         )

@@ -130,10 +130,10 @@ class LLMWorker:
         room = None
         if request.bootstrap and self.handoff is not None and self.role != "prefill":
             room = self.handoff.open_room(engine_id)
-        streamed = claim = None
+        pusher = claim = None
         if request.kv_target is not None and self.handoff is not None:
-            streamed = self.handoff.layer_push(engine_id, request.kv_target)
-            claim = self.handoff.claim(request.kv_target, streamed)
+            pusher = self.handoff.layer_push(engine_id, request.kv_target)
+            claim = self.handoff.claim(request.kv_target, pusher)
         outputs = await self.engine.add_request(
             engine_id,
             request.token_ids,
@@ -143,7 +143,7 @@ class LLMWorker:
             hold_kv=self.role == "prefill",
             kv_source=room or self._readable(fetch),
             output_token_ids=fetch.params.first_token_ids if fetch else None,
-            kv_sink=streamed,
+            kv_sink=pusher if self.handoff and self.handoff.push_layers else None,
         )
         generated = 0
         finish = "cancelled"
@@ -153,10 +153,8 @@ class LLMWorker:
             async for out in stream:
                 generated += len(out.token_ids)
                 if request.kv_target is not None:
-                    assert self.handoff is not None and claim is not None
-                    out = await self.handoff.push(
-                        engine_id, out, request.kv_target, claim, streamed
-                    )
+                    assert self.handoff is not None and claim and pusher
+                    out = await self.handoff.push(engine_id, out, request.kv_target, claim, pusher)
                     finish, pushed = "pushed", True
                 elif out.kv_blocks is not None:
                     assert self.handoff is not None
@@ -170,8 +168,8 @@ class LLMWorker:
         finally:
             if claim is not None:
                 claim.cancel()  # (done, unless the request ended first)
-            if streamed is not None:  # before the abort frees the blocks it reads
-                await asyncio.to_thread(streamed.stop)
+            if pusher is not None:  # before the abort frees the blocks it reads
+                await asyncio.to_thread(pusher.stop)
             await outputs.aclose()  # aborts an unfinished request
             if request.kv_target is not None and not pushed:
                 assert self.handoff is not None  # no more writes: the decode worker may go on
