@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
-MATMULS = ("auto", "native", "fbgemm-fp16")
+MATMULS = ("auto", "native", "fbgemm-fp16", "onednn-bf16", "fbgemm-fp16+onednn-bf16")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch threads on CPU; None: torch's default
     seed: int = 0  # for requests without their own seed
-    matmul: str = "auto"  # projections' kernel: "auto", "native", "fbgemm-fp16" (see model.py)
+    matmul: str = "auto"  # projections' kernel: "auto" or one of model.KERNELS (see model.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -4,13 +4,19 @@ Numerics follow HF transformers' Llama exactly where it matters for identical gr
 RMSNorm in float32 then cast, RoPE tables from transformers' own init functions (every scaling
 type it knows), residuals in the model dtype. Q/K/V and gate/up projections are fused.
 
-On a CPU without bfloat16 arithmetic (AVX2 only), PyTorch's bfloat16 matmul is a reference
-kernel, and its float32 GEMM is slow for the few rows of a decode step. There a bfloat16 model's
-projections run on FBGEMM's float16-weight GEMM instead (the kernel of PyTorch's dynamic float16
-linear): every bfloat16 weight in [2^-14, 65504] is a float16 exactly (smaller ones keep an
-absolute error under 2^-25), activations stay float32, products are summed in float32 as a
-bfloat16 GEMM sums them, and the result is rounded back to bfloat16. Activations, residuals and
-the KV cache stay bfloat16.
+A bfloat16 model's projections on a CPU run on prepacked kernels (`KERNELS`):
+- "onednn-bf16", where oneDNN has bfloat16 GEMMs (AVX-512): the weights reordered once into
+  oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, as torch.compile's
+  freezing pass does), so no call reorders them again. Its results are F.linear's, bit for bit.
+- "fbgemm-fp16", where PyTorch's bfloat16 matmul is a reference kernel (AVX2 only): FBGEMM's
+  float16-weight GEMM (the kernel of PyTorch's dynamic float16 linear). Every bfloat16 weight in
+  [2^-14, 65504] is a float16 exactly (smaller ones keep an absolute error under 2^-25),
+  activations stay float32, products are summed in float32 as a bfloat16 GEMM sums them, and
+  the result is rounded back to bfloat16. A weight beyond float16's range keeps F.linear.
+- "fbgemm-fp16+onednn-bf16": both packings (the projections' weights twice); calls of under
+  `FEW_ROWS` rows (small decode batches) on FBGEMM, which streams the weights from memory
+  faster there, the rest on oneDNN, twice as fast from 16 rows on (bench/engine.py).
+Activations, residuals and the KV cache stay bfloat16.
 
 The cache is one tensor [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]: a block is
 contiguous across all layers, so a request's KV moves between processes in one piece per block.
@@ -36,32 +42,57 @@ SUPPORTED = ("llama", "mistral", "qwen2")
 FLOAT16_MAX = 65504.0
 
 
-class Projection:
-    """A linear layer: weight [out, in] and optional bias in the model dtype, or (`fp16_gemm`)
-    the same values packed for FBGEMM's float16 GEMM, unless a weight is beyond float16's range.
-    Output in x's dtype."""
+KERNELS = ("native", "fbgemm-fp16", "onednn-bf16", "fbgemm-fp16+onednn-bf16")
+ONEDNN_BATCH_HINT = 64  # rows the oneDNN layout is chosen for (any count runs on it)
+FEW_ROWS = 8  # "fbgemm-fp16+onednn-bf16" runs calls of fewer rows on FBGEMM
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fp16_gemm: bool) -> None:
+
+class Projection:
+    """A linear layer: weight [out, in] and optional bias in the model dtype, run by `kernel`
+    (see the module's docstring). Output in x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
         self.nbytes = weight.numel() * weight.element_size()  # read once per step
         self.bias = bias
         self.weight: torch.Tensor | None = weight.contiguous()
-        self.packed: Any = None
-        if fp16_gemm and weight.abs().max().item() <= FLOAT16_MAX:
-            self.packed = torch.ops.quantized.linear_prepack_fp16(
+        self.fp16: Any = None  # FBGEMM's packing
+        self.onednn: Any = None  # oneDNN's
+        kernels = kernel.split("+")
+        if "fbgemm-fp16" in kernels and weight.abs().max().item() <= FLOAT16_MAX:
+            self.fp16 = torch.ops.quantized.linear_prepack_fp16(
                 weight.float(), None if bias is None else bias.float()
             )
+        if "onednn-bf16" in kernels:
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, ONEDNN_BATCH_HINT)
+        if self.fp16 is not None or self.onednn is not None:
             self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None:
-            return F.linear(x, self.weight, self.bias)
-        out: torch.Tensor = torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed)
-        return out.to(x.dtype)
+        out: torch.Tensor
+        if self.fp16 is not None and (self.onednn is None or x.shape[0] < FEW_ROWS):
+            out = torch.ops.quantized.linear_dynamic_fp16(x.float(), self.fp16)
+            return out.to(x.dtype)
+        if self.onednn is not None:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+            return out
+        assert self.weight is not None
+        return F.linear(x, self.weight, self.bias)
 
 
 def fp16_gemm_available() -> bool:
     """Whether this PyTorch has FBGEMM's float16 GEMM (x86 builds)."""
     return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN runs bfloat16 GEMMs on this CPU (AVX-512 at least)."""
+    return (
+        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 @dataclass
@@ -161,10 +192,10 @@ def load_weights(
     config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
-    fp16_gemm: bool,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, Projection, list[LayerWeights]]:
     """(embedding, final norm, lm_head, layers) from the directory's safetensors files, in
-    `dtype`; projections packed for the float16 GEMM with `fp16_gemm`."""
+    `dtype`; projections run by `kernel` (one of `KERNELS`)."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -186,7 +217,7 @@ def load_weights(
         return take(name) if name in raw else None
 
     def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
-        return Projection(weight, bias, fp16_gemm)
+        return Projection(weight, bias, kernel)
 
     embed = take("model.embed_tokens.weight")
     layers = []
@@ -232,13 +263,13 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         max_len: int,
-        fp16_gemm: bool = False,
+        kernel: str = "native",
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
         self.embed, self.norm, self.lm_head, self.layers = load_weights(
-            model_dir, self.config, dtype, device, fp16_gemm
+            model_dir, self.config, dtype, device, kernel
         )
         cos, sin = rope_tables(self.config, max_len, device)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)

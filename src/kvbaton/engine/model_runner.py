@@ -15,26 +15,32 @@ from kvbaton.engine.model import (
     PrefillSpan,
     StepBatch,
     fp16_gemm_available,
+    onednn_bf16_available,
 )
 from kvbaton.engine.sampler import Sampler
 from kvbaton.engine.scheduler import ScheduledSeq, SchedulerOutput
 from kvbaton.engine.sequence import KvSink, PromptChunk
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KERNEL_NEEDS = {"fbgemm-fp16": "FBGEMM (x86)", "onednn-bf16": "oneDNN's bfloat16 GEMMs (AVX-512)"}
 
 
-def use_fp16_gemm(choice: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the projections run on FBGEMM's float16 GEMM (see model.py). "auto": for
-    bfloat16 on a CPU without bfloat16 arithmetic, where this PyTorch has it; "native": never."""
+def projection_kernel(choice: str, dtype: torch.dtype, device: torch.device) -> str:
+    """The projections' kernel (one of model.KERNELS; see model.py) for an `EngineConfig.matmul`.
+    "auto": for bfloat16 on a CPU, every prepacked kernel this CPU and PyTorch have; "native"
+    otherwise."""
     if choice == "native":
-        return False
-    possible = device.type == "cpu" and dtype == torch.bfloat16 and fp16_gemm_available()
-    if choice == "fbgemm-fp16":
-        if not possible:
-            raise ValueError("matmul 'fbgemm-fp16' needs a bfloat16 model on an x86 CPU")
-        return True
-    capability = torch.backends.cpu.get_cpu_capability()
-    return possible and "BF16" not in capability and "AMX" not in capability
+        return "native"
+    bf16_cpu = device.type == "cpu" and dtype == torch.bfloat16
+    have = {"fbgemm-fp16": fp16_gemm_available(), "onednn-bf16": onednn_bf16_available()}
+    if choice == "auto":
+        usable = [kernel for kernel, ok in have.items() if ok and bf16_cpu]
+        return "+".join(usable) or "native"
+    kernels = choice.split("+")
+    if not bf16_cpu or not all(have[kernel] for kernel in kernels):
+        needs = " and ".join(KERNEL_NEEDS[kernel] for kernel in kernels)
+        raise ValueError(f"matmul {choice!r} needs a bfloat16 model on a CPU with {needs}")
+    return choice
 
 
 class ModelRunner:
@@ -61,7 +67,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             self.max_model_len,
-            use_fp16_gemm(matmul, self.dtype, self.device),
+            projection_kernel(matmul, self.dtype, self.device),
         )
         self.sampler = Sampler(seed, self.device)
         self.vocab_size = config.vocab_size
