@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kvbaton.engine.config import EngineConfig
+from kvbaton.engine.host_allocator import retain_freed_memory
 from kvbaton.engine.model import (
     LlamaModel,
     ModelConfig,
@@ -87,6 +88,7 @@ class ModelRunner:
         host_mirror: bool = False,
     ) -> ModelRunner:
         """The runner of an engine config, its KV cache allocated: see `allocate_cache`."""
+        retain_freed_memory()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         runner = cls(
