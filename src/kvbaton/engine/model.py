@@ -353,11 +353,16 @@ class LlamaModel:
         c = self.config
         d, group = q.shape[0], c.num_heads // c.num_kv_heads
         qf = q.view(d, c.num_kv_heads, group, c.head_dim).float()
-        scores = torch.matmul(qf, k.float().permute(0, 2, 3, 1)).mul_(self.scale)
+        # K and V as [D, kv_heads, L, dim] in float32, converted and transposed in one copy
+        # each: batched matmuls then take K transposed as it is, with no copy of their own.
+        shape = (d, c.num_kv_heads, k.shape[1], c.head_dim)
+        kf = torch.empty(shape, device=q.device).copy_(k.transpose(1, 2))
+        vf = torch.empty(shape, device=q.device).copy_(v.transpose(1, 2))
+        scores = torch.matmul(qf, kf.transpose(2, 3)).mul_(self.scale)
         if mask is not None:
             scores.add_(mask)
         probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, v.float().transpose(1, 2))  # [D, kv_heads, group, dim]
+        out = torch.matmul(probs, vf)  # [D, kv_heads, group, dim]
         return out.reshape(d, c.num_heads, c.head_dim).to(q.dtype)
 
     def _attention(
