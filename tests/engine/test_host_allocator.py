@@ -38,6 +38,6 @@ def test_later_steps_reuse_the_memory_the_first_one_faulted_in() -> None:
     first, later = step_faults("retain")
     assert first > pages // 2
     assert later < pages // 5  # over the 4 later steps together (the heap settles in one)
-    # Without it, glibc gives most of it back each time (what the setting is for).
+    # Without it, glibc gives it back to the kernel, for at least one later step (up to all 4).
     first, later = step_faults("default")
-    assert later > 2 * pages
+    assert later > pages // 2

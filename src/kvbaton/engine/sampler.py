@@ -42,13 +42,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Sample a token per row; appends each row's logprobs to its sequence if asked for."""
         raw = logits
-        logits = logits.clone()
-        for row, seq in enumerate(seqs):
-            self._penalize(logits[row], seq)
+        penalized = [row for row, seq in enumerate(seqs) if any(self._penalties(seq))]
+        if penalized:
+            logits = logits.clone()
+            for row in penalized:
+                self._penalize(logits[row], seqs[row])
         tokens = [0] * len(seqs)
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
         if greedy:
-            picked = logits[greedy].argmax(dim=-1).tolist()
+            rows = logits if len(greedy) == len(seqs) else logits[greedy]
+            picked = rows.argmax(dim=-1).tolist()
             for i, token in zip(greedy, picked, strict=True):
                 tokens[i] = token
         for i, seq in enumerate(seqs):
@@ -70,19 +73,30 @@ class Sampler:
                 seq.logprobs.append(entry)
         return tokens
 
+    @staticmethod
+    def _penalties(seq: Sequence) -> tuple[bool, bool, bool]:
+        """Which apply now: repetition; frequency or presence; the min_tokens mask."""
+        p = seq.params
+        return (
+            p.repetition_penalty != 1.0,
+            bool((p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens),
+            bool(seq.num_output_tokens < p.min_tokens and seq.stop_token_ids),
+        )
+
     def _penalize(self, row: torch.Tensor, seq: Sequence) -> None:
         p = seq.params
-        if p.repetition_penalty != 1.0:
+        repetition, frequency, min_tokens = self._penalties(seq)
+        if repetition:
             seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
             values = row[seen]
             row[seen] = torch.where(
                 values > 0, values / p.repetition_penalty, values * p.repetition_penalty
             )
-        if (p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens:
+        if frequency:
             out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=row.device)
             counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-        if seq.num_output_tokens < p.min_tokens and seq.stop_token_ids:
+        if min_tokens:
             row[list(seq.stop_token_ids)] = float("-inf")
 
     def _draw(self, row: torch.Tensor, seq: Sequence) -> int:
