@@ -15,7 +15,7 @@ A bfloat16 model's projections on a CPU run on prepacked kernels (`KERNELS`):
   the result is rounded back to bfloat16. A weight beyond float16's range keeps F.linear.
 - "fbgemm-fp16+onednn-bf16": both packings (the projections' weights twice); calls of under
   `FEW_ROWS` rows (small decode batches) on FBGEMM, which streams the weights from memory
-  faster there, the rest on oneDNN, twice as fast from 16 rows on (bench/engine.py).
+  faster there, the rest on oneDNN, which computes faster from there on.
 Activations, residuals and the KV cache stay bfloat16.
 
 The cache is one tensor [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]: a block is
@@ -356,8 +356,8 @@ class LlamaModel:
         # K and V as [D, kv_heads, L, dim] in float32, converted and transposed in one copy
         # each: batched matmuls then take K transposed as it is, with no copy of their own.
         shape = (d, c.num_kv_heads, k.shape[1], c.head_dim)
-        kf = torch.empty(shape, device=q.device).copy_(k.transpose(1, 2))
-        vf = torch.empty(shape, device=q.device).copy_(v.transpose(1, 2))
+        kf = torch.empty(shape, dtype=torch.float32, device=q.device).copy_(k.transpose(1, 2))
+        vf = torch.empty(shape, dtype=torch.float32, device=q.device).copy_(v.transpose(1, 2))
         scores = torch.matmul(qf, kf.transpose(2, 3)).mul_(self.scale)
         if mask is not None:
             scores.add_(mask)
