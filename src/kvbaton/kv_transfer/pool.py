@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import shutil
+import os
 import socket
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
@@ -27,9 +27,12 @@ _OWNED: set[str] = set()  # segments this process created
 _LINGERING: list[shared_memory.SharedMemory] = []  # closed while viewed: never collected
 
 
-def _shm_has_room(nbytes: int) -> bool:
-    root = Path("/dev/shm")
-    return not root.is_dir() or shutil.disk_usage(root).free >= nbytes
+def _reserve(segment: shared_memory.SharedMemory, nbytes: int) -> None:
+    """Allocate the segment's pages now (OSError if the file system has no room for them): a
+    page first touched when /dev/shm is full would kill the process with SIGBUS instead."""
+    fd = getattr(segment, "_fd", -1)
+    if fd >= 0 and hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, nbytes)
 
 
 @functools.cache
@@ -53,19 +56,27 @@ class KvPool:
 
     def allocate(self, nbytes: int) -> memoryview:
         """The buffer for the engine's cache (zeroed): in shared memory if `shared` and the
-        shared-memory file system has room (touching pages past its size would kill us)."""
-        if self.shared and nbytes > 0 and not _shm_has_room(nbytes):
-            log.warning(
-                "no room for a %.2f GiB KV pool in /dev/shm: peers reach it over TCP only",
-                nbytes / 2**30,
-            )
-            self.shared = False
+        shared-memory file system has room for all of it, its pages allocated at once."""
         if self.shared and nbytes > 0:
-            self.segment = shared_memory.SharedMemory(create=True, size=nbytes)
-            _OWNED.add(self.segment.name)
-            buffer = self.segment.buf
-            assert buffer is not None
-            return buffer[:nbytes]
+            segment = shared_memory.SharedMemory(create=True, size=nbytes)
+            _OWNED.add(segment.name)
+            try:
+                _reserve(segment, nbytes)
+            except OSError as e:
+                segment.close()
+                segment.unlink()
+                _OWNED.discard(segment.name)
+                log.warning(
+                    "no room for a %.2f GiB KV pool in /dev/shm (%s): peers reach it over TCP only",
+                    nbytes / 2**30,
+                    e.strerror or e,
+                )
+                self.shared = False
+            else:
+                self.segment = segment
+                buffer = segment.buf
+                assert buffer is not None
+                return buffer[:nbytes]
         return memoryview(bytearray(nbytes))
 
     def attach(
