@@ -10,7 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvbaton.cli.main import build_parser
+from kvbaton.cli.worker import ENGINE_FLAGS, WORKER_FLAGS
 from kvbaton.engine import EngineConfig
+from kvbaton.engine.config import MATMULS
 from kvbaton.engine.model import (
     FEW_ROWS,
     Projection,
@@ -125,3 +128,14 @@ def test_the_kernel_choice() -> None:
         EngineConfig(matmul="float32")
     with pytest.raises(ValueError, match="kernel must be one of"):
         Projection(torch.ones(2, 2), None, "float32")
+
+
+def test_the_worker_flag_offers_every_kernel_and_reaches_the_engine_config() -> None:
+    parser = build_parser()
+    for choice in MATMULS:
+        args = parser.parse_args(["worker", "--matmul", choice])
+        values = {n: getattr(args, n) for n in ENGINE_FLAGS if getattr(args, n) is not None}
+        assert EngineConfig(**values).matmul == choice
+    with pytest.raises(SystemExit):
+        parser.parse_args(["worker", "--matmul", "float32"])
+    assert "matmul" in WORKER_FLAGS  # serve passes it on to its workers

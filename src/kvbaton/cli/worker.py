@@ -135,6 +135,12 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, help="(default 2048; mocker 8192)")
     group.add_argument("--max-model-len", type=int)
     group.add_argument("--num-threads", type=int, help="torch threads (default: cores/workers)")
+    group.add_argument(
+        "--matmul",
+        choices=["auto", "native", "fbgemm-fp16", "onednn-bf16", "fbgemm-fp16+onednn-bf16"],
+        help="a bfloat16 model's projection kernels on a CPU (default auto: oneDNN's and "
+        "FBGEMM's, those the CPU has; one alone keeps one copy of the weights)",
+    )
     group.add_argument("--fixed-tokens", default="1,2,3", help="the fixed engine's token ids")
     disagg = parser.add_argument_group("disaggregation")
     disagg.add_argument(
@@ -180,6 +186,7 @@ ENGINE_FLAGS = (
     "max_num_batched_tokens",
     "max_model_len",
     "num_threads",
+    "matmul",
 )
 MOCKER_FLAGS = ("speedup_ratio", "mocker_prefill", "mocker_decode")
 DISAGG_FLAGS = ("kv_transfer", "kv_transfer_timeout", "kv_hold_timeout", "kv_push")
