@@ -88,10 +88,12 @@ def fp16_gemm_available() -> bool:
 
 def onednn_bf16_available() -> bool:
     """Whether oneDNN runs bfloat16 GEMMs on this CPU (AVX-512 at least)."""
+    ops = torch.ops.mkldnn
     return (
         torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_is_mkldnn_bf16_supported")
+        and bool(ops._is_mkldnn_bf16_supported())
     )
 
 
