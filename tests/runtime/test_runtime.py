@@ -233,12 +233,15 @@ async def test_a_handler_that_ignores_stop_is_cancelled_after_the_grace(
     client = await runtime.endpoint("ns.c.stubborn").client()
     await client.wait_for_instances()
 
+    first_read = asyncio.Event()
+
     async def consume() -> None:
         async for _ in client.round_robin(None):
-            pass
+            first_read.set()
 
     reader = asyncio.create_task(consume())
-    await asyncio.sleep(0.1)
+    # Only once the handler runs: a caller cancelled before its request is sent runs nothing.
+    await asyncio.wait_for(first_read.wait(), 5)
     reader.cancel()  # cancelling the caller's task cancels the stream
     waited = await wait_until(lambda: events, timeout=5, what="handler cancelled")
     assert events == ["cancelled"]
