@@ -135,6 +135,9 @@ async def test_a_prefill_worker_killed_mid_prefill_leaves_the_decode_worker_to_p
             assert "prefilling on the decode worker" in frontend.log_text()
             assert reference.choices[0].text  # the deployment worked before the kill
             await all_free(rt, "backend")
+        if order == "decode-first":  # the writer's claim ended with its process, not by a report
+            decode_log = (tmp_path / "worker-1.log").read_text()
+            assert "its writer let go without a report" in decode_log
 
 
 async def test_a_decode_worker_killed_mid_decode_frees_the_prefill_workers_blocks(

@@ -68,6 +68,7 @@ def target(block_ids: list[int], first_block: int = 0) -> KvTarget:
     pool = KvPoolInfo(layout="test", num_blocks=BLOCKS, block_bytes=LAYERS * LAYER_BYTES, host="")
     return KvTarget(
         decode_instance_id=1,
+        claim_endpoint="ns.backend.kv_claim",
         notify_endpoint="ns.backend.kv_ready",
         room="room",
         block_ids=block_ids,

@@ -1,13 +1,15 @@
-"""A decode worker's rooms (decode-first): a prefill worker claims a room before it writes. A
-room nobody claimed ends when its request ends or its wait times out, and refuses a claim from
-then on; a claimed room waits for its writer's report (or the router's), past the end of its
-request and past the first timeout, so that the engine frees the blocks only once no write can
-land in them; either way the room is forgotten."""
+"""A decode worker's rooms (decode-first): a prefill worker claims a room before it writes, and
+holds the claim open until it reported. A room nobody claimed ends when its request ends, its
+wait times out or the router abandons it, and refuses a claim from then on; a claimed room
+waits for its writer's report or the end of its claim, past the end of its request, the first
+timeout and the router's abandon, so that the engine neither frees the blocks nor computes into
+them while a write can still land in them; either way the room is forgotten."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 from kvbaton.engine.engine import KvCacheView
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.protocols.llm import KvPoolInfo
+from kvbaton.runtime import Context
 from kvbaton.workers import kv_handoff
 from kvbaton.workers.kv_handoff import KvHandoff
 
@@ -59,6 +62,28 @@ async def call(handoff: KvHandoff, **request: object) -> bool:
     return answer["accepted"]
 
 
+@dataclass
+class Claim:
+    accepted: bool
+    context: Context  # the claim stream's, on the decode worker
+    held: asyncio.Task[list[object]]  # the rest of the stream: ends with the claim
+
+    def let_go(self) -> None:
+        """The writer closes its claim stream (or its connection goes)."""
+        self.context.stop_generating()
+
+
+async def claim(handoff: KvHandoff, name: str) -> Claim:
+    context = Context(f"{name}-claim")
+    answers = handoff.kv_claim({"room": name}, context)
+    first = await anext(answers)
+
+    async def rest() -> list[object]:
+        return [answer async for answer in answers]
+
+    return Claim(first["accepted"], context, asyncio.create_task(rest()))
+
+
 async def test_an_unclaimed_room_ends_with_its_request_and_refuses_a_claim(
     handoff: KvHandoff,
 ) -> None:
@@ -67,34 +92,36 @@ async def test_an_unclaimed_room_ends_with_its_request_and_refuses_a_claim(
     with pytest.raises(KvLoadFailed):
         await asyncio.wait_for(load, 2)
     assert "r" not in handoff._rooms
-    assert not await call(handoff, room="r", claim=True)
+    assert not (await claim(handoff, "r")).accepted
 
 
 async def test_an_unclaimed_room_ends_at_its_timeout(handoff: KvHandoff) -> None:
     _, load = await admitted(handoff, "r")
     with pytest.raises(KvLoadFailed):
         await asyncio.wait_for(load, 3)
-    assert not await call(handoff, room="r", claim=True)
+    assert not (await claim(handoff, "r")).accepted
 
 
 async def test_a_claimed_room_waits_for_its_writer_after_its_request_ended(
     handoff: KvHandoff,
 ) -> None:
     room, load = await admitted(handoff, "r")
-    assert await call(handoff, room="r", claim=True)
-    assert not await call(handoff, room="r", claim=True)  # one writer
+    writer = await claim(handoff, "r")
+    assert writer.accepted
+    assert not (await claim(handoff, "r")).accepted  # one writer
     handoff.close_room(room)  # the client left; the prefill worker may still write
     await asyncio.sleep(1.0)  # twice the wait for a claim
-    assert not load.done()
+    assert not load.done() and not writer.held.done()
     assert await call(handoff, room="r", ok=False)
     with pytest.raises(KvLoadFailed):
         await asyncio.wait_for(load, 2)
     assert "r" not in handoff._rooms
+    assert await asyncio.wait_for(writer.held, 2) == []  # the room ended: so did the claim
 
 
 async def test_a_claimed_room_takes_its_writers_tokens(handoff: KvHandoff) -> None:
     _, load = await admitted(handoff, "r")
-    assert await call(handoff, room="r", claim=True)
+    assert (await claim(handoff, "r")).accepted
     await asyncio.sleep(0.7)  # past the wait for a claim
     assert await call(handoff, room="r", ok=True, token_ids=[42])
     assert await asyncio.wait_for(load, 2) == [42]
@@ -105,9 +132,53 @@ async def test_a_claimed_room_nobody_reports_on_ends_at_the_long_timeout(
 ) -> None:
     monkeypatch.setattr(kv_handoff, "CLAIMED_TIMEOUT_S", 0.5)
     room, load = await admitted(handoff, "r")
-    assert await call(handoff, room="r", claim=True)
+    writer = await claim(handoff, "r")
+    assert writer.accepted
     handoff.close_room(room)
     with pytest.raises(KvLoadFailed):
         await asyncio.wait_for(load, 3)
     assert "r" not in handoff._rooms
     assert not await call(handoff, room="r", ok=True)
+    await asyncio.wait_for(writer.held, 2)  # the writer learns that nobody waits any more
+
+
+async def test_the_routers_abandon_ends_an_unclaimed_room(handoff: KvHandoff) -> None:
+    _, load = await admitted(handoff, "r")
+    assert await call(handoff, room="r", abandon=True)
+    with pytest.raises(KvLoadFailed):
+        await asyncio.wait_for(load, 0.4)  # at once, not at the wait for a claim (0.5 s)
+    assert "r" not in handoff._rooms
+    assert not (await claim(handoff, "r")).accepted
+
+
+async def test_the_routers_abandon_leaves_a_claimed_room_to_its_writer(
+    handoff: KvHandoff,
+) -> None:
+    """The router gave up (its own timeout, or it lost the prefill worker's answer) while the
+    writer may live on and write: the blocks wait for the writer, not for the router."""
+    _, load = await admitted(handoff, "r")
+    writer = await claim(handoff, "r")
+    assert writer.accepted
+    assert not await call(handoff, room="r", abandon=True)
+    await asyncio.sleep(0.7)  # past the wait for a claim
+    assert not load.done() and not writer.held.done()
+    assert await call(handoff, room="r", ok=True, token_ids=[42])
+    assert await asyncio.wait_for(load, 2) == [42]
+    await asyncio.wait_for(writer.held, 2)
+
+
+async def test_a_claimed_room_ends_when_its_writer_lets_go_without_a_report(
+    handoff: KvHandoff,
+) -> None:
+    """The claim's end is the end of its writes: a prefill worker killed mid-prefill (its
+    connection goes) frees the decode worker at once, with no report and no router."""
+    _, load = await admitted(handoff, "r")
+    writer = await claim(handoff, "r")
+    assert writer.accepted
+    await asyncio.sleep(0.7)  # past the wait for a claim
+    writer.let_go()
+    with pytest.raises(KvLoadFailed):
+        await asyncio.wait_for(load, 2)
+    await asyncio.wait_for(writer.held, 2)
+    assert "r" not in handoff._rooms
+    assert not await call(handoff, room="r", ok=True, token_ids=[42])

@@ -1,15 +1,18 @@
 """Calls between the parties of a disaggregated request: telling a prefill worker that the
 blocks it holds may go (`kv_release`), claiming a decode worker's blocks before writing them
-and telling it whether the KV it waits for was written (`kv_release`'s decode-first twin,
-`kv_ready`). Never raise: each side has a timeout of its own for a call that never comes."""
+(`kv_claim`, a stream the writer holds open until it reported), telling it whether the KV it
+waits for was written (`kv_release`'s decode-first twin, `kv_ready`), or, from the router, that
+no prefill worker will come for them. Never raise: each side has a timeout of its own for a
+call that never comes."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 from kvbaton.protocols.llm import DisaggregatedParams, KvTarget
-from kvbaton.runtime import Client, DistributedRuntime
+from kvbaton.runtime import Client, DistributedRuntime, ResponseStream
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +30,26 @@ class PeerCalls:
             params.release_endpoint, params.prefill_instance_id, {"handle": params.handle}
         )
 
-    async def claim(self, target: KvTarget) -> bool:
-        """Whether the decode worker lets us write into the blocks of `target` (it refuses
-        once it stopped waiting for them)."""
-        answer = await self._call(
-            target.notify_endpoint, target.decode_instance_id, {"room": target.room, "claim": True}
-        )
-        return isinstance(answer, dict) and answer.get("accepted") is True
+    async def claim(self, target: KvTarget) -> ResponseStream | None:
+        """Claim the blocks of `target`: the open stream if the decode worker lets us write
+        into them (it refuses once it stopped waiting); the writer closes it once its writes
+        ended and it reported. None if refused or unanswered."""
+        stream: ResponseStream | None = None
+        try:
+            client = await self._client(target.claim_endpoint)
+            stream = client.direct({"room": target.room}, target.decode_instance_id)
+            answer = await asyncio.wait_for(anext(stream), CALL_TIMEOUT_S)
+            if isinstance(answer, dict) and answer.get("accepted") is True:
+                return stream
+        except asyncio.CancelledError:
+            if stream is not None:
+                await stream.aclose()
+            raise
+        except (Exception, StopAsyncIteration) as exc:
+            log.warning("kv_claim on %x failed: %s", target.decode_instance_id, exc)
+        if stream is not None:
+            await stream.aclose()
+        return None
 
     async def kv_ready(self, target: KvTarget, ok: bool, token_ids: list[int]) -> None:
         """The decode worker's blocks of `target` hold the prompt's KV (`ok`), or will not;
@@ -41,14 +57,23 @@ class PeerCalls:
         request = {"room": target.room, "ok": ok, "token_ids": token_ids}
         await self._call(target.notify_endpoint, target.decode_instance_id, request)
 
+    async def abandon(self, target: KvTarget) -> None:
+        """No prefill worker will write into `target` unless one already claimed it."""
+        request = {"room": target.room, "abandon": True}
+        await self._call(target.notify_endpoint, target.decode_instance_id, request)
+
+    async def _client(self, endpoint: str) -> Client:
+        client = self._clients.get(endpoint)
+        if client is None:
+            client = await self.runtime.endpoint(endpoint).client()
+            self._clients[endpoint] = client
+        return client
+
     async def _call(self, endpoint: str, instance_id: int, request: dict[str, Any]) -> Any:
         """The call's (last) answer; None if it failed."""
         answers: list[Any] = []
         try:
-            client = self._clients.get(endpoint)
-            if client is None:
-                client = await self.runtime.endpoint(endpoint).client()
-                self._clients[endpoint] = client
+            client = await self._client(endpoint)
             stream = client.direct(request, instance_id, timeout=CALL_TIMEOUT_S)
             async with stream:
                 answers += [answer async for answer in stream]

@@ -98,10 +98,12 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class KvTarget(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Decode-first: the blocks a decode worker allocated for a prompt, for a prefill worker to
-    write the prompt's KV into (blocks `first_block...` of the prompt; those before it the
-    decode worker has cached), then to report on through `notify_endpoint` (`kv_ready`)."""
+    claim through `claim_endpoint` (`kv_claim`), write the prompt's KV into (blocks
+    `first_block...` of the prompt; those before it the decode worker has cached), then report
+    on through `notify_endpoint` (`kv_ready`)."""
 
     decode_instance_id: int
+    claim_endpoint: str  # "namespace.component.kv_claim" on that instance
     notify_endpoint: str  # "namespace.component.kv_ready" on that instance
     room: str  # names the waiting request there
     block_ids: list[int]

@@ -89,8 +89,9 @@ class PrefillRouter:
         await self.peers.release(params)
 
     async def abandon(self, target: KvTarget) -> None:
-        """Tell a decode worker that no prefill worker will write into `target`."""
-        await self.peers.kv_ready(target, False, [])
+        """Tell a decode worker that no prefill worker will write into `target` (one that
+        claimed it is waited for there: it may live on)."""
+        await self.peers.abandon(target)
 
     async def close(self) -> None:
         await self.router.close()

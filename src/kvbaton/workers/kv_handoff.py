@@ -3,28 +3,33 @@
 Prefill-first: a prefill worker holds a request's blocks after its first token and answers with
 `DisaggregatedParams`; the decode worker reads the prompt's KV from its pool, then tells it to
 release. Decode-first: the decode worker allocates blocks and answers first with a `KvTarget`
-(its room); the prefill worker claims the room (`kv_ready` with `claim`), writes the prompt's
-KV into its blocks (layer by layer as it computes them, `kv_push.py`, unless told to write whole
-blocks at the end), tells the decode worker (`kv_ready`, with the first token) and frees its own
-blocks at once. The decode worker waits for that in its room: for a claim at most `timeout_s`,
-then, claimed, for the report (see `KvRoom`).
+(its room); the prefill worker claims the room (`kv_claim`, a stream it holds open while it may
+write), writes the prompt's KV into its blocks (layer by layer as it computes them,
+`kv_push.py`, unless told to write whole blocks at the end), tells the decode worker
+(`kv_ready`, with the first token), lets go of the claim and frees its own blocks. The decode
+worker waits for that in its room: for a claim at most `timeout_s`, then, claimed, for the
+report or the claim's end (see `KvRoom`).
 
 Invariants: held blocks are released exactly once, by a `kv_release` call or, if none comes,
 after `hold_timeout_s`; a decode worker sends one release per request it was given params for
 (after its read, or when the request ends without one), and never waits on it; a room ends
-exactly once, and a claimed one only by a report (or the long timeout): its blocks are not
-freed while a writer may still write them (the engine frees a loading request's blocks only
-when its load ends), and a room that ended refuses a claim; a prefill worker writes only into a
-room it claimed, and reports (`kv_ready`) on every decode-first request it was given, once its
-writes have ended."""
+exactly once, and a claimed one only when no write can come any more, or at the long timeout:
+by its writer's report, or by the end of its writer's claim (the writer left, or its process or
+connection went), never by the router's abandon; so its blocks are neither freed nor computed
+into here while a writer may still write them (the engine frees a loading request's blocks
+only when its load ends), and a room that ended refuses a claim; a prefill worker writes only
+into a room it claimed, and reports (`kv_ready`) on every decode-first request it was given,
+once its writes have ended, before it lets go of the claim."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,14 +38,14 @@ from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.kv_transfer import KvTransferAgent
 from kvbaton.llm.peer_calls import PeerCalls
 from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput, KvTarget
-from kvbaton.runtime import Context, DistributedRuntime
+from kvbaton.runtime import Context, DistributedRuntime, ResponseStream
 from kvbaton.workers.kv_push import LayerPush
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HOLD_TIMEOUT_S = 30.0
-# How long a claimed room waits for its writer's report: the PrefillRouter's prefill timeout
-# (it reports a prefill it gave up on), as a bound for when no report can come.
+# How long a claimed room waits for its writer's report, as a bound for a writer that lives on
+# but never reports: the PrefillRouter's prefill timeout.
 CLAIMED_TIMEOUT_S = 300.0
 PUSH_MODES = ("layers", "blocks")
 PUSH_THREADS = 4  # writers of decode-first pushes in flight at once
@@ -61,12 +66,13 @@ class KvFetch:
 @dataclass
 class KvRoom:
     """A decode-first request's KV source: where its prompt's KV will be written. A writer
-    claims it before its first write; a claimed room ends only by a report (its writer's, or
-    the router's that the prefill failed) or the long `CLAIMED_TIMEOUT_S`; an unclaimed one
-    also when its wait times out or its request ends, after which a claim is refused."""
+    claims it before its first write; a claimed room ends only by its writer's report, the end
+    of the writer's claim, or the long `CLAIMED_TIMEOUT_S`; an unclaimed one also when its wait
+    times out, its request ends or the router abandons it, after which a claim is refused."""
 
     name: str
     allocated: asyncio.Future[None]  # resolved once the engine gave the request its blocks
+    ended: asyncio.Future[None]  # resolved (on its loop) once the room ended
     block_ids: list[int] = field(default_factory=list)
     first_block: int = 0
     done: threading.Event = field(default_factory=threading.Event)
@@ -81,7 +87,7 @@ class KvRoom:
             if self.done.is_set():
                 return False
             self.ok, self.token_ids = ok, token_ids
-            self.done.set()
+            self._set_done()
             return True
 
     def claim(self) -> bool:
@@ -96,8 +102,18 @@ class KvRoom:
         """End the room unless a writer claimed it; whether it is ended."""
         with self._lock:
             if not self.claimed and not self.done.is_set():
-                self.done.set()
+                self._set_done()
             return self.done.is_set()
+
+    def _set_done(self) -> None:
+        """(Holding the lock; on any thread.)"""
+        self.done.set()
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits `ended`
+            self.ended.get_loop().call_soon_threadsafe(self._resolve_ended)
+
+    def _resolve_ended(self) -> None:
+        if not self.ended.done():
+            self.ended.set_result(None)
 
 
 class KvHandoff:
@@ -113,8 +129,8 @@ class KvHandoff:
         push: str = "layers",
     ) -> None:
         """`cache`: the engine's, whose blocks the agent's pool holds (or mirrors);
-        `component_path`: "namespace.component" of this worker (its kv_release and kv_ready
-        endpoints); `push`: how a prefill worker writes decode-first KV ("layers": as the
+        `component_path`: "namespace.component" of this worker (its kv_release, kv_claim and
+        kv_ready endpoints); `push`: how a prefill worker writes decode-first KV ("layers": as the
         engine computes each layer; "blocks": whole blocks once the prompt is computed)."""
         if hold_timeout_s <= 0:
             raise ValueError("the KV hold timeout must be positive")
@@ -125,6 +141,7 @@ class KvHandoff:
         self.agent = agent
         self.cache = cache
         self.release_endpoint = f"{component_path}.kv_release"
+        self.claim_endpoint = f"{component_path}.kv_claim"
         self.notify_endpoint = f"{component_path}.kv_ready"
         self.block_size = block_size
         self.hold_timeout_s = hold_timeout_s
@@ -244,14 +261,15 @@ class KvHandoff:
 
     # -- decode-first --------------------------------------------------------------------------
     def open_room(self, name: str) -> KvRoom:
-        room = KvRoom(name, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        room = KvRoom(name, loop.create_future(), loop.create_future())
         self._rooms[name] = room
         return room
 
     def close_room(self, room: KvRoom) -> None:
-        """The request ended. A room a writer claimed stays open for its report (or the long
-        timeout): the engine keeps the blocks of an aborted request until its load ends, so no
-        write lands in blocks given to another request meanwhile."""
+        """The request ended. A room a writer claimed stays open until the writer is done: the
+        engine keeps the blocks of an aborted request until its load ends, so no write lands in
+        blocks given to another request meanwhile."""
         if not room.allocated.done():
             room.allocated.cancel()
         if room.expire():
@@ -261,6 +279,7 @@ class KvHandoff:
         """The room's blocks, for the PrefillRouter to hand a prefill worker (its writer)."""
         return KvTarget(
             decode_instance_id=self.runtime.instance_id or 0,
+            claim_endpoint=self.claim_endpoint,
             notify_endpoint=self.notify_endpoint,
             room=room.name,
             block_ids=room.block_ids,
@@ -289,18 +308,44 @@ class KvHandoff:
         self.cache.stage_in(load.dst_blocks)
         return room.token_ids
 
+    async def kv_claim(self, request: Any, context: Context) -> AsyncIterator[dict[str, bool]]:
+        """Endpoint: a prefill worker claims `room` before its first write. Accepted, the stream
+        stays open until the room ends; if the caller ends it first (it left without a report,
+        or its process or connection went), no write can come any more: the room ends as not
+        written."""
+        if not isinstance(request, dict) or not isinstance(request.get("room"), str):
+            raise ValueError("kv_claim takes {'room': str}")
+        room = self._rooms.get(request["room"])
+        if room is None or not room.claim():
+            yield {"accepted": False}
+            return
+        yield {"accepted": True}
+        stopped = asyncio.ensure_future(context.stopped())
+        try:
+            await asyncio.wait((stopped, room.ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if room.end(False, []):
+            log.warning("room %s: its writer let go without a report", room.name)
+            self._rooms.pop(room.name, None)
+
     async def kv_ready(self, request: Any, context: Context) -> dict[str, bool]:
-        """Endpoint: a prefill worker claims `room` before its first write ('claim'), or
-        reports that it wrote the KV of `room` (ok) or will not."""
+        """Endpoint: the prefill worker reports that it wrote the KV of `room` (ok) or will
+        not; or the router abandons it (`abandon`: no prefill worker will come, which ends the
+        room unless a writer claimed it)."""
         if not isinstance(request, dict) or not isinstance(request.get("room"), str):
             raise ValueError(
-                "kv_ready takes {'room': str, 'claim': true} or "
-                "{'room': str, 'ok': bool, 'token_ids': [int]}"
+                "kv_ready takes {'room': str, 'ok': bool, 'token_ids': [int]} or "
+                "{'room': str, 'abandon': true}"
             )
-        if request.get("claim"):
-            claimed = self._rooms.get(request["room"])
-            return {"accepted": claimed is not None and claimed.claim()}
-        room = self._rooms.pop(request["room"], None)
+        name = request["room"]
+        if request.get("abandon"):
+            room = self._rooms.get(name)
+            if room is None or not room.expire():
+                return {"accepted": False}  # its writer will report, or its claim end
+            self._rooms.pop(name, None)
+            return {"accepted": True}
+        room = self._rooms.pop(name, None)
         tokens = [int(t) for t in request.get("token_ids", [])]
         return {"accepted": room is not None and room.end(bool(request.get("ok")), tokens)}
 
@@ -309,34 +354,28 @@ class KvHandoff:
         else it writes whole blocks at the end)."""
         return LayerPush(handle, target, self.agent, self.cache, self._writers)
 
-    def claim(self, target: KvTarget, pusher: LayerPush) -> asyncio.Task[bool]:
+    def claim(self, target: KvTarget, pusher: LayerPush) -> RoomClaim:
         """Claim the target's room, in the background: `pusher` writes only once it is
         claimed (and never if the decode worker refuses)."""
-
-        async def claim() -> bool:
-            ok = await self.peers.claim(target)
-            pusher.claimed(ok)
-            return ok
-
-        return asyncio.create_task(claim())
+        return RoomClaim(self.peers, target, pusher)
 
     async def push(
         self,
         handle: str,
         out: EngineOutput,
         target: KvTarget,
-        claim: asyncio.Task[bool],
+        claim: RoomClaim,
         pusher: LayerPush,
     ) -> EngineOutput:
         """Prefill side: write a held request's KV into the target's blocks once `claim`ed
-        (what `pusher` did not write as the prompt was computed), report to the decode worker,
-        free our blocks; the answer for the PrefillRouter."""
+        (what `pusher` did not write as the prompt was computed), free our blocks, report to
+        the decode worker; the answer for the PrefillRouter."""
         ok = False
         if out.kv_blocks is not None:
             try:
                 if target.block_size != self.block_size:
                     raise ValueError("the decode worker's blocks do not fit this prompt's")
-                if not await claim:
+                if not await claim.accepted():
                     raise ConnectionError("the decode worker no longer waits for this KV")
                 started = time.perf_counter()
                 await asyncio.to_thread(pusher.finish, out.kv_blocks)
@@ -349,8 +388,7 @@ class KvHandoff:
                 self.engine.release_kv(handle)
         else:  # it stopped at its first token: no KV is wanted
             await asyncio.to_thread(pusher.stop)
-        # The decode worker frees its blocks on this report: our writes have ended.
-        await self.peers.kv_ready(target, ok, out.token_ids)
+        await claim.report(ok, out.token_ids)
         return EngineOutput(
             request_id=out.request_id,
             token_ids=out.token_ids,
@@ -358,3 +396,43 @@ class KvHandoff:
             usage=out.usage,
             logprobs=out.logprobs,
         )
+
+
+class RoomClaim:
+    """A prefill worker's claim on a decode worker's room, made in the background while the
+    prompt is computed; `pusher` writes only once it is accepted. Held from then on (the decode
+    worker reads its end as the end of our writes) until `report`, which tells the decode
+    worker whether its blocks hold the KV, then lets go."""
+
+    def __init__(self, peers: PeerCalls, target: KvTarget, pusher: LayerPush) -> None:
+        self.peers = peers
+        self.target = target
+        self.reported = False
+        self._stream: ResponseStream | None = None
+        self._task = asyncio.create_task(self._claim(pusher))
+
+    async def _claim(self, pusher: LayerPush) -> bool:
+        self._stream = await self.peers.claim(self.target)
+        pusher.claimed(self._stream is not None)
+        return self._stream is not None
+
+    async def accepted(self) -> bool:
+        return await self._task
+
+    def cancel(self) -> None:
+        """Withdraw a claim not yet answered (nothing will be written)."""
+        self._task.cancel()
+
+    async def report(self, ok: bool, token_ids: list[int]) -> None:
+        """Once our writes have ended (a later call does nothing): the decode worker's blocks
+        hold the prompt's KV (`ok`), or will not; `token_ids`: the first token."""
+        if self.reported:
+            return
+        self.reported = True
+        self.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        try:
+            await self.peers.kv_ready(self.target, ok, token_ids)
+        finally:
+            if self._stream is not None:
+                await self._stream.aclose()

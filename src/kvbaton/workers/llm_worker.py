@@ -1,8 +1,8 @@
 """The LLM worker: one engine behind the endpoints `generate`, `clear_kv_blocks`, `load_metrics`
 and `tokenizer_files` (and `kv_events` and `kv_dump` when it publishes KV events, `kv_release`
-as a prefill worker, `kv_ready` as a worker that decodes), and a model card in discovery. On a
-NATS event plane its KV events and load go out on its subject instead of the `kv_events`
-endpoint (`kv_dump` stays an endpoint).
+as a prefill worker, `kv_claim` and `kv_ready` as a worker that decodes), and a model card in
+discovery. On a NATS event plane its KV events and load go out on its subject instead of the
+`kv_events` endpoint (`kv_dump` stays an endpoint).
 
 Roles: "agg" runs whole requests; "prefill" runs each request to its first token and answers
 with where its KV waits, or writes it where a decode worker waits for it (`kv_handoff.py`);
@@ -147,7 +147,6 @@ class LLMWorker:
         )
         generated = 0
         finish = "cancelled"
-        pushed = False  # decode-first: the decode worker was told whether its KV was written
         stream = outputs if room is None else self._announced(room, outputs)
         try:
             async for out in stream:
@@ -155,7 +154,7 @@ class LLMWorker:
                 if request.kv_target is not None:
                     assert self.handoff is not None and claim and pusher
                     out = await self.handoff.push(engine_id, out, request.kv_target, claim, pusher)
-                    finish, pushed = "pushed", True
+                    finish = "pushed"
                 elif out.kv_blocks is not None:
                     assert self.handoff is not None
                     out = await self.handoff.hold(engine_id, out, len(request.token_ids))
@@ -171,9 +170,8 @@ class LLMWorker:
             if pusher is not None:  # before the abort frees the blocks it reads
                 await asyncio.to_thread(pusher.stop)
             await outputs.aclose()  # aborts an unfinished request
-            if request.kv_target is not None and not pushed:
-                assert self.handoff is not None  # no more writes: the decode worker may go on
-                await self.handoff.peers.kv_ready(request.kv_target, False, [])
+            if claim is not None:  # (unless pushed) no more writes: the decode worker may go on
+                await claim.report(False, [])
             if room is not None:
                 assert self.handoff is not None
                 self.handoff.close_room(room)
@@ -311,7 +309,10 @@ class LLMWorker:
                 if self.role == "prefill":
                     serving.append(endpoint("kv_release").serve_endpoint(self.handoff.kv_release))
                 else:
-                    serving.append(endpoint("kv_ready").serve_endpoint(self.handoff.kv_ready))
+                    serving += [
+                        endpoint("kv_claim").serve_endpoint(self.handoff.kv_claim),
+                        endpoint("kv_ready").serve_endpoint(self.handoff.kv_ready),
+                    ]
             if self.kv_events is not None:
                 assert kv_stream is not None
                 self.kv_events.start(self.load)
