@@ -225,6 +225,22 @@ def test_layers_wait_for_the_claim_and_a_refused_claim_writes_nothing(
             assert not agent.writes
 
 
+def test_a_claim_the_decode_worker_ends_stops_the_writes(
+    writers: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    agent = FakeAgent()
+    p = push(agent, writers, DST)
+    chunk = PromptChunk(0, 10, 0, PROMPT)
+    p.layer_written(chunk, 0)
+    p._quiesce(5)
+    p.claimed(False)  # the decode worker stopped waiting
+    p.layer_written(chunk, 1)
+    with pytest.raises(ConnectionError, match="did not let us write"):
+        p.finish(PROMPT)
+    writers.shutdown(wait=True)
+    assert [w[2] for w in agent.writes] == [(0, 1)]
+
+
 def test_a_prompt_the_target_does_not_fit_is_refused(
     writers: concurrent.futures.ThreadPoolExecutor,
 ) -> None:

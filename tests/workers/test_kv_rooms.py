@@ -20,7 +20,7 @@ from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.protocols.llm import KvPoolInfo
 from kvbaton.runtime import Context
 from kvbaton.workers import kv_handoff
-from kvbaton.workers.kv_handoff import KvHandoff
+from kvbaton.workers.kv_handoff import KvHandoff, RoomClaim
 
 pytestmark = pytest.mark.unit
 
@@ -182,3 +182,61 @@ async def test_a_claimed_room_ends_when_its_writer_lets_go_without_a_report(
     await asyncio.wait_for(writer.held, 2)
     assert "r" not in handoff._rooms
     assert not await call(handoff, room="r", ok=True, token_ids=[42])
+
+
+class FakeClaimStream:
+    """A claim the decode worker accepted: it ends when `end` is set (the room ended there)."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+        self.end = asyncio.Event()
+
+    def __aiter__(self) -> FakeClaimStream:
+        return self
+
+    async def __anext__(self) -> object:
+        await self.end.wait()
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        self.calls.append("let go")
+
+
+class FakePeers:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.stream = FakeClaimStream(self.calls)
+
+    async def claim(self, target: object) -> FakeClaimStream:
+        return self.stream
+
+    async def kv_ready(self, target: object, ok: bool, token_ids: list[int]) -> None:
+        self.calls.append(f"report {ok} {token_ids}")
+
+
+def writer_claim() -> tuple[RoomClaim, FakePeers, list[bool]]:
+    peers, told = FakePeers(), []
+    pusher = SimpleNamespace(claimed=told.append)
+    target = SimpleNamespace(room="r")
+    return RoomClaim(peers, target, pusher), peers, told  # type: ignore[arg-type]
+
+
+async def test_a_writer_reports_before_it_lets_go_of_its_claim() -> None:
+    made, peers, told = writer_claim()
+    assert await made.accepted()
+    await made.report(True, [42])
+    await made.report(False, [])  # once
+    assert peers.calls == ["report True [42]", "let go"]
+    peers.stream.end.set()  # the room ended on the report
+    await asyncio.sleep(0.05)
+    assert told == [True]
+
+
+async def test_a_writer_stops_writing_when_the_decode_worker_ends_its_claim() -> None:
+    made, peers, told = writer_claim()
+    assert await made.accepted()
+    peers.stream.end.set()  # the decode worker stopped waiting (its long timeout)
+    await asyncio.sleep(0.05)
+    assert told == [True, False]
+    await made.report(False, [])
+    assert peers.calls == ["report False []", "let go"]

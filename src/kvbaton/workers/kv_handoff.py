@@ -400,7 +400,8 @@ class KvHandoff:
 
 class RoomClaim:
     """A prefill worker's claim on a decode worker's room, made in the background while the
-    prompt is computed; `pusher` writes only once it is accepted. Held from then on (the decode
+    prompt is computed; `pusher` writes only once it is accepted, and stops writing if the
+    decode worker ends the claim first (it stopped waiting). Held from acceptance (the decode
     worker reads its end as the end of our writes) until `report`, which tells the decode
     worker whether its blocks hold the KV, then lets go."""
 
@@ -409,12 +410,25 @@ class RoomClaim:
         self.target = target
         self.reported = False
         self._stream: ResponseStream | None = None
+        self._watch: asyncio.Task[None] | None = None
         self._task = asyncio.create_task(self._claim(pusher))
 
     async def _claim(self, pusher: LayerPush) -> bool:
         self._stream = await self.peers.claim(self.target)
         pusher.claimed(self._stream is not None)
+        if self._stream is not None:
+            self._watch = asyncio.create_task(self._watch_end(self._stream, pusher))
         return self._stream is not None
+
+    async def _watch_end(self, stream: ResponseStream, pusher: LayerPush) -> None:
+        with contextlib.suppress(Exception):
+            async for _ in stream:
+                pass
+        if not self.reported:
+            log.warning(
+                "room %s: the decode worker stopped waiting: no more writes", self.target.room
+            )
+            pusher.claimed(False)
 
     async def accepted(self) -> bool:
         return await self._task
@@ -433,6 +447,8 @@ class RoomClaim:
         await asyncio.gather(self._task, return_exceptions=True)
         try:
             await self.peers.kv_ready(self.target, ok, token_ids)
-        finally:
+        finally:  # only now: the claim's end before the report reads as our writer's loss
+            if self._watch is not None:
+                self._watch.cancel()
             if self._stream is not None:
                 await self._stream.aclose()

@@ -11,9 +11,10 @@ layers of a block as one piece. `finish` then writes, whole, the blocks that wer
 (found in the prefix cache here; every block if a chunk was computed again after a preemption,
 since a write may have read a block after its reuse) and reports whether all went.
 
-Invariants: nothing is written before the room is claimed; one push's writes run one at a
-time, in the order the layers were computed; once `finish` or `stop` returns, none of its writes
-runs or starts; the engine's thread never waits on a write."""
+Invariants: nothing is written before the room is claimed, and no write starts once the
+decode worker ended the claim (`claimed(False)`); one push's writes run one at a time, in the
+order the layers were computed; once `finish` or `stop` returns, none of its writes runs or
+starts; the engine's thread never waits on a write."""
 
 from __future__ import annotations
 
@@ -93,10 +94,11 @@ class LayerPush:
 
     # -- the worker's event loop ----------------------------------------------------------------
     def claimed(self, ok: bool) -> None:
-        """The decode worker let us write (`ok`), or no longer waits: nothing is written."""
+        """The decode worker let us write (`ok`), or no longer waits: nothing more is written
+        (`finish` raises)."""
         with self._cond:
+            self._claimed = ok
             if ok:
-                self._claimed = True
                 self._start_writer()
             else:
                 self._stopped = True
