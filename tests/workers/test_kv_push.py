@@ -205,6 +205,26 @@ def test_nothing_is_written_after_stop(writers: concurrent.futures.ThreadPoolExe
     assert [w[2] for w in agent.writes] == [(0, 1)]
 
 
+def test_stop_waits_for_a_write_past_the_timeout(
+    writers: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    """The decode worker reuses its blocks once told the writes ended: stop never returns
+    while one runs, even a write slower than the agent's timeout."""
+    agent = FakeAgent()
+    agent.timeout_s = 0.05
+    agent.gate.clear()
+    p = push(agent, writers, DST)
+    p.layer_written(PromptChunk(0, 10, 0, PROMPT), 0)
+    assert agent.started.wait(5)
+    stopper = threading.Thread(target=p.stop)
+    stopper.start()
+    stopper.join(0.3)  # six timeouts
+    assert stopper.is_alive()
+    agent.gate.set()
+    stopper.join(5)
+    assert not stopper.is_alive()
+
+
 def test_layers_wait_for_the_claim_and_a_refused_claim_writes_nothing(
     writers: concurrent.futures.ThreadPoolExecutor,
 ) -> None:
