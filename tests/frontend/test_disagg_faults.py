@@ -1,6 +1,7 @@
 """Disaggregation when things go wrong, on mocker workers started one by one: a prefill worker
 killed mid-prefill (the decode worker prefills instead), a decode worker killed mid-decode, a
-client leaving while the KV is on its way, held KV nobody comes for; and the frontend's choices
+client leaving while the KV is on its way, held KV nobody comes for, held KV whose hold ran out
+before the decode worker read it (on the real engine); and the frontend's choices
 (--enforce-disagg, --max-local-prefill-tokens). After each, both workers' blocks are all free
 (their `load_metrics`)."""
 
@@ -203,6 +204,50 @@ async def test_held_kv_nobody_fetches_is_freed_after_the_hold_timeout(
         assert len(answer.disaggregated_params.block_ids) == 7  # 100 tokens in blocks of 16
         assert (await load(rt, "prefill")).kv_blocks_used == 7
         await all_free(rt, "prefill")
+
+
+async def test_kv_whose_hold_ran_out_before_the_decode_worker_read_it_is_not_used(
+    chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path
+) -> None:
+    """Prefill-first, on the real engine: B's KV waits on the prefill worker while B queues on a
+    busy decode worker; B's hold runs out and C's prefill takes its blocks. The decode worker
+    then reads C's KV from them: it must not use it (the release's answer says the hold had
+    ended), and prefills B itself. B's and C's greedy tokens equal the decode worker's own."""
+    real = ("--engine", "torch", "--model", str(chat_model), "--block-size", "16")
+    spawn_worker(*real, "--role", "prefill", "--num-kv-blocks", "16", "--kv-hold-timeout", "0.3")
+    spawn_worker(*real, "--role", "decode", "--max-num-seqs", "1")
+    prompt_b = LONG[:40]  # 3 blocks
+    prompt_c = LONG[500:750]  # all 16 blocks of the prefill worker: it waits for B's
+    async with running_frontend(tmp_path) as frontend:
+        await ready(frontend, chat_model)
+        async with client_of(frontend) as client, httpx.AsyncClient() as http:
+            (decode,) = (await http.get(f"{frontend.url}/health")).json()["models"][chat_model.name]
+
+            async def complete(prompt: list[int], max_tokens: int, pinned: bool = False) -> str:
+                extra: dict[str, object] = {"ignore_eos": True}
+                if pinned:  # whole on the decode worker
+                    extra["nvext"] = {"backend_instance_id": decode}
+                out = await client.completions.create(
+                    model=chat_model.name,
+                    prompt=prompt,
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    extra_body=extra,
+                )
+                return out.choices[0].text
+
+            # The decode worker runs one request at a time: these keep it busy for seconds.
+            busy = [asyncio.create_task(complete(LONG[i : i + 8], 240, True)) for i in range(4)]
+            await asyncio.sleep(0.2)
+            b = asyncio.create_task(complete(prompt_b, 8))
+            c = asyncio.create_task(complete(prompt_c, 4))
+            texts = await asyncio.gather(b, c, *busy)
+            assert texts[0] == await complete(prompt_b, 8, pinned=True)
+            assert texts[1] == await complete(prompt_c, 4, pinned=True)
+        async with DistributedRuntime(frontend.discovery) as rt:
+            await all_free(rt, "prefill", "backend")
+    decode_log = (tmp_path / "worker-1.log").read_text()
+    assert "no longer held the KV" in decode_log
 
 
 async def test_enforce_disagg_refuses_without_a_prefill_worker(

@@ -24,11 +24,13 @@ class PeerCalls:
         self.runtime = runtime
         self._clients: dict[str, Client] = {}
 
-    async def release(self, params: DisaggregatedParams) -> None:
-        """The prefill worker may free the blocks of `params`."""
-        await self._call(
+    async def release(self, params: DisaggregatedParams) -> bool:
+        """The prefill worker may free the blocks of `params`; whether it held them until now
+        (False if they were freed before, by its hold timeout, or if it did not answer)."""
+        answer = await self._call(
             params.release_endpoint, params.prefill_instance_id, {"handle": params.handle}
         )
+        return isinstance(answer, dict) and answer.get("released") is True
 
     async def claim(self, target: KvTarget) -> ResponseStream | None:
         """Claim the blocks of `target`: the open stream if the decode worker lets us write

@@ -12,7 +12,8 @@ report or the claim's end (see `KvRoom`).
 
 Invariants: held blocks are released exactly once, by a `kv_release` call or, if none comes,
 after `hold_timeout_s`; a decode worker sends one release per request it was given params for
-(after its read, or when the request ends without one), and never waits on it; a room ends
+(after its read, or when the request ends without one), and keeps what it read only if the
+answer says the blocks were held until then (else it prefills the prompt itself); a room ends
 exactly once, and a claimed one only when no write can come any more, or at the long timeout:
 by its writer's report, or by the end of its writer's claim (the writer left, or its process or
 connection went), never by the router's abandon; so its blocks are neither freed nor computed
@@ -36,7 +37,7 @@ from typing import Any, Protocol
 from kvbaton.engine.engine import KvCacheView
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.kv_transfer import KvTransferAgent
-from kvbaton.llm.peer_calls import PeerCalls
+from kvbaton.llm.peer_calls import CALL_TIMEOUT_S, PeerCalls
 from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput, KvTarget
 from kvbaton.runtime import Context, DistributedRuntime, ResponseStream
 from kvbaton.workers.kv_push import LayerPush
@@ -227,6 +228,7 @@ class KvHandoff:
         fetch = load.source
         assert isinstance(fetch, KvFetch)
         params = fetch.params
+        assert self._loop is not None
         try:
             src = params.block_ids[load.first_block : load.first_block + len(load.dst_blocks)]
             if len(src) != len(load.dst_blocks):
@@ -241,11 +243,24 @@ class KvHandoff:
                 backend,
                 (time.perf_counter() - started) * 1e3,
             )
-            self.cache.stage_in(load.dst_blocks)
-            self._waited(started)
-        finally:
-            assert self._loop is not None
+        except BaseException:
             asyncio.run_coroutine_threadsafe(self.release_remote(fetch), self._loop)
+            raise
+        # What was read is the prompt's KV only if the prefill worker held the blocks until
+        # after the read (its hold may have timed out while the request queued here, and the
+        # blocks gone to another request).
+        held = asyncio.run_coroutine_threadsafe(self.release_remote(fetch), self._loop)
+        try:
+            still_held = held.result(CALL_TIMEOUT_S + 1.0)
+        except TimeoutError:
+            still_held = False
+        if not still_held:
+            raise KvLoadFailed(
+                f"request {load.request_id}: the prefill worker no longer held the KV when the "
+                "read ended"
+            )
+        self.cache.stage_in(load.dst_blocks)
+        self._waited(started)
         return None
 
     def _waited(self, since: float) -> None:
@@ -253,11 +268,13 @@ class KvHandoff:
             self.handoffs += 1
             self.handoff_wait_s += time.perf_counter() - since
 
-    async def release_remote(self, fetch: KvFetch) -> None:
-        """Tell the prefill worker to release the blocks of `fetch` (once)."""
-        if not fetch.released:
-            fetch.released = True
-            await self.peers.release(fetch.params)
+    async def release_remote(self, fetch: KvFetch) -> bool:
+        """Tell the prefill worker to release the blocks of `fetch` (once); whether it held
+        them until now (False too if unanswered, or released before)."""
+        if fetch.released:
+            return False
+        fetch.released = True
+        return await self.peers.release(fetch.params)
 
     # -- decode-first --------------------------------------------------------------------------
     def open_room(self, name: str) -> KvRoom:
