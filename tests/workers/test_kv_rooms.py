@@ -20,7 +20,8 @@ from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.protocols.llm import KvPoolInfo
 from kvbaton.runtime import Context
 from kvbaton.workers import kv_handoff
-from kvbaton.workers.kv_handoff import KvHandoff, RoomClaim
+from kvbaton.workers.kv_handoff import KvHandoff
+from kvbaton.workers.kv_push import RoomClaim
 
 pytestmark = pytest.mark.unit
 

@@ -39,8 +39,8 @@ from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.kv_transfer import KvTransferAgent
 from kvbaton.llm.peer_calls import CALL_TIMEOUT_S, PeerCalls
 from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput, KvTarget
-from kvbaton.runtime import Context, DistributedRuntime, ResponseStream
-from kvbaton.workers.kv_push import LayerPush
+from kvbaton.runtime import Context, DistributedRuntime
+from kvbaton.workers.kv_push import LayerPush, RoomClaim
 
 log = logging.getLogger(__name__)
 
@@ -413,59 +413,3 @@ class KvHandoff:
             usage=out.usage,
             logprobs=out.logprobs,
         )
-
-
-class RoomClaim:
-    """A prefill worker's claim on a decode worker's room, made in the background while the
-    prompt is computed; `pusher` writes only once it is accepted, and stops writing if the
-    decode worker ends the claim first (it stopped waiting). Held from acceptance (the decode
-    worker reads its end as the end of our writes) until `report`, which tells the decode
-    worker whether its blocks hold the KV, then lets go."""
-
-    def __init__(self, peers: PeerCalls, target: KvTarget, pusher: LayerPush) -> None:
-        self.peers = peers
-        self.target = target
-        self.reported = False
-        self._stream: ResponseStream | None = None
-        self._watch: asyncio.Task[None] | None = None
-        self._task = asyncio.create_task(self._claim(pusher))
-
-    async def _claim(self, pusher: LayerPush) -> bool:
-        self._stream = await self.peers.claim(self.target)
-        pusher.claimed(self._stream is not None)
-        if self._stream is not None:
-            self._watch = asyncio.create_task(self._watch_end(self._stream, pusher))
-        return self._stream is not None
-
-    async def _watch_end(self, stream: ResponseStream, pusher: LayerPush) -> None:
-        with contextlib.suppress(Exception):
-            async for _ in stream:
-                pass
-        if not self.reported:
-            log.warning(
-                "room %s: the decode worker stopped waiting: no more writes", self.target.room
-            )
-            pusher.claimed(False)
-
-    async def accepted(self) -> bool:
-        return await self._task
-
-    def cancel(self) -> None:
-        """Withdraw a claim not yet answered (nothing will be written)."""
-        self._task.cancel()
-
-    async def report(self, ok: bool, token_ids: list[int]) -> None:
-        """Once our writes have ended (a later call does nothing): the decode worker's blocks
-        hold the prompt's KV (`ok`), or will not; `token_ids`: the first token."""
-        if self.reported:
-            return
-        self.reported = True
-        self.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        try:
-            await self.peers.kv_ready(self.target, ok, token_ids)
-        finally:  # only now: the claim's end before the report reads as our writer's loss
-            if self._watch is not None:
-                self._watch.cancel()
-            if self._stream is not None:
-                await self._stream.aclose()
