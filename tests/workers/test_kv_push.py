@@ -225,6 +225,27 @@ def test_stop_waits_for_a_write_past_the_timeout(
     assert not stopper.is_alive()
 
 
+def test_stop_waits_for_the_whole_block_write_of_finish(
+    writers: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    """The request is cancelled while `finish` writes: the blocks go back only after it."""
+    agent = FakeAgent()
+    agent.gate.clear()
+    p = push(agent, writers, DST)
+    finisher = threading.Thread(target=p.finish, args=(PROMPT,))
+    finisher.start()
+    assert agent.started.wait(5)
+    stopper = threading.Thread(target=p.stop)
+    stopper.start()
+    stopper.join(0.2)
+    assert stopper.is_alive()
+    agent.gate.set()
+    stopper.join(5)
+    finisher.join(5)
+    assert not stopper.is_alive() and not finisher.is_alive()
+    assert agent.writes == [(PROMPT, DST, None)]
+
+
 def test_layers_wait_for_the_claim_and_a_refused_claim_writes_nothing(
     writers: concurrent.futures.ThreadPoolExecutor,
 ) -> None:

@@ -195,10 +195,16 @@ class LayerPush:
                 for i in range(target.first_block, end)
                 if self._redo_all or self._streamed.get(i) != prompt_blocks[i]
             ]
+            self._writing = True  # `stop` waits for this write too
         src = [prompt_blocks[i] for i in missing]
         dst = [target.block_ids[i - target.first_block] for i in missing]
-        self.cache.stage_out(src)
-        backend = self.agent.write(target.pool, src, dst)
+        try:
+            self.cache.stage_out(src)
+            backend = self.agent.write(target.pool, src, dst)
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
         streamed = f"layer by layer in {self.writes} writes, {len(src)} more whole, "
         log.info(
             "request %s: wrote %d KV blocks (%.2f MB) %sover %s; done %.1f ms after the prompt "
