@@ -143,6 +143,19 @@ async def test_a_claimed_room_nobody_reports_on_ends_at_the_long_timeout(
     await asyncio.wait_for(writer.held, 2)  # the writer learns that nobody waits any more
 
 
+async def test_a_report_without_ok_is_refused(handoff: KvHandoff) -> None:
+    """A claim sent as a report (`kv_ready` with `claim`, as it once was) must not end the
+    room as if the writer were done: its writes would land in blocks computed here."""
+    room, load = await admitted(handoff, "r")
+    with pytest.raises(ValueError, match="'ok'"):
+        await call(handoff, room="r", claim=True)
+    await asyncio.sleep(0.1)
+    assert not load.done()
+    handoff.close_room(room)
+    with pytest.raises(KvLoadFailed):
+        await asyncio.wait_for(load, 2)
+
+
 async def test_the_routers_abandon_ends_an_unclaimed_room(handoff: KvHandoff) -> None:
     _, load = await admitted(handoff, "r")
     assert await call(handoff, room="r", abandon=True)

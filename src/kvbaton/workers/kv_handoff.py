@@ -362,9 +362,11 @@ class KvHandoff:
                 return {"accepted": False}  # its writer will report, or its claim end
             self._rooms.pop(name, None)
             return {"accepted": True}
+        if not isinstance(request.get("ok"), bool):  # (a claim goes to kv_claim)
+            raise ValueError("a kv_ready report takes 'ok': bool")
         room = self._rooms.pop(name, None)
         tokens = [int(t) for t in request.get("token_ids", [])]
-        return {"accepted": room is not None and room.end(bool(request.get("ok")), tokens)}
+        return {"accepted": room is not None and room.end(request["ok"], tokens)}
 
     def layer_push(self, handle: str, target: KvTarget) -> LayerPush:
         """The writer of a decode-first prompt's KV (the engine's sink for it if `push_layers`:
