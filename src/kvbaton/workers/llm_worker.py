@@ -38,8 +38,10 @@ from kvbaton.protocols.llm import (
 from kvbaton.runtime import Context, DistributedRuntime
 from kvbaton.workers.kv_handoff import KvFetch, KvHandoff, KvRoom
 from kvbaton.workers.kv_publisher import KvEventPublisher
+from kvbaton.workers.kv_push import LayerPush, RoomClaim
 
 log = logging.getLogger(__name__)
+_ENDING: set[asyncio.Future[None]] = set()  # requests' ends under way (shielded)
 
 ROLES = ("agg", "prefill", "decode")
 
@@ -130,25 +132,27 @@ class LLMWorker:
         room = None
         if request.bootstrap and self.handoff is not None and self.role != "prefill":
             room = self.handoff.open_room(engine_id)
-        pusher = claim = None
+        pusher = claim = outputs = None
         if request.kv_target is not None and self.handoff is not None:
             pusher = self.handoff.layer_push(engine_id, request.kv_target)
-            claim = self.handoff.claim(request.kv_target, pusher)
-        outputs = await self.engine.add_request(
-            engine_id,
-            request.token_ids,
-            request.sampling,
-            lora_name=request.lora_name,
-            cache_salt=request.cache_salt,
-            hold_kv=self.role == "prefill",
-            kv_source=room or self._readable(fetch),
-            output_token_ids=fetch.params.first_token_ids if fetch else None,
-            kv_sink=pusher if self.handoff and self.handoff.push_layers else None,
-        )
         generated = 0
         finish = "cancelled"
-        stream = outputs if room is None else self._announced(room, outputs)
         try:
+            outputs = await self.engine.add_request(
+                engine_id,
+                request.token_ids,
+                request.sampling,
+                lora_name=request.lora_name,
+                cache_salt=request.cache_salt,
+                hold_kv=self.role == "prefill",
+                kv_source=room or self._readable(fetch),
+                output_token_ids=fetch.params.first_token_ids if fetch else None,
+                kv_sink=pusher if self.handoff and self.handoff.push_layers else None,
+            )
+            if pusher is not None:
+                assert self.handoff is not None and request.kv_target is not None
+                claim = self.handoff.claim(request.kv_target, pusher)
+            stream = outputs if room is None else self._announced(room, outputs)
             async for out in stream:
                 generated += len(out.token_ids)
                 if request.kv_target is not None:
@@ -165,26 +169,45 @@ class LLMWorker:
                 elif context.is_stopped():
                     break
         finally:
-            if claim is not None:
-                claim.cancel()  # (done, unless the request ended first)
-            if pusher is not None:  # before the abort frees the blocks it reads
-                await asyncio.to_thread(pusher.stop)
-            await outputs.aclose()  # aborts an unfinished request
-            if claim is not None:  # (unless pushed) no more writes: the decode worker may go on
-                await claim.report(False, [])
-            if room is not None:
-                assert self.handoff is not None
-                self.handoff.close_room(room)
-            if fetch is not None and self.handoff is not None:
-                await self.handoff.release_remote(fetch)
-            log.info(
-                "request %s: %d prompt tokens, %d generated, %s, %.3fs",
-                context.id,
-                len(request.token_ids),
-                generated,
-                finish,
-                time.monotonic() - started,
-            )
+            # Shielded: a second cancellation (the drain's) must not cut the peers' part short.
+            ending = asyncio.ensure_future(self._end(outputs, room, fetch, pusher, claim))
+            _ENDING.add(ending)
+            ending.add_done_callback(_ENDING.discard)
+            try:
+                await asyncio.shield(ending)
+            finally:
+                log.info(
+                    "request %s: %d prompt tokens, %d generated, %s, %.3fs",
+                    context.id,
+                    len(request.token_ids),
+                    generated,
+                    finish,
+                    time.monotonic() - started,
+                )
+
+    async def _end(
+        self,
+        outputs: AsyncGenerator[EngineOutput, None] | None,
+        room: KvRoom | None,
+        fetch: KvFetch | None,
+        pusher: LayerPush | None,
+        claim: RoomClaim | None,
+    ) -> None:
+        """Whatever ended the request: no more writes to a decode worker's blocks, then the
+        engine's request aborted (if unfinished), then the peers told."""
+        if claim is not None:
+            claim.cancel()  # (answered, unless the request ended first)
+        if pusher is not None:  # before the abort frees the blocks it reads
+            await asyncio.to_thread(pusher.stop)
+        if outputs is not None:
+            await outputs.aclose()
+        if claim is not None:  # (unless pushed) no more writes: the decode worker may go on
+            await claim.report(False, [])
+        if room is not None:
+            assert self.handoff is not None
+            self.handoff.close_room(room)
+        if fetch is not None and self.handoff is not None:
+            await self.handoff.release_remote(fetch)
 
     async def _announced(
         self, room: KvRoom, outputs: AsyncGenerator[EngineOutput, None]
