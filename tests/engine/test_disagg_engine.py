@@ -1,14 +1,16 @@
 """The engine's half of disaggregation, two engines in one process: a prefill engine holds a
 request's blocks after its first token; a decode engine loads them (here by the runners' block
 copy) and decodes. Greedy tokens equal aggregated serving's with and without prefix-cache hits
-on either side, when a load fails (the decode engine prefills itself) and with chunked prefill;
-every block comes back."""
+on either side, when a load fails (the decode engine prefills itself; in other blocks while a
+writer may still write the loaded ones) and with chunked prefill; every block comes back."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvbaton.engine import LLMEngine, SamplingParams
 from kvbaton.engine.model_runner import ModelRunner
@@ -101,6 +103,40 @@ def test_a_failed_load_prefills_on_the_decode_side(tiny_models: dict[str, Path])
     assert decode(d_eng, p_eng, "r", prompt, first, blocks, ok=False) == reference
     p_eng.release_kv("r")
     assert d_eng.blocks.num_free_blocks == d_eng.blocks.num_blocks
+
+
+@pytest.mark.parametrize("aborted", [False, True])
+def test_a_failed_load_a_writer_may_still_write_keeps_its_blocks_out_of_use(
+    tiny_models: dict[str, Path], aborted: bool
+) -> None:
+    model_dir = tiny_models["llama-tied"]
+    prompt = prompts()[4]
+    reference = run(engine(model_dir), [prompt], NEW)[0]
+    p_eng, d_eng = engine(model_dir), engine(model_dir)
+    first, blocks = prefill(p_eng, "r", prompt)
+    d_eng.add_request("r", prompt, greedy(), kv_source=blocks, output_token_ids=first)
+    d_eng.step()
+    (load,) = d_eng.take_kv_loads()
+    if aborted:
+        d_eng.abort_request("r")
+    writes_end = threading.Event()
+    d_eng.finish_kv_load("r", False, None, writes_end)
+    assert isinstance(d_eng.runner, ModelRunner)
+    noise = torch.randn_like(d_eng.runner.read_blocks(load.dst_blocks)) * 10
+    tokens = list(first)
+    while d_eng.has_unfinished():
+        d_eng.runner.write_blocks(load.dst_blocks, noise)  # the late writer
+        for out in d_eng.step():
+            tokens += out.token_ids
+    if not aborted:
+        assert tokens == reference
+    total = d_eng.blocks.num_blocks
+    assert d_eng.blocks.num_free_blocks == total - len(load.dst_blocks)
+    assert d_eng.reclaim_kv_blocks() == 0
+    writes_end.set()
+    assert d_eng.reclaim_kv_blocks() == len(load.dst_blocks)
+    assert d_eng.blocks.num_free_blocks == total
+    assert p_eng.release_kv("r")
 
 
 def test_a_request_that_stops_at_its_first_token_holds_nothing(

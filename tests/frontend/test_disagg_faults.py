@@ -34,6 +34,7 @@ pytestmark = pytest.mark.integration
 NS = "t"
 MAX_LEN = 4096
 LONG = [(i * 13) % 200 + 20 for i in range(1500)]  # 1.5 s of prefill at 1 ms a token
+TRANSFER_TIMEOUT = ("--kv-transfer-timeout", "5")
 
 
 def mocker(spawn: WorkerFactory, model: Path, role: str, *extra: str) -> subprocess.Popen[bytes]:
@@ -112,7 +113,9 @@ async def test_a_prefill_worker_killed_mid_prefill_leaves_the_decode_worker_to_p
 ) -> None:
     async with running_frontend(tmp_path, "--transfer-order", order) as frontend:
         prefill = mocker(spawn_worker, chat_model, "prefill", "--mocker-prefill", "0,1,0")
-        mocker(spawn_worker, chat_model, "decode", "--speedup-ratio", "10")
+        # Decode-first: the blocks the killed writer claimed stay out of use for a transfer's
+        # timeout after its claim ended (a write of its may still have been in flight).
+        mocker(spawn_worker, chat_model, "decode", "--speedup-ratio", "10", *TRANSFER_TIMEOUT)
         await ready(frontend, chat_model)
         async with client_of(frontend) as client, DistributedRuntime(frontend.discovery) as rt:
             reference = await client.completions.create(

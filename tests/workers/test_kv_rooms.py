@@ -2,12 +2,14 @@
 holds the claim open until it reported. A room nobody claimed ends when its request ends, its
 wait times out or the router abandons it, and refuses a claim from then on; a claimed room
 waits for its writer's report or the end of its claim, past the end of its request, the first
-timeout and the router's abandon, so that the engine neither frees the blocks nor computes into
-them while a write can still land in them; either way the room is forgotten."""
+timeout and the router's abandon. One that ends without the report tells the engine that writes
+may still land in its blocks (`writes_end`, unset: the request computes its prompt in other
+blocks), until a late report or the transfer timeout; either way the room is forgotten."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -33,7 +35,12 @@ def make_handoff(timeout_s: float) -> KvHandoff:
         pool=SimpleNamespace(block_bytes=0),
         close=lambda: None,
     )
-    engine = SimpleNamespace(release_kv=lambda handle: None)
+    reclaims: list[float] = []  # when the engine was told to free quarantined blocks
+    engine = SimpleNamespace(
+        release_kv=lambda handle: None,
+        reclaim_kv_blocks=lambda: reclaims.append(time.monotonic()),
+        reclaims=reclaims,
+    )
     runtime = SimpleNamespace(instance_id=7)
     cache = KvCacheView("test", 8, 0, None)
     return KvHandoff(runtime, engine, agent, cache, "ns.backend", 4)  # type: ignore[arg-type]
@@ -136,11 +143,14 @@ async def test_a_claimed_room_nobody_reports_on_ends_at_the_long_timeout(
     writer = await claim(handoff, "r")
     assert writer.accepted
     handoff.close_room(room)
-    with pytest.raises(KvLoadFailed):
+    with pytest.raises(KvLoadFailed) as failed:
         await asyncio.wait_for(load, 3)
-    assert "r" not in handoff._rooms
-    assert not await call(handoff, room="r", ok=True)
     await asyncio.wait_for(writer.held, 2)  # the writer learns that nobody waits any more
+    writes_end = failed.value.writes_end
+    assert writes_end is not None and not writes_end.is_set()  # its blocks stay out of use
+    assert not await call(handoff, room="r", ok=True)  # a late report: the writes ended
+    assert writes_end.is_set() and len(handoff.engine.reclaims) == 1  # type: ignore[attr-defined]
+    assert "r" not in handoff._rooms
 
 
 async def test_a_report_without_ok_is_refused(handoff: KvHandoff) -> None:
@@ -191,9 +201,17 @@ async def test_a_claimed_room_ends_when_its_writer_lets_go_without_a_report(
     assert writer.accepted
     await asyncio.sleep(0.7)  # past the wait for a claim
     writer.let_go()
-    with pytest.raises(KvLoadFailed):
+    let_go = time.monotonic()
+    with pytest.raises(KvLoadFailed) as failed:
         await asyncio.wait_for(load, 2)
     await asyncio.wait_for(writer.held, 2)
+    # The request goes on in other blocks; these wait out a write in flight (the transfer
+    # timeout, 0.5 s here) unless the writer reports first.
+    writes_end = failed.value.writes_end
+    assert writes_end is not None and not writes_end.is_set()
+    assert await asyncio.to_thread(writes_end.wait, 3)
+    (reclaimed,) = handoff.engine.reclaims  # type: ignore[attr-defined]
+    assert reclaimed - let_go >= 0.45
     assert "r" not in handoff._rooms
     assert not await call(handoff, room="r", ok=True, token_ids=[42])
 

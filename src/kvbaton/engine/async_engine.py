@@ -12,7 +12,8 @@ Disaggregation: a held request's stream ends with the output that names its bloc
 `kv_loader` (blocking; run on a thread of a small pool, which must end every call, by return
 or exception, within its own timeout). It returns the tokens sampled at the source that the
 request did not come with (decode-first: the first token); an exception makes the request
-compute its prompt here (after the tokens of a `KvLoadFailed`).
+compute its prompt here (after the tokens of a `KvLoadFailed`; in other blocks while its
+`writes_end` is not set, which `reclaim_kv_blocks` then frees once it is).
 """
 
 from __future__ import annotations
@@ -56,11 +57,17 @@ class _Loaded:
     request_id: str
     ok: bool
     token_ids: list[int] | None
+    writes_end: threading.Event | None = None
 
 
 @dataclass
 class _Release:
     request_id: str
+
+
+@dataclass
+class _Reclaim:
+    pass
 
 
 @dataclass
@@ -77,7 +84,7 @@ class _Abort:
     outputs: object = None  # the stream that asked; None: whatever runs under the id
 
 
-_Message = _Add | _Abort | _Call | _Loaded | _Release
+_Message = _Add | _Abort | _Call | _Loaded | _Release | _Reclaim
 LOAD_THREADS = 4
 IDLE_POLL_S = 0.5  # a step that ran nothing waits this long for a message, at most
 
@@ -175,6 +182,10 @@ class AsyncEngine:
         """Free a held request's blocks (before the next step). Idempotent."""
         self._inbox.put(_Release(request_id))
 
+    def reclaim_kv_blocks(self) -> None:
+        """Free, before the next step, the blocks of failed loads whose `writes_end` is set."""
+        self._inbox.put(_Reclaim())
+
     def stats(self) -> EngineStats:
         """As of the end of the last step (or of the last requests admitted or aborted)."""
         return self._stats
@@ -233,12 +244,17 @@ class AsyncEngine:
 
     def _apply(self, message: _Message) -> None:
         if isinstance(message, _Loaded):
-            final = self.engine.finish_kv_load(message.request_id, message.ok, message.token_ids)
+            final = self.engine.finish_kv_load(
+                message.request_id, message.ok, message.token_ids, message.writes_end
+            )
             if final is not None:
                 self._deliver(message.request_id, final)
             return
         if isinstance(message, _Release):
             self.engine.release_kv(message.request_id)
+            return
+        if isinstance(message, _Reclaim):
+            self.engine.reclaim_kv_blocks()
             return
         if isinstance(message, _Call):
             if message.future.set_running_or_notify_cancel():  # else the caller gave up
@@ -292,10 +308,10 @@ class AsyncEngine:
         if error is None:
             self._inbox.put(_Loaded(request_id, True, future.result()))
             return
-        tokens = error.token_ids if isinstance(error, KvLoadFailed) else None
-        if not tokens:
+        failed = error if isinstance(error, KvLoadFailed) else KvLoadFailed(str(error))
+        if not failed.token_ids:
             log.warning("request %s: KV load failed (%s); prefilling here", request_id, error)
-        self._inbox.put(_Loaded(request_id, False, tokens))
+        self._inbox.put(_Loaded(request_id, False, failed.token_ids, failed.writes_end))
 
     def _loop(self) -> None:
         while True:

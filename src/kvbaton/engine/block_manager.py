@@ -140,13 +140,17 @@ class BlockManager:
 
     def deallocate(self, seq: Sequence) -> None:
         """Drop the sequence's references, tail first; its cached blocks stay reusable."""
-        for block in reversed(seq.block_table):
+        self.release_blocks(seq.block_table)
+        seq.block_table.clear()
+        seq.num_hashed_blocks = 0
+
+    def release_blocks(self, blocks: Seq[int]) -> None:
+        """Drop one reference to each block, last first (blocks taken from a table)."""
+        for block in reversed(blocks):
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0
             if self.ref_counts[block] == 0:
                 self.free[block] = None
-        seq.block_table.clear()
-        seq.num_hashed_blocks = 0
 
     def hash_blocks(self, seq: Sequence, num_blocks: int) -> list[int]:
         return seq.full_block_hashes(self.block_size, num_blocks)

@@ -7,6 +7,7 @@ the same face (the mocker's timing model). Scheduler and block manager are the s
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -216,11 +217,16 @@ class LLMEngine:
         return loads
 
     def finish_kv_load(
-        self, request_id: str, ok: bool, token_ids: list[int] | None = None
+        self,
+        request_id: str,
+        ok: bool,
+        token_ids: list[int] | None = None,
+        writes_end: threading.Event | None = None,
     ) -> EngineOutput | None:
-        """A load ended: the request runs on (with its prompt computed here if not `ok`), after
-        `token_ids` sampled at the source; its final output if those finished it."""
-        seq = self.scheduler.finish_load(request_id, ok, token_ids)
+        """A load ended: the request runs on (with its prompt computed here if not `ok`, in
+        other blocks while `writes_end` is not set), after `token_ids` sampled at the source;
+        its final output if those finished it."""
+        seq = self.scheduler.finish_load(request_id, ok, token_ids, writes_end)
         if seq is None:
             return None
         return self._output(self._forget(seq), seq.output_token_ids[seq.num_emitted_tokens :])
@@ -228,6 +234,10 @@ class LLMEngine:
     def release_kv(self, request_id: str) -> bool:
         """Free a held request's blocks (its KV was read, or nobody came for it)."""
         return self.scheduler.release(request_id)
+
+    def reclaim_kv_blocks(self) -> int:
+        """Free the blocks of failed loads that no write can land in any more; how many."""
+        return self.scheduler.reclaim()
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:

@@ -14,11 +14,15 @@ Disaggregation: a waiting sequence with a `kv_source` is admitted by allocating 
 part of its prompt that the prefix cache lacks, then waits in `loading` (its blocks neither
 scheduled nor preemptible, nor registered in the prefix cache) until `finish_load`; a sequence
 with `hold_kv` that samples its first token without stopping moves to `held`, keeping its
-blocks until `release`. Both count against `max_num_seqs`.
+blocks until `release`. Both count against `max_num_seqs`. A failed load whose blocks a writer
+may still write (`writes_end` not set) leaves them quarantined, out of every table and of the
+free list, until `reclaim` finds its `writes_end` set; the sequence computes its prompt in
+other blocks.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -46,11 +50,18 @@ class KvLoad:
 
 class KvLoadFailed(Exception):
     """The prompt's KV did not arrive, but `token_ids` were sampled at the source (a request
-    that stopped at its first token needs no KV)."""
+    that stopped at its first token needs no KV). `writes_end`: set once no write can land in
+    the load's blocks any more (None: none can)."""
 
-    def __init__(self, message: str, token_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        token_ids: list[int] | None = None,
+        writes_end: threading.Event | None = None,
+    ) -> None:
         super().__init__(message)
         self.token_ids = token_ids or []
+        self.writes_end = writes_end
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,8 @@ class Scheduler:
         self.loading: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}
         self.loads: list[KvLoad] = []  # admitted loads for the engine's loader to start
+        # Blocks of failed loads that a writer may still write, until its event is set.
+        self.quarantined: list[tuple[threading.Event, list[int]]] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -172,16 +185,26 @@ class Scheduler:
         return True
 
     def finish_load(
-        self, request_id: str, ok: bool, token_ids: list[int] | None = None
+        self,
+        request_id: str,
+        ok: bool,
+        token_ids: list[int] | None = None,
+        writes_end: threading.Event | None = None,
     ) -> Sequence | None:
         """A load ended; `token_ids` were sampled where the KV came from (decode-first: the
         first token), and are appended. Loaded: the prompt is computed; else it is computed
-        here (from the prefix-cache hits on). An aborted sequence frees its blocks now. Returns
-        the sequence if it finished on the appended tokens (a stop token, max_tokens)."""
+        here (from the prefix-cache hits on), in other blocks if a write may still land in the
+        loaded ones (`writes_end` not set: they are quarantined). An aborted sequence frees its
+        blocks now. Returns the sequence if it finished on the appended tokens (a stop token,
+        max_tokens)."""
         seq = self.loading.pop(request_id, None)
         if seq is None:
             return None
         seq.kv_source = None
+        if not ok and writes_end is not None and not writes_end.is_set():
+            hits = seq.num_computed_tokens // self.blocks.block_size  # blocks before the load's
+            self.quarantined.append((writes_end, seq.block_table[hits:]))
+            del seq.block_table[hits:]
         if seq.is_finished:
             self.blocks.deallocate(seq)
             return None
@@ -197,6 +220,17 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return None
+
+    def reclaim(self) -> int:
+        """Free the quarantined blocks that no write can land in any more; how many."""
+        freed = 0
+        for entry in list(self.quarantined):
+            writes_end, blocks = entry
+            if writes_end.is_set():
+                self.quarantined.remove(entry)
+                self.blocks.release_blocks(blocks)
+                freed += len(blocks)
+        return freed
 
     def release(self, request_id: str) -> bool:
         """Free a held sequence's blocks; False if none is held under the id."""

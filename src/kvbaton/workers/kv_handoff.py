@@ -54,6 +54,7 @@ PUSH_THREADS = 4  # writers of decode-first pushes in flight at once
 
 class HoldingEngine(Protocol):
     def release_kv(self, request_id: str) -> None: ...
+    def reclaim_kv_blocks(self) -> None: ...
 
 
 @dataclass
@@ -69,7 +70,9 @@ class KvRoom:
     """A decode-first request's KV source: where its prompt's KV will be written. A writer
     claims it before its first write; a claimed room ends only by its writer's report, the end
     of the writer's claim, or the long `CLAIMED_TIMEOUT_S`; an unclaimed one also when its wait
-    times out, its request ends or the router abandons it, after which a claim is refused."""
+    times out, its request ends or the router abandons it, after which a claim is refused.
+    `writes_end` is set once no write can land in its blocks any more: when an unclaimed room
+    ends, on its writer's report, else a grace period after the room ended."""
 
     name: str
     allocated: asyncio.Future[None]  # resolved once the engine gave the request its blocks
@@ -77,6 +80,7 @@ class KvRoom:
     block_ids: list[int] = field(default_factory=list)
     first_block: int = 0
     done: threading.Event = field(default_factory=threading.Event)
+    writes_end: threading.Event = field(default_factory=threading.Event)
     claimed: bool = False
     ok: bool = False
     token_ids: list[int] = field(default_factory=list)
@@ -90,6 +94,12 @@ class KvRoom:
             self.ok, self.token_ids = ok, token_ids
             self._set_done()
             return True
+
+    def report(self, ok: bool, token_ids: list[int]) -> bool:
+        """The writer's report (its writes have ended): `end`, and no write can land any more
+        (even if the room ended before)."""
+        self.writes_end.set()  # first: whoever sees the room ended sees this too
+        return self.end(ok, token_ids)
 
     def claim(self) -> bool:
         """A writer may write the room's blocks (once, and only while it is open)."""
@@ -109,6 +119,8 @@ class KvRoom:
     def _set_done(self) -> None:
         """(Holding the lock; on any thread.)"""
         self.done.set()
+        if not self.claimed:
+            self.writes_end.set()
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits `ended`
             self.ended.get_loop().call_soon_threadsafe(self._resolve_ended)
 
@@ -167,6 +179,8 @@ class KvHandoff:
         self._held.clear()
         for room in list(self._rooms.values()):
             room.end(False, [])
+            room.writes_end.set()  # the engine stops: nothing reuses the blocks
+        self._rooms.clear()
         await self.peers.close()
         await asyncio.to_thread(self._writers.shutdown)
         await asyncio.to_thread(self.agent.close)
@@ -289,8 +303,23 @@ class KvHandoff:
         blocks given to another request meanwhile."""
         if not room.allocated.done():
             room.allocated.cancel()
-        if room.expire():
+        if room.expire() and room.writes_end.is_set():
             self._rooms.pop(room.name, None)
+
+    def _wait_for_writes(self, room: KvRoom) -> None:
+        """(On the loop.) A claimed room ended without its writer's report: its writes may
+        still land until the writer sees its claim end (it starts none after) and its transfer
+        in flight ends, within the transfer timeout. The room stays to take a late report;
+        the engine keeps the blocks out of use meanwhile (`KvLoadFailed.writes_end`)."""
+        assert self._loop is not None
+        self._loop.call_later(self.agent.timeout_s, self._writes_ended, room)
+
+    def _writes_ended(self, room: KvRoom) -> None:
+        if not room.writes_end.is_set():
+            room.writes_end.set()
+            self.engine.reclaim_kv_blocks()
+        if self._rooms.get(room.name) is room:
+            del self._rooms[room.name]
 
     def target(self, room: KvRoom) -> KvTarget:
         """The room's blocks, for the PrefillRouter to hand a prefill worker (its writer)."""
@@ -316,12 +345,18 @@ class KvHandoff:
 
         self._loop.call_soon_threadsafe(allocated)
         claimed = not room.done.wait(self.agent.timeout_s) and not room.expire()
-        # Claimed: the prefill worker computes and writes; it or the router will report.
-        if claimed and not room.done.wait(CLAIMED_TIMEOUT_S):
-            room.end(False, [])
-        self._rooms.pop(room.name, None)
+        # Claimed: the prefill worker computes and writes, then reports (or its claim ends).
+        if claimed and not room.done.wait(CLAIMED_TIMEOUT_S) and room.end(False, []):
+            log.warning("room %s: no report after %.0fs", room.name, CLAIMED_TIMEOUT_S)
+            self._loop.call_soon_threadsafe(self._wait_for_writes, room)
+        if room.writes_end.is_set():
+            self._loop.call_soon_threadsafe(self._writes_ended, room)  # forget it
         if not room.ok:
-            raise KvLoadFailed(f"room {room.name}: the prompt's KV was not written", room.token_ids)
+            raise KvLoadFailed(
+                f"room {room.name}: the prompt's KV was not written",
+                room.token_ids,
+                room.writes_end,
+            )
         self.cache.stage_in(load.dst_blocks)
         return room.token_ids
 
@@ -344,7 +379,7 @@ class KvHandoff:
             stopped.cancel()
         if room.end(False, []):
             log.warning("room %s: its writer let go without a report", room.name)
-            self._rooms.pop(room.name, None)
+            self._wait_for_writes(room)
 
     async def kv_ready(self, request: Any, context: Context) -> dict[str, bool]:
         """Endpoint: the prefill worker reports that it wrote the KV of `room` (ok) or will
@@ -365,8 +400,13 @@ class KvHandoff:
         if not isinstance(request.get("ok"), bool):  # (a claim goes to kv_claim)
             raise ValueError("a kv_ready report takes 'ok': bool")
         room = self._rooms.pop(name, None)
-        tokens = [int(t) for t in request.get("token_ids", [])]
-        return {"accepted": room is not None and room.end(request["ok"], tokens)}
+        if room is None:
+            return {"accepted": False}
+        writes_were_pending = not room.writes_end.is_set()
+        accepted = room.report(request["ok"], [int(t) for t in request.get("token_ids", [])])
+        if writes_were_pending and not accepted:  # a late report: its blocks may be reused
+            self.engine.reclaim_kv_blocks()
+        return {"accepted": accepted}
 
     def layer_push(self, handle: str, target: KvTarget) -> LayerPush:
         """The writer of a decode-first prompt's KV (the engine's sink for it if `push_layers`:
