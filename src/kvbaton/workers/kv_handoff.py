@@ -14,13 +14,14 @@ Invariants: held blocks are released exactly once, by a `kv_release` call or, if
 after `hold_timeout_s`; a decode worker sends one release per request it was given params for
 (after its read, or when the request ends without one), and keeps what it read only if the
 answer says the blocks were held until then (else it prefills the prompt itself); a room ends
-exactly once, and a claimed one only when no write can come any more, or at the long timeout:
-by its writer's report, or by the end of its writer's claim (the writer left, or its process or
-connection went), never by the router's abandon; so its blocks are neither freed nor computed
-into here while a writer may still write them (the engine frees a loading request's blocks
-only when its load ends), and a room that ended refuses a claim; a prefill worker writes only
-into a room it claimed, and reports (`kv_ready`) on every decode-first request it was given,
-once its writes have ended, before it lets go of the claim."""
+exactly once, and a claimed one only by its writer's report, the end of its writer's claim (the
+writer left, or its process or connection went) or the long timeout, never by the router's
+abandon; its blocks are neither freed nor computed into here while a write may still land in
+them (`KvRoom.writes_end`: the engine keeps a loading request's blocks until its load ends, and
+then, if writes may still land, quarantines them while the request goes on in other blocks);
+a room that ended refuses a claim; a prefill worker writes only into a room it claimed, and
+reports (`kv_ready`) on every decode-first request it was given, once its writes have ended,
+before it lets go of the claim."""
 
 from __future__ import annotations
 
