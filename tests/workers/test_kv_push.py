@@ -246,6 +246,17 @@ def test_stop_waits_for_the_whole_block_write_of_finish(
     assert agent.writes == [(PROMPT, DST, None)]
 
 
+def test_finish_after_stop_writes_nothing(writers: concurrent.futures.ThreadPoolExecutor) -> None:
+    """The request was cancelled while `finish` waited for the streamed writes: once `stop`
+    returned, the blocks may be reused on both sides."""
+    agent = FakeAgent()
+    p = push(agent, writers, DST)
+    p.stop()
+    with pytest.raises(ConnectionError, match="stopped"):
+        p.finish(PROMPT)
+    assert not agent.writes
+
+
 def test_layers_wait_for_the_claim_and_a_refused_claim_writes_nothing(
     writers: concurrent.futures.ThreadPoolExecutor,
 ) -> None:

@@ -185,11 +185,13 @@ class LayerPush:
             raise ValueError("the decode worker's blocks do not fit this prompt's")
         self._quiesce(self.agent.timeout_s)
         with self._cond:
-            self._stopped = True
             if self._error is not None:
                 raise self._error
             if not self._claimed:
                 raise ConnectionError("the decode worker did not let us write its blocks")
+            if self._stopped:  # `stop` returned: no write may start any more
+                raise ConnectionError("the push was stopped")
+            self._stopped = True
             missing = [
                 i
                 for i in range(target.first_block, end)
