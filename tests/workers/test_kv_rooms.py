@@ -81,9 +81,10 @@ class Claim:
         self.context.stop_generating()
 
 
-async def claim(handoff: KvHandoff, name: str) -> Claim:
+async def claim(handoff: KvHandoff, name: str, timeout_s: float = 0.0) -> Claim:
+    """A writer whose transfers end within `timeout_s` claims the room."""
     context = Context(f"{name}-claim")
-    answers = handoff.kv_claim({"room": name}, context)
+    answers = handoff.kv_claim({"room": name, "timeout_s": timeout_s}, context)
     first = await anext(answers)
 
     async def rest() -> list[object]:
@@ -191,13 +192,15 @@ async def test_the_routers_abandon_leaves_a_claimed_room_to_its_writer(
     await asyncio.wait_for(writer.held, 2)
 
 
+@pytest.mark.parametrize("writer_timeout_s", [0.0, 0.75])
 async def test_a_claimed_room_ends_when_its_writer_lets_go_without_a_report(
-    handoff: KvHandoff,
+    handoff: KvHandoff, monkeypatch: pytest.MonkeyPatch, writer_timeout_s: float
 ) -> None:
     """The claim's end is the end of its writes: a prefill worker killed mid-prefill (its
     connection goes) frees the decode worker at once, with no report and no router."""
+    monkeypatch.setattr(kv_handoff, "WRITES_END_MARGIN_S", 0.1)
     _, load = await admitted(handoff, "r")
-    writer = await claim(handoff, "r")
+    writer = await claim(handoff, "r", writer_timeout_s)
     assert writer.accepted
     await asyncio.sleep(0.7)  # past the wait for a claim
     writer.let_go()
@@ -205,13 +208,13 @@ async def test_a_claimed_room_ends_when_its_writer_lets_go_without_a_report(
     with pytest.raises(KvLoadFailed) as failed:
         await asyncio.wait_for(load, 2)
     await asyncio.wait_for(writer.held, 2)
-    # The request goes on in other blocks; these wait out a write in flight (the transfer
-    # timeout, 0.5 s here) unless the writer reports first.
+    # The request goes on in other blocks; these wait out a write in flight (twice the larger
+    # of the two transfer timeouts, ours 0.5 s, plus the margin) unless the writer reports.
     writes_end = failed.value.writes_end
     assert writes_end is not None and not writes_end.is_set()
-    assert await asyncio.to_thread(writes_end.wait, 3)
+    assert await asyncio.to_thread(writes_end.wait, 5)
     (reclaimed,) = handoff.engine.reclaims  # type: ignore[attr-defined]
-    assert reclaimed - let_go >= 0.45
+    assert reclaimed - let_go >= 2 * max(0.5, writer_timeout_s) + 0.1 - 0.05
     assert "r" not in handoff._rooms
     assert not await call(handoff, room="r", ok=True, token_ids=[42])
 
@@ -239,7 +242,8 @@ class FakePeers:
         self.calls: list[str] = []
         self.stream = FakeClaimStream(self.calls)
 
-    async def claim(self, target: object) -> FakeClaimStream:
+    async def claim(self, target: object, timeout_s: float) -> FakeClaimStream:
+        assert timeout_s == 2.5  # the writer's transfer timeout
         return self.stream
 
     async def kv_ready(self, target: object, ok: bool, token_ids: list[int]) -> None:
@@ -248,7 +252,7 @@ class FakePeers:
 
 def writer_claim() -> tuple[RoomClaim, FakePeers, list[bool]]:
     peers, told = FakePeers(), []
-    pusher = SimpleNamespace(claimed=told.append)
+    pusher = SimpleNamespace(claimed=told.append, agent=SimpleNamespace(timeout_s=2.5))
     target = SimpleNamespace(room="r")
     return RoomClaim(peers, target, pusher), peers, told  # type: ignore[arg-type]
 

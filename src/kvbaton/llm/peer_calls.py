@@ -32,14 +32,16 @@ class PeerCalls:
         )
         return isinstance(answer, dict) and answer.get("released") is True
 
-    async def claim(self, target: KvTarget) -> ResponseStream | None:
-        """Claim the blocks of `target`: the open stream if the decode worker lets us write
-        into them (it refuses once it stopped waiting); the writer closes it once its writes
-        ended and it reported. None if refused or unanswered."""
+    async def claim(self, target: KvTarget, timeout_s: float) -> ResponseStream | None:
+        """Claim the blocks of `target`, for writes that each end within `timeout_s`: the open
+        stream if the decode worker lets us write into them (it refuses once it stopped
+        waiting); the writer closes it once its writes ended and it reported. None if refused
+        or unanswered."""
         stream: ResponseStream | None = None
         try:
             client = await self._client(target.claim_endpoint)
-            stream = client.direct({"room": target.room}, target.decode_instance_id)
+            request = {"room": target.room, "timeout_s": timeout_s}
+            stream = client.direct(request, target.decode_instance_id)
             answer = await asyncio.wait_for(anext(stream), CALL_TIMEOUT_S)
             if isinstance(answer, dict) and answer.get("accepted") is True:
                 return stream

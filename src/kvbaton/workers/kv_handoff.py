@@ -49,6 +49,7 @@ DEFAULT_HOLD_TIMEOUT_S = 30.0
 # How long a claimed room waits for its writer's report, as a bound for a writer that lives on
 # but never reports: the PrefillRouter's prefill timeout.
 CLAIMED_TIMEOUT_S = 300.0
+WRITES_END_MARGIN_S = 1.0  # for the writer to see its claim end (one hop) and stop
 PUSH_MODES = ("layers", "blocks")
 PUSH_THREADS = 4  # writers of decode-first pushes in flight at once
 
@@ -83,6 +84,7 @@ class KvRoom:
     done: threading.Event = field(default_factory=threading.Event)
     writes_end: threading.Event = field(default_factory=threading.Event)
     claimed: bool = False
+    writer_timeout_s: float = 0.0  # its transfers' timeout, as its claim said
     ok: bool = False
     token_ids: list[int] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -310,10 +312,12 @@ class KvHandoff:
     def _wait_for_writes(self, room: KvRoom) -> None:
         """(On the loop.) A claimed room ended without its writer's report: its writes may
         still land until the writer sees its claim end (it starts none after) and its transfer
-        in flight ends, within the transfer timeout. The room stays to take a late report;
-        the engine keeps the blocks out of use meanwhile (`KvLoadFailed.writes_end`)."""
+        in flight ends: within the larger of the two sides' transfer timeouts, taken twice (a
+        transfer may be retried once), plus `WRITES_END_MARGIN_S`. The room stays to take a
+        late report; the engine keeps the blocks out of use meanwhile (`KvLoadFailed`)."""
         assert self._loop is not None
-        self._loop.call_later(self.agent.timeout_s, self._writes_ended, room)
+        bound = 2 * max(self.agent.timeout_s, room.writer_timeout_s) + WRITES_END_MARGIN_S
+        self._loop.call_later(bound, self._writes_ended, room)
 
     def _writes_ended(self, room: KvRoom) -> None:
         if not room.writes_end.is_set():
@@ -367,11 +371,15 @@ class KvHandoff:
         or its process or connection went), no write can come any more: the room ends as not
         written."""
         if not isinstance(request, dict) or not isinstance(request.get("room"), str):
-            raise ValueError("kv_claim takes {'room': str}")
+            raise ValueError("kv_claim takes {'room': str, 'timeout_s': float}")
+        writer_timeout_s = request.get("timeout_s", 0.0)
+        if not isinstance(writer_timeout_s, int | float) or writer_timeout_s < 0:
+            raise ValueError("kv_claim's timeout_s (the writer's transfer timeout) is seconds")
         room = self._rooms.get(request["room"])
         if room is None or not room.claim():
             yield {"accepted": False}
             return
+        room.writer_timeout_s = float(writer_timeout_s)
         yield {"accepted": True}
         stopped = asyncio.ensure_future(context.stopped())
         try:

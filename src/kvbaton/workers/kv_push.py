@@ -236,7 +236,7 @@ class RoomClaim:
         self._task = asyncio.create_task(self._claim(pusher))
 
     async def _claim(self, pusher: LayerPush) -> bool:
-        self._stream = await self.peers.claim(self.target)
+        self._stream = await self.peers.claim(self.target, pusher.agent.timeout_s)
         pusher.claimed(self._stream is not None)
         if self._stream is not None:
             self._watch = asyncio.create_task(self._watch_end(self._stream, pusher))

@@ -41,7 +41,7 @@ from kvbaton.workers.kv_publisher import KvEventPublisher
 from kvbaton.workers.kv_push import LayerPush, RoomClaim
 
 log = logging.getLogger(__name__)
-_ENDING: set[asyncio.Future[None]] = set()  # requests' ends under way (shielded)
+ENDING_WAIT_S = 30.0  # at shutdown, for requests' ends under way (each has its own timeouts)
 
 ROLES = ("agg", "prefill", "decode")
 
@@ -116,6 +116,7 @@ class LLMWorker:
         self.namespace = namespace
         self.component = runtime.namespace(namespace).component(component)
         self._ids = itertools.count()
+        self._ending: set[asyncio.Future[None]] = set()  # requests' ends under way (shielded)
 
     async def generate(
         self, request: PreprocessedRequest, context: Context
@@ -132,7 +133,7 @@ class LLMWorker:
         room = None
         if request.bootstrap and self.handoff is not None and self.role != "prefill":
             room = self.handoff.open_room(engine_id)
-        pusher = claim = outputs = None
+        pusher = claim = outputs = stream = None
         if request.kv_target is not None and self.handoff is not None:
             pusher = self.handoff.layer_push(engine_id, request.kv_target)
         generated = 0
@@ -170,9 +171,10 @@ class LLMWorker:
                     break
         finally:
             # Shielded: a second cancellation (the drain's) must not cut the peers' part short.
-            ending = asyncio.ensure_future(self._end(outputs, room, fetch, pusher, claim))
-            _ENDING.add(ending)
-            ending.add_done_callback(_ENDING.discard)
+            streams = [s for s in (stream, outputs) if s is not None]
+            ending = asyncio.ensure_future(self._end(streams, room, fetch, pusher, claim))
+            self._ending.add(ending)
+            ending.add_done_callback(self._ending.discard)
             try:
                 await asyncio.shield(ending)
             finally:
@@ -187,20 +189,24 @@ class LLMWorker:
 
     async def _end(
         self,
-        outputs: AsyncGenerator[EngineOutput, None] | None,
+        streams: list[AsyncGenerator[EngineOutput, None]],
         room: KvRoom | None,
         fetch: KvFetch | None,
         pusher: LayerPush | None,
         claim: RoomClaim | None,
     ) -> None:
         """Whatever ended the request: no more writes to a decode worker's blocks, then the
-        engine's request aborted (if unfinished), then the peers told."""
+        engine's request aborted (if unfinished: closing `streams`, outermost first), then the
+        peers told."""
         if claim is not None:
             claim.cancel()  # (answered, unless the request ended first)
         if pusher is not None:  # before the abort frees the blocks it reads
             await asyncio.to_thread(pusher.stop)
-        if outputs is not None:
-            await outputs.aclose()
+        for stream in streams:
+            try:
+                await stream.aclose()
+            except Exception:  # the peers must still be told
+                log.exception("closing the engine's outputs failed")
         if claim is not None:  # (unless pushed) no more writes: the decode worker may go on
             await claim.report(False, [])
         if room is not None:
@@ -227,6 +233,7 @@ class LLMWorker:
         finally:
             if not first.done():
                 first.cancel()
+                await asyncio.wait([first])  # `outputs` runs no more: it can be closed
         async for out in outputs:
             yield out
 
@@ -348,6 +355,8 @@ class LLMWorker:
         finally:
             # Requests in flight finish on the engine first (the runtime refuses new ones).
             await self.runtime.drained()
+            if self._ending:  # their reports need the handoff, their aborts the engine
+                await asyncio.wait(self._ending, timeout=ENDING_WAIT_S)
             await self.engine.shutdown()
             if self.handoff is not None:
                 await self.handoff.close()
