@@ -23,7 +23,7 @@ from kvbaton.protocols.kv import AllBlocksCleared, BlockRemoved, BlockStored, Kv
 
 class BlockStats(NamedTuple):
     total: int
-    used: int  # referenced by a running sequence
+    used: int  # referenced by a sequence, or quarantined (a failed load's, see Scheduler)
     free: int  # unreferenced (some still hold a reusable cached prefix)
     cached: int  # registered in the prefix cache, referenced or not
 

@@ -20,8 +20,8 @@ abandon; its blocks are neither freed nor computed into here while a write may s
 them (`KvRoom.writes_end`: the engine keeps a loading request's blocks until its load ends, and
 then, if writes may still land, quarantines them while the request goes on in other blocks);
 a room that ended refuses a claim; a prefill worker writes only into a room it claimed, and
-reports (`kv_ready`) on every decode-first request it was given, once its writes have ended,
-before it lets go of the claim."""
+reports (`kv_ready`) on every decode-first request its engine took, once its writes have ended,
+before it lets go of the claim (one its engine refused never claims: the router abandons it)."""
 
 from __future__ import annotations
 
