@@ -87,6 +87,13 @@ def push(
     return made
 
 
+def held_push(writers: concurrent.futures.Executor) -> tuple[FakeAgent, LayerPush]:
+    """A push into DST whose writes wait until `agent.gate` is set."""
+    agent = FakeAgent()
+    agent.gate.clear()
+    return agent, push(agent, writers, DST)
+
+
 def compute(p: LayerPush, chunk: PromptChunk) -> None:
     for layer in range(LAYERS):
         p.layer_written(chunk, layer)
@@ -117,9 +124,7 @@ def test_each_layer_is_written_as_it_is_reported(
 def test_layers_reported_during_a_write_go_in_one_write(
     writers: concurrent.futures.ThreadPoolExecutor,
 ) -> None:
-    agent = FakeAgent()
-    agent.gate.clear()
-    p = push(agent, writers, DST)
+    agent, p = held_push(writers)
     chunks = [PromptChunk(0, 6, 0, PROMPT[:2]), PromptChunk(6, 10, 1, PROMPT[1:])]
     p.layer_written(chunks[0], 0)
     assert agent.started.wait(5)  # layer 0 is being written
@@ -186,9 +191,7 @@ def test_a_failed_write_fails_the_push_and_ends_its_writes(
 
 
 def test_nothing_is_written_after_stop(writers: concurrent.futures.ThreadPoolExecutor) -> None:
-    agent = FakeAgent()
-    agent.gate.clear()
-    p = push(agent, writers, DST)
+    agent, p = held_push(writers)
     chunk = PromptChunk(0, 10, 0, PROMPT)
     p.layer_written(chunk, 0)
     assert agent.started.wait(5)
@@ -210,10 +213,8 @@ def test_stop_waits_for_a_write_past_the_timeout(
 ) -> None:
     """The decode worker reuses its blocks once told the writes ended: stop never returns
     while one runs, even a write slower than the agent's timeout."""
-    agent = FakeAgent()
+    agent, p = held_push(writers)
     agent.timeout_s = 0.05
-    agent.gate.clear()
-    p = push(agent, writers, DST)
     p.layer_written(PromptChunk(0, 10, 0, PROMPT), 0)
     assert agent.started.wait(5)
     stopper = threading.Thread(target=p.stop)
@@ -229,9 +230,7 @@ def test_stop_waits_for_the_whole_block_write_of_finish(
     writers: concurrent.futures.ThreadPoolExecutor,
 ) -> None:
     """The request is cancelled while `finish` writes: the blocks go back only after it."""
-    agent = FakeAgent()
-    agent.gate.clear()
-    p = push(agent, writers, DST)
+    agent, p = held_push(writers)
     finisher = threading.Thread(target=p.finish, args=(PROMPT,))
     finisher.start()
     assert agent.started.wait(5)
