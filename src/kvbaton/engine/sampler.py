@@ -42,11 +42,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Sample a token per row; appends each row's logprobs to its sequence if asked for."""
         raw = logits
-        penalized = [row for row, seq in enumerate(seqs) if any(self._penalties(seq))]
-        if penalized:
+        penalties = [self._penalties(seq) for seq in seqs]
+        if any(any(which) for which in penalties):
             logits = logits.clone()
-            for row in penalized:
-                self._penalize(logits[row], seqs[row])
+            for row, (seq, which) in enumerate(zip(seqs, penalties, strict=True)):
+                if any(which):
+                    self._penalize(logits[row], seq, which)
         tokens = [0] * len(seqs)
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
         if greedy:
@@ -83,9 +84,10 @@ class Sampler:
             bool(seq.num_output_tokens < p.min_tokens and seq.stop_token_ids),
         )
 
-    def _penalize(self, row: torch.Tensor, seq: Sequence) -> None:
+    def _penalize(self, row: torch.Tensor, seq: Sequence, which: tuple[bool, bool, bool]) -> None:
+        """Apply `which` of the penalties (`_penalties(seq)`) to the row in place."""
         p = seq.params
-        repetition, frequency, min_tokens = self._penalties(seq)
+        repetition, frequency, min_tokens = which
         if repetition:
             seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
             values = row[seen]
