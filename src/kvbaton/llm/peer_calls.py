@@ -38,22 +38,19 @@ class PeerCalls:
         waiting); the writer closes it once its writes ended and it reported. None if refused
         or unanswered."""
         stream: ResponseStream | None = None
+        accepted = False
         try:
             client = await self._client(target.claim_endpoint)
             request = {"room": target.room, "timeout_s": timeout_s}
             stream = client.direct(request, target.decode_instance_id)
             answer = await asyncio.wait_for(anext(stream), CALL_TIMEOUT_S)
-            if isinstance(answer, dict) and answer.get("accepted") is True:
-                return stream
-        except asyncio.CancelledError:
-            if stream is not None:
-                await stream.aclose()
-            raise
+            accepted = isinstance(answer, dict) and answer.get("accepted") is True
         except (Exception, StopAsyncIteration) as exc:
             log.warning("kv_claim on %x failed: %s", target.decode_instance_id, exc)
-        if stream is not None:
-            await stream.aclose()
-        return None
+        finally:
+            if stream is not None and not accepted:
+                await stream.aclose()
+        return stream if accepted else None
 
     async def kv_ready(self, target: KvTarget, ok: bool, token_ids: list[int]) -> None:
         """The decode worker's blocks of `target` hold the prompt's KV (`ok`), or will not;
