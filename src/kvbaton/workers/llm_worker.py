@@ -171,7 +171,7 @@ class LLMWorker:
                     break
         finally:
             # Shielded: a second cancellation (the drain's) must not cut the peers' part short.
-            streams = [s for s in (stream, outputs) if s is not None]
+            streams = [s for s in dict.fromkeys((stream, outputs)) if s is not None]
             ending = asyncio.ensure_future(self._end(streams, room, fetch, pusher, claim))
             self._ending.add(ending)
             ending.add_done_callback(self._ending.discard)
