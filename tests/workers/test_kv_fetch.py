@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 
 import pytest
 
-from kvbaton.engine.engine import KvCacheView
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
-from kvbaton.protocols.llm import DisaggregatedParams, KvPoolInfo
+from kvbaton.protocols.llm import DisaggregatedParams
 from kvbaton.workers.kv_handoff import KvFetch, KvHandoff
+from tests.workers.fakes import POOL, make_handoff
 
 pytestmark = pytest.mark.unit
-
-POOL = KvPoolInfo(layout="test", num_blocks=8, block_bytes=0, host="")
 
 
 class FakePeers:
@@ -36,19 +33,7 @@ class FakePeers:
 
 @pytest.fixture
 async def handoff() -> AsyncIterator[KvHandoff]:
-    reads: list[tuple[list[int], list[int]]] = []
-    agent = SimpleNamespace(
-        timeout_s=1.0,
-        info=lambda: POOL,
-        pool=SimpleNamespace(block_bytes=0),
-        read=lambda pool, src, dst: reads.append((src, dst)) or "fake",
-        reads=reads,
-        close=lambda: None,
-    )
-    runtime = SimpleNamespace(instance_id=7)
-    engine = SimpleNamespace(release_kv=lambda handle: None)
-    cache = KvCacheView("test", 8, 0, None)
-    made = KvHandoff(runtime, engine, agent, cache, "ns.backend", 4)  # type: ignore[arg-type]
+    made = make_handoff(timeout_s=1.0)
     made.start()
     yield made
     await made.close()

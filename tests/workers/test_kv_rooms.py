@@ -17,33 +17,14 @@ from typing import Any
 
 import pytest
 
-from kvbaton.engine.engine import KvCacheView
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
-from kvbaton.protocols.llm import KvPoolInfo
 from kvbaton.runtime import Context
 from kvbaton.workers import kv_handoff
 from kvbaton.workers.kv_handoff import KvHandoff
 from kvbaton.workers.kv_push import RoomClaim
+from tests.workers.fakes import make_handoff
 
 pytestmark = pytest.mark.unit
-
-
-def make_handoff(timeout_s: float) -> KvHandoff:
-    agent = SimpleNamespace(
-        timeout_s=timeout_s,
-        info=lambda: KvPoolInfo(layout="test", num_blocks=8, block_bytes=0, host=""),
-        pool=SimpleNamespace(block_bytes=0),
-        close=lambda: None,
-    )
-    reclaims: list[float] = []  # when the engine was told to free quarantined blocks
-    engine = SimpleNamespace(
-        release_kv=lambda handle: None,
-        reclaim_kv_blocks=lambda: reclaims.append(time.monotonic()),
-        reclaims=reclaims,
-    )
-    runtime = SimpleNamespace(instance_id=7)
-    cache = KvCacheView("test", 8, 0, None)
-    return KvHandoff(runtime, engine, agent, cache, "ns.backend", 4)  # type: ignore[arg-type]
 
 
 @pytest.fixture
