@@ -6,14 +6,13 @@ engine prefills the prompt itself. Either way one release goes out."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.protocols.llm import DisaggregatedParams
 from kvbaton.workers.kv_handoff import KvFetch, KvHandoff
-from tests.workers.fakes import POOL, make_handoff
+from tests.workers.fakes import POOL
 
 pytestmark = pytest.mark.unit
 
@@ -29,14 +28,6 @@ class FakePeers:
 
     async def close(self) -> None:
         pass
-
-
-@pytest.fixture
-async def handoff() -> AsyncIterator[KvHandoff]:
-    made = make_handoff(timeout_s=1.0)
-    made.start()
-    yield made
-    await made.close()
 
 
 def fetch() -> KvFetch:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -22,17 +21,8 @@ from kvbaton.runtime import Context
 from kvbaton.workers import kv_handoff
 from kvbaton.workers.kv_handoff import KvHandoff
 from kvbaton.workers.kv_push import RoomClaim
-from tests.workers.fakes import make_handoff
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture
-async def handoff() -> AsyncIterator[KvHandoff]:
-    made = make_handoff(timeout_s=0.5)
-    made.start()
-    yield made
-    await made.close()
 
 
 async def admitted(handoff: KvHandoff, name: str) -> tuple[Any, asyncio.Task[list[int] | None]]:
