@@ -242,9 +242,10 @@ def test_vectored_sends_and_receives_split_and_resume_anywhere() -> None:
     dst = [39 - i for i in range(len(ids))]
     left, right = socket.socketpair()
     left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
-    sender = threading.Thread(target=tcp._send_blocks, args=(left, source, ids, tcp.WHOLE))
+    sending = tcp._Timed(left, 30.0, "send")
+    sender = threading.Thread(target=tcp._send_blocks, args=(sending, source, ids, tcp.WHOLE))
     sender.start()
-    tcp._recv_blocks(right, target, dst, tcp.WHOLE)
+    tcp._recv_blocks(tcp._Timed(right, 30.0, "receive"), target, dst, tcp.WHOLE)
     sender.join()
     left.close()
     right.close()

@@ -7,8 +7,10 @@ header names a part: some layers), each block read from or written into the pool
 (`recv_into` a run of consecutive blocks; `sendall` of a run). A client keeps its connections
 open for the next transfer to the same peer (a connection and a server thread per transfer
 cost more than moving a short prompt's KV), and retries once on a fresh connection when a kept
-one fails. Every socket operation has a timeout; a bad header closes the connection with an
-error answer."""
+one fails. A transfer (from the client's connect, or the server's first read of its header, to
+its last byte) has one deadline, `timeout_s`: each socket call gets the time left, so a peer
+that trickles bytes cannot stretch it. A bad header closes the connection with an error
+answer."""
 
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -54,12 +58,52 @@ class TransferAnswer(msgspec.Struct, kw_only=True):
     error: str = ""
 
 
-def _send_header(sock: socket.socket, message: msgspec.Struct) -> None:
+class _Timed:
+    """A socket for one transfer: its calls share the deadline `started + timeout_s` (each gets
+    the time left as its kernel timeout: Python's own socket timeouts poll before each call,
+    which halved the rate measured); TimeoutError once it has passed."""
+
+    def __init__(
+        self, sock: socket.socket, timeout_s: float, what: str, started: float | None = None
+    ) -> None:
+        sock.settimeout(None)  # blocking: the kernel times each call out
+        self.sock = sock
+        self.timeout_s = timeout_s
+        self.what = what
+        self.deadline = (time.monotonic() if started is None else started) + timeout_s
+
+    def _call(self, option: int, call: Callable[..., Any], *args: Any) -> Any:
+        left = self.deadline - time.monotonic()
+        if left > 0:
+            self.sock.setsockopt(socket.SOL_SOCKET, option, _timeval(left))
+            try:
+                return call(*args)
+            except BlockingIOError:  # the kernel's timeout
+                pass
+        raise TimeoutError(f"{self.what}: not done after {self.timeout_s:g}s")
+
+    def sendall(self, data: bytes) -> None:
+        self._call(socket.SO_SNDTIMEO, self.sock.sendall, data)
+
+    def sendmsg(self, buffers: list[memoryview]) -> int:
+        sent: int = self._call(socket.SO_SNDTIMEO, self.sock.sendmsg, buffers)
+        return sent
+
+    def recv_into(self, view: memoryview) -> int:
+        got: int = self._call(socket.SO_RCVTIMEO, self.sock.recv_into, view)
+        return got
+
+    def recvmsg_into(self, buffers: list[memoryview]) -> int:
+        got: int = self._call(socket.SO_RCVTIMEO, self.sock.recvmsg_into, buffers)[0]
+        return got
+
+
+def _send_header(sock: _Timed, message: msgspec.Struct) -> None:
     body = msgspec.msgpack.encode(message)
     sock.sendall(HEADER.pack(len(body)) + body)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def _recv_exact(sock: _Timed, view: memoryview) -> None:
     got = 0
     while got < len(view):
         n = sock.recv_into(view[got : got + CHUNK])
@@ -68,7 +112,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def _recv_header(sock: socket.socket, kind: type[msgspec.Struct]) -> msgspec.Struct:
+def _recv_header(sock: _Timed, kind: type[msgspec.Struct]) -> msgspec.Struct:
     head = bytearray(HEADER.size)
     _recv_exact(sock, memoryview(head))
     (size,) = HEADER.unpack(head)
@@ -113,19 +157,19 @@ def _advance(pieces: deque[memoryview], batch: list[memoryview], done: int) -> N
         done -= len(piece)
 
 
-def _send_blocks(sock: socket.socket, blocks: np.ndarray, ids: list[int], span: slice) -> None:
+def _send_blocks(sock: _Timed, blocks: np.ndarray, ids: list[int], span: slice) -> None:
     pieces = _pieces(blocks, ids, span)
     while pieces:
         batch = _batch(pieces)
         _advance(pieces, batch, sock.sendmsg(batch))
 
 
-def _recv_blocks(sock: socket.socket, blocks: np.ndarray, ids: list[int], span: slice) -> None:
+def _recv_blocks(sock: _Timed, blocks: np.ndarray, ids: list[int], span: slice) -> None:
     """Scattered blocks come in a few large reads, not one per block."""
     pieces = _pieces(blocks, ids, span)
     while pieces:
         batch = _batch(pieces)
-        n = sock.recvmsg_into(batch)[0]
+        n = sock.recvmsg_into(batch)
         if n == 0:
             raise ConnectionError("the peer closed the KV transfer connection")
         _advance(pieces, batch, n)
@@ -163,18 +207,17 @@ class KvTransferServer:
         """Serve a connection's transfers, one after the other, until it closes or idles."""
         _tune(sock)
         while True:
-            _kernel_timeout(sock, IDLE_TIMEOUT_S)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(IDLE_TIMEOUT_S))
             try:
                 head = sock.recv(HEADER.size, socket.MSG_PEEK)
             except OSError:
                 return
             if not head:
                 return  # the client closed it
-            _kernel_timeout(sock, self.timeout_s)
-            if not self._transfer(sock):
+            if not self._transfer(_Timed(sock, self.timeout_s, "a KV transfer served")):
                 return
 
-    def _transfer(self, sock: socket.socket) -> bool:
+    def _transfer(self, sock: _Timed) -> bool:
         """One transfer; False when the connection is done with."""
         try:
             request = _recv_header(sock, TransferRequest)
@@ -228,7 +271,7 @@ class TcpClient:
         """Read the peer's blocks `src` into our `blocks[dst]` (in that order); of each block
         the bytes `span` (the same in both pools: their layouts are equal)."""
 
-        def read(sock: socket.socket) -> None:
+        def read(sock: _Timed) -> None:
             _send_header(sock, _request("read", layout, src, span))
             _expect_ok(sock, address)
             _recv_blocks(sock, blocks, dst, span)
@@ -247,7 +290,7 @@ class TcpClient:
         """Write our `blocks[src]` into the peer's blocks `dst` (in that order); of each block
         the bytes `span`."""
 
-        def write(sock: socket.socket) -> None:
+        def write(sock: _Timed) -> None:
             _send_header(sock, _request("write", layout, dst, span))
             _expect_ok(sock, address)
             _send_blocks(sock, blocks, src, span)
@@ -255,14 +298,15 @@ class TcpClient:
 
         self._run(address, write)
 
-    def _run(self, address: str, transfer: Callable[[socket.socket], None]) -> None:
+    def _run(self, address: str, transfer: Callable[[_Timed], None]) -> None:
         with self._lock:
             idle = self._idle.get(address)
             kept = idle.pop() if idle else None
         for sock in ([kept] if kept else []) + [None]:
+            started = time.monotonic()
             sock = sock or _connect(address, self.timeout_s)
             try:
-                transfer(sock)
+                transfer(_Timed(sock, self.timeout_s, f"KV transfer with {address}", started))
             except (ConnectionError, OSError) as exc:
                 sock.close()
                 if sock is kept and not isinstance(exc, TimeoutError):
@@ -295,7 +339,6 @@ def _connect(address: str, timeout_s: float) -> socket.socket:
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     _tune(sock)
-    _kernel_timeout(sock, timeout_s)
     return sock
 
 
@@ -303,17 +346,12 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _kernel_timeout(sock: socket.socket, seconds: float) -> None:
-    """A blocking socket whose every send and receive times out in the kernel (an OSError):
-    Python's own socket timeouts poll before each call, which halved the rate measured."""
-    sock.settimeout(None)
-    whole = int(seconds)
-    value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+def _timeval(seconds: float) -> bytes:
+    """`seconds` as a socket option's timeout (at least 1 ms: zero would mean never)."""
+    return struct.pack("ll", *divmod(max(int(seconds * 1e6), 1000), 1_000_000))
 
 
-def _expect_ok(sock: socket.socket, address: str) -> None:
+def _expect_ok(sock: _Timed, address: str) -> None:
     answer = _recv_header(sock, TransferAnswer)
     assert isinstance(answer, TransferAnswer)
     if not answer.ok:

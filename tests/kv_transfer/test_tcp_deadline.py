@@ -1,0 +1,103 @@
+"""A TCP transfer has one deadline, from start to last byte, on both sides: a peer that keeps
+each socket call inside the timeout by trickling bytes cannot stretch it (a write that could
+land after the deadline would land in blocks the decode worker has taken back)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvbaton.kv_transfer import KvPool, tcp
+
+pytestmark = pytest.mark.unit
+
+LAYOUT = "bfloat16:2x2x4x1x8"
+BLOCKS = 8
+BLOCK_BYTES = 256
+TIMEOUT_S = 0.3
+TRICKLE_S = 0.01  # per byte: a block takes 2.56 s, far past the deadline
+
+
+@pytest.fixture
+def pool() -> Iterator[KvPool]:
+    pool = KvPool(shared=False)
+    pool.attach(pool.allocate(BLOCKS * BLOCK_BYTES), LAYOUT, BLOCKS, BLOCK_BYTES, 2)
+    assert pool.blocks is not None
+    pool.blocks[:] = 0
+    yield pool
+    pool.close()
+
+
+def _send_header(sock: socket.socket, message: msgspec.Struct) -> None:
+    body = msgspec.msgpack.encode(message)
+    sock.sendall(tcp.HEADER.pack(len(body)) + body)
+
+
+def _recv_answer(sock: socket.socket) -> tcp.TransferAnswer:
+    (size,) = tcp.HEADER.unpack(sock.recv(tcp.HEADER.size, socket.MSG_WAITALL))
+    return msgspec.msgpack.decode(sock.recv(size, socket.MSG_WAITALL), type=tcp.TransferAnswer)
+
+
+def test_the_server_stops_taking_a_trickled_write_at_its_deadline(pool: KvPool) -> None:
+    server = tcp.KvTransferServer(pool, "127.0.0.1", TIMEOUT_S)
+    host, _, port = server.address.rpartition(":")
+    sock = socket.create_connection((host, int(port)))
+    sent = 0
+    try:
+        _send_header(sock, tcp.TransferRequest(op="write", layout=LAYOUT, blocks=[5]))
+        assert _recv_answer(sock).ok
+        with pytest.raises(OSError):  # the server closed the connection
+            while sent < BLOCK_BYTES:
+                sock.send(b"\xff")
+                sent += 1
+                time.sleep(TRICKLE_S)
+    finally:
+        sock.close()
+        server.close()
+    assert pool.blocks is not None
+    landed = int((pool.blocks[5] == 0xFF).sum())
+    assert 0 < landed < BLOCK_BYTES, "the write was cut at its deadline, after some bytes"
+    assert not pool.blocks[5, landed:].any() and not np.delete(pool.blocks, 5, axis=0).any()
+
+
+def test_the_client_gives_up_on_a_trickled_read_at_its_deadline(pool: KvPool) -> None:
+    """A server that answers, then sends a block's bytes one by one, each in time."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    sent = 0
+    stop = threading.Event()
+
+    def trickle() -> None:
+        nonlocal sent
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(4096)  # the request
+            _send_header(conn, tcp.TransferAnswer(ok=True))
+            while sent < BLOCK_BYTES and not stop.is_set():
+                try:
+                    conn.send(b"\xff")
+                except OSError:
+                    return
+                sent += 1
+                time.sleep(TRICKLE_S)
+
+    server = threading.Thread(target=trickle)
+    server.start()
+    client = tcp.TcpClient(TIMEOUT_S)
+    assert pool.blocks is not None
+    try:
+        host, port = listener.getsockname()[:2]
+        with pytest.raises(TimeoutError, match=f"not done after {TIMEOUT_S:g}s"):
+            client.read(f"{host}:{port}", LAYOUT, [0], pool.blocks, [2])
+        assert sent < BLOCK_BYTES, "the read ended before the server had sent the block"
+    finally:
+        stop.set()
+        server.join()
+        client.close()
+        listener.close()
+    assert not client._idle, "a connection that timed out is not kept"
