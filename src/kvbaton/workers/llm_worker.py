@@ -36,9 +36,10 @@ from kvbaton.protocols.llm import (
     WorkerLoad,
 )
 from kvbaton.runtime import Context, DistributedRuntime
-from kvbaton.workers.kv_handoff import KvFetch, KvHandoff, KvRoom
+from kvbaton.workers.kv_handoff import KvFetch, KvHandoff
 from kvbaton.workers.kv_publisher import KvEventPublisher
 from kvbaton.workers.kv_push import LayerPush, RoomClaim
+from kvbaton.workers.kv_room import KvRoom
 
 log = logging.getLogger(__name__)
 ENDING_WAIT_S = 30.0  # at shutdown, for requests' ends under way (each has its own timeouts)
