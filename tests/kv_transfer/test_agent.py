@@ -160,6 +160,8 @@ def test_auto_picks_shm_on_one_host_and_tcp_otherwise(peer: Peer, local: KvTrans
     assert local.choose(peer.info) == "shm"
     elsewhere = msgspec.structs.replace(peer.info, host="another-host")
     assert local.choose(elsewhere) == "tcp"
+    # This process moves the bytes of both: none land once a call has timed out.
+    assert local.linger_s(peer.info) == local.linger_s(elsewhere) == 0.0
     forced = KvTransferAgent(local.pool, "shm")
     with pytest.raises(ValueError, match="on this host"):
         forced.choose(elsewhere)

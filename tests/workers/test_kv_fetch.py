@@ -1,11 +1,14 @@
 """A decode worker's read of a prefill worker's KV (prefill-first) counts only if the prefill
 worker held the blocks until the read ended: its hold may time out while the request queues on
 the decode worker, and the blocks then go to another request. Otherwise the load fails and the
-engine prefills the prompt itself. Either way one release goes out."""
+engine prefills the prompt itself. Either way one release goes out. A read that timed out over
+a backend whose transfers may outlive their timeout (NIXL) keeps its blocks out of use until
+then."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -63,3 +66,28 @@ async def test_a_read_counts_only_if_the_blocks_were_held_until_it_ended(
     assert peers.released == ["h"]
     assert not await handoff.release_remote(source)  # once
     assert peers.released == ["h"]
+
+
+@pytest.mark.parametrize("linger_s", [0.3, 0.0])
+async def test_a_read_that_timed_out_keeps_its_blocks_out_while_it_may_land(
+    handoff: KvHandoff, linger_s: float
+) -> None:
+    def read(pool: object, src: list[int], dst: list[int]) -> str:
+        raise TimeoutError("NIXL READ of 2 blocks: not done after 30s")
+
+    handoff.peers = FakePeers(held=True)  # type: ignore[assignment]
+    handoff.agent.read = read  # type: ignore[method-assign]
+    handoff.agent.linger_s = lambda pool: linger_s  # type: ignore[method-assign]
+    started = time.monotonic()
+    with pytest.raises((KvLoadFailed, TimeoutError), match="not done after 30s") as failed:
+        await asyncio.to_thread(handoff.load, KvLoad("r", fetch(), 0, [1, 2]))
+    if not linger_s:  # the read stopped when the call did: the blocks are free at once
+        assert not isinstance(failed.value, KvLoadFailed)
+        return
+    assert isinstance(failed.value, KvLoadFailed)
+    writes_end = failed.value.writes_end
+    assert writes_end is not None and not writes_end.is_set()
+    reclaims = handoff.engine.reclaims  # type: ignore[attr-defined]
+    assert await asyncio.to_thread(writes_end.wait, 5.0)
+    await asyncio.sleep(0)
+    assert time.monotonic() - started >= linger_s and len(reclaims) == 1

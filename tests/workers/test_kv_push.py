@@ -26,7 +26,8 @@ BLOCK = 4  # tokens
 
 class FakeAgent:
     """Moves bytes between two arrays as a transfer agent would (ours -> the peer's); a write
-    may be held until `gate` is set, or fail."""
+    may be held until `gate` is set, or fail (with `fail`); one that times out may still land
+    for `linger` seconds."""
 
     def __init__(self) -> None:
         rng = np.random.default_rng(0)
@@ -37,7 +38,8 @@ class FakeAgent:
         self.gate = threading.Event()
         self.gate.set()
         self.started = threading.Event()
-        self.fail = False
+        self.fail: type[Exception] | None = None
+        self.linger = 0.0
 
     def write(
         self,
@@ -48,13 +50,16 @@ class FakeAgent:
     ) -> str:
         self.started.set()
         assert self.gate.wait(5)
-        if self.fail:
-            raise ConnectionError("the peer is gone")
+        if self.fail is not None:
+            raise self.fail("the peer is gone")
         part = slice(None) if layers is None else slice(*(n * LAYER_BYTES for n in layers))
         self.theirs[dst, part] = self.ours[src, part]
         if src:
             self.writes.append((src, dst, layers))
         return "fake"
+
+    def linger_s(self, peer: KvPoolInfo) -> float:
+        return self.linger
 
 
 @pytest.fixture
@@ -181,13 +186,29 @@ def test_a_failed_write_fails_the_push_and_ends_its_writes(
     writers: concurrent.futures.ThreadPoolExecutor,
 ) -> None:
     agent = FakeAgent()
-    agent.fail = True
+    agent.fail = ConnectionError
     p = push(agent, writers, DST)
     chunk = PromptChunk(0, 10, 0, PROMPT)
     compute(p, chunk)
     with pytest.raises(ConnectionError, match="gone"):
         p.finish(PROMPT)
     assert not agent.writes
+
+
+@pytest.mark.parametrize("error", [TimeoutError, ConnectionError])
+def test_a_write_that_timed_out_may_land_for_the_agents_linger(
+    writers: concurrent.futures.ThreadPoolExecutor, error: type[Exception]
+) -> None:
+    """Over NIXL a timed-out write may still land: the push says for how long (its report to
+    the decode worker waits for that); a write that failed otherwise has ended."""
+    agent = FakeAgent()
+    agent.fail, agent.linger = error, 30.0
+    p = push(agent, writers, DST)
+    compute(p, PromptChunk(0, 10, 0, PROMPT))
+    with pytest.raises(error):
+        p.finish(PROMPT)
+    left = p.linger_left()
+    assert 20.0 < left <= 30.0 if error is TimeoutError else left == 0.0
 
 
 def test_nothing_is_written_after_stop(writers: concurrent.futures.ThreadPoolExecutor) -> None:

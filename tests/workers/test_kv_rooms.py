@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
+from kvbaton.protocols.llm import EngineOutput
 from kvbaton.runtime import Context
 from kvbaton.workers import kv_handoff
 from kvbaton.workers.kv_handoff import KvHandoff
@@ -247,3 +248,31 @@ async def test_a_writer_stops_writing_when_the_decode_worker_ends_its_claim() ->
     assert told == [True, False]
     await made.report(False, [])
     assert peers.calls == ["report False []", "let go"]
+
+
+async def test_a_writer_whose_write_timed_out_reports_once_it_can_no_longer_land(
+    handoff: KvHandoff,
+) -> None:
+    """The prefill side of `push`: its report frees the decode worker's blocks, so it waits
+    until a timed-out write (over NIXL) can no longer land in them."""
+    events: list[tuple[str, float]] = []
+
+    def finish(prompt_blocks: list[int]) -> None:
+        raise TimeoutError("NIXL WRITE of 2 blocks: not done after 30s")
+
+    pusher = SimpleNamespace(finish=finish, stop=lambda: None, linger_left=lambda: 0.3)
+
+    async def accepted() -> bool:
+        return True
+
+    async def report(ok: bool, token_ids: list[int]) -> None:
+        events.append((f"report {ok}", time.monotonic()))
+
+    claim = SimpleNamespace(accepted=accepted, report=report)
+    target = SimpleNamespace(block_size=handoff.block_size, room="r")
+    out = EngineOutput(request_id="h", token_ids=[42], kv_blocks=[1, 2])
+    started = time.monotonic()
+    answer = await handoff.push("h", out, target, claim, pusher)  # type: ignore[arg-type]
+    assert answer.token_ids == [42]
+    ((what, when),) = events
+    assert what == "report False" and when - started >= 0.3

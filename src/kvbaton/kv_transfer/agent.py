@@ -116,6 +116,14 @@ class KvTransferAgent:
             raise ValueError("the peer serves no KV over TCP")
         return "tcp"
 
+    def linger_s(self, peer: KvPoolInfo) -> float:
+        """How long after a transfer with `peer` timed out its bytes may still land: 0 where
+        this process moves them itself (shm, tcp: the copy stopped when the call did);
+        `timeout_s` over NIXL, which cancels the transfer and closes the peer's connection, but
+        whose NIC may still complete a posted RDMA operation until that close has gone
+        through."""
+        return self.timeout_s if self.choose(peer) == "nixl" else 0.0
+
     def read(
         self,
         peer: KvPoolInfo,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -195,8 +196,13 @@ class KvHandoff:
                 backend,
                 (time.perf_counter() - started) * 1e3,
             )
-        except BaseException:
+        except BaseException as exc:
             asyncio.run_coroutine_threadsafe(self.release_remote(fetch), self._loop)
+            linger_s = self.agent.linger_s(params.pool) if isinstance(exc, TimeoutError) else 0
+            if linger_s:  # the read may still land in our blocks: keep them out of use
+                raise KvLoadFailed(
+                    f"request {load.request_id}: {exc}", writes_end=self._ends_in(linger_s)
+                ) from exc
             raise
         # What was read is the prompt's KV only if the prefill worker held the blocks until
         # after the read (its hold may have timed out while the request queued here, and the
@@ -214,6 +220,19 @@ class KvHandoff:
         self.cache.stage_in(load.dst_blocks)
         self._waited(started)
         return None
+
+    def _ends_in(self, seconds: float) -> threading.Event:
+        """An event set in `seconds`, after which the engine frees the blocks it kept out."""
+        ended = threading.Event()
+        assert self._loop is not None
+
+        def end() -> None:
+            ended.set()
+            self.engine.reclaim_kv_blocks()
+
+        with contextlib.suppress(RuntimeError):  # the loop closed: the engine stops
+            self._loop.call_soon_threadsafe(self._loop.call_later, seconds, end)
+        return ended
 
     def _waited(self, since: float) -> None:
         with self._count_lock:
@@ -391,6 +410,7 @@ class KvHandoff:
                 self.engine.release_kv(handle)
         else:  # it stopped at its first token: no KV is wanted
             await asyncio.to_thread(pusher.stop)
+        await asyncio.sleep(pusher.linger_left())  # a timed-out write may still land
         await claim.report(ok, out.token_ids)
         return EngineOutput(
             request_id=out.request_id,

@@ -15,7 +15,8 @@ since a write may have read a block after its reuse) and reports whether all wen
 Invariants: nothing is written before the room is claimed, and no write starts once the
 decode worker ended the claim (`claimed(False)`); one push's writes run one at a time, in the
 order the layers were computed; once `finish` or `stop` returns, none of its writes runs or
-starts; the engine's thread never waits on a write."""
+starts, and none lands after `linger_left()` more seconds (a write that timed out over NIXL may
+still complete meanwhile); the engine's thread never waits on a write."""
 
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ class LayerPush:
         self._redo_all = False  # a chunk was computed again: write every block whole at the end
         self._streamed: dict[int, int] = {}  # prompt block index -> block id written, all layers
         self.writes = 0  # transfers made while the prompt was computed
+        self._lingers_until = 0.0  # (monotonic) a timed-out write may land until then
 
     # -- the engine's thread -------------------------------------------------------------------
     def layer_written(self, chunk: PromptChunk, layer: int) -> None:
@@ -137,12 +139,26 @@ class LayerPush:
             return
         layers = (job.first, job.end)
         self.cache.stage_out(src, layers)
-        self.agent.write(self.target.pool, src, dst, layers)
+        self._transfer(src, dst, layers)
         self.writes += 1
         if job.end == self.num_layers:
             with self._cond:
                 for k, block in enumerate(job.chunk.block_ids):
                     self._streamed[job.chunk.first_block + k] = block
+
+    def _transfer(self, src: list[int], dst: list[int], layers: tuple[int, int] | None) -> str:
+        try:
+            return self.agent.write(self.target.pool, src, dst, layers)
+        except TimeoutError:
+            linger_s = self.agent.linger_s(self.target.pool)
+            with self._cond:
+                self._lingers_until = max(self._lingers_until, time.monotonic() + linger_s)
+            raise
+
+    def linger_left(self) -> float:
+        """Seconds until no write that timed out can land any more (0 if none did)."""
+        with self._cond:
+            return max(0.0, self._lingers_until - time.monotonic())
 
     def _slot(self, index: int) -> int | None:
         """The target's block for the prompt's block `index` (None: the decode worker has it)."""
@@ -202,7 +218,7 @@ class LayerPush:
         dst = [target.block_ids[i - target.first_block] for i in missing]
         try:
             self.cache.stage_out(src)
-            backend = self.agent.write(target.pool, src, dst)
+            backend = self._transfer(src, dst, None)
         finally:
             with self._cond:
                 self._writing = False
