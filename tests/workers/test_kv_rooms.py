@@ -58,11 +58,13 @@ async def claim(handoff: KvHandoff, name: str, timeout_s: float = 0.0) -> Claim:
     context = Context(f"{name}-claim")
     answers = handoff.kv_claim({"room": name, "timeout_s": timeout_s}, context)
     first = await anext(answers)
+    if first["accepted"]:  # the writer's bound: it writes nothing later than this after
+        assert first["wait_s"] == kv_handoff.CLAIMED_TIMEOUT_S
 
     async def rest() -> list[object]:
         return [answer async for answer in answers]
 
-    return Claim(first["accepted"], context, asyncio.create_task(rest()))
+    return Claim(bool(first["accepted"]), context, asyncio.create_task(rest()))
 
 
 async def test_an_unclaimed_room_ends_with_its_request_and_refuses_a_claim(
@@ -210,20 +212,21 @@ class FakeClaimStream:
 
 
 class FakePeers:
-    def __init__(self) -> None:
+    def __init__(self, wait_s: float) -> None:
         self.calls: list[str] = []
         self.stream = FakeClaimStream(self.calls)
+        self.wait_s = wait_s
 
-    async def claim(self, target: object, timeout_s: float) -> FakeClaimStream:
+    async def claim(self, target: object, timeout_s: float) -> tuple[FakeClaimStream, float]:
         assert timeout_s == 2.5  # the writer's transfer timeout
-        return self.stream
+        return self.stream, self.wait_s
 
     async def kv_ready(self, target: object, ok: bool, token_ids: list[int]) -> None:
         self.calls.append(f"report {ok} {token_ids}")
 
 
-def writer_claim() -> tuple[RoomClaim, FakePeers, list[bool]]:
-    peers, told = FakePeers(), []
+def writer_claim(wait_s: float = 300.0) -> tuple[RoomClaim, FakePeers, list[bool]]:
+    peers, told = FakePeers(wait_s), []
     pusher = SimpleNamespace(claimed=told.append, agent=SimpleNamespace(timeout_s=2.5))
     target = SimpleNamespace(room="r")
     return RoomClaim(peers, target, pusher), peers, told  # type: ignore[arg-type]
@@ -245,6 +248,20 @@ async def test_a_writer_stops_writing_when_the_decode_worker_ends_its_claim() ->
     assert await made.accepted()
     peers.stream.end.set()  # the decode worker stopped waiting (its long timeout)
     await asyncio.sleep(0.05)
+    assert told == [True, False]
+    await made.report(False, [])
+    assert peers.calls == ["report False []", "let go"]
+
+
+async def test_a_writer_stops_writing_once_the_wait_the_decode_worker_promised_ran_out() -> None:
+    """No word of the claim's end reaches the writer (its request plane cut off): it stops
+    on its own once the decode worker may have stopped waiting (the wait counts from before
+    the claim was sent, so the writer's end comes first)."""
+    made, peers, told = writer_claim(wait_s=0.2)
+    assert await made.accepted()
+    await asyncio.sleep(0.05)
+    assert told == [True]
+    await asyncio.sleep(0.3)
     assert told == [True, False]
     await made.report(False, [])
     assert peers.calls == ["report False []", "let go"]

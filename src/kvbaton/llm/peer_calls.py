@@ -32,25 +32,32 @@ class PeerCalls:
         )
         return isinstance(answer, dict) and answer.get("released") is True
 
-    async def claim(self, target: KvTarget, timeout_s: float) -> ResponseStream | None:
-        """Claim the blocks of `target`, for writes that each end within `timeout_s`: the open
-        stream if the decode worker lets us write into them (it refuses once it stopped
-        waiting); the writer closes it once its writes ended and it reported. None if refused
-        or unanswered."""
+    async def claim(
+        self, target: KvTarget, timeout_s: float
+    ) -> tuple[ResponseStream, float] | None:
+        """Claim the blocks of `target`, for writes that each end within `timeout_s`: if the
+        decode worker lets us write into them (it refuses once it stopped waiting), the open
+        stream, which the writer closes once its writes ended and it reported, and how long
+        after the claim arrived the decode worker waits for that at least (`wait_s`). None if
+        refused or unanswered."""
         stream: ResponseStream | None = None
-        accepted = False
+        accepted: tuple[ResponseStream, float] | None = None
         try:
             client = await self._client(target.claim_endpoint)
             request = {"room": target.room, "timeout_s": timeout_s}
             stream = client.direct(request, target.decode_instance_id)
             answer = await asyncio.wait_for(anext(stream), CALL_TIMEOUT_S)
-            accepted = isinstance(answer, dict) and answer.get("accepted") is True
+            if isinstance(answer, dict) and answer.get("accepted") is True:
+                wait_s = answer.get("wait_s")
+                if not isinstance(wait_s, int | float) or wait_s <= 0:
+                    raise ValueError(f"its acceptance says no wait (wait_s={wait_s!r})")
+                accepted = (stream, float(wait_s))
         except (Exception, StopAsyncIteration) as exc:
             log.warning("kv_claim on %x failed: %s", target.decode_instance_id, exc)
         finally:
-            if stream is not None and not accepted:
+            if stream is not None and accepted is None:
                 await stream.aclose()
-        return stream if accepted else None
+        return accepted
 
     async def kv_ready(self, target: KvTarget, ok: bool, token_ids: list[int]) -> None:
         """The decode worker's blocks of `target` hold the prompt's KV (`ok`), or will not;

@@ -19,9 +19,11 @@ writer left, or its process or connection went) or the long timeout, never by th
 abandon; its blocks are neither freed nor computed into here while a write may still land in
 them (`KvRoom.writes_end`: the engine keeps a loading request's blocks until its load ends, and
 then, if writes may still land, quarantines them while the request goes on in other blocks);
-a room that ended refuses a claim; a prefill worker writes only into a room it claimed, and
-reports (`kv_ready`) on every decode-first request its engine took, once its writes have ended,
-before it lets go of the claim (one its engine refused never claims: the router abandons it)."""
+a room that ended refuses a claim; a prefill worker writes only into a room it claimed, starts
+no write later than the wait the decode worker promised (counted from before it sent the claim,
+so even when no word of the room's end reaches it), and reports (`kv_ready`) on every
+decode-first request its engine took, once its writes have ended, before it lets go of the
+claim (one its engine refused never claims: the router abandons it)."""
 
 from __future__ import annotations
 
@@ -319,11 +321,16 @@ class KvHandoff:
         self.cache.stage_in(load.dst_blocks)
         return room.token_ids
 
-    async def kv_claim(self, request: Any, context: Context) -> AsyncIterator[dict[str, bool]]:
+    async def kv_claim(
+        self, request: Any, context: Context
+    ) -> AsyncIterator[dict[str, bool | float]]:
         """Endpoint: a prefill worker claims `room` before its first write. Accepted, the stream
-        stays open until the room ends; if the caller ends it first (it left without a report,
-        or its process or connection went), no write can come any more: the room ends as not
-        written."""
+        stays open until the room ends, which a report or the claim's end aside is at least
+        `wait_s` after the claim (a claim comes before `_await_push`'s first wait ends, and
+        its second lasts CLAIMED_TIMEOUT_S): the writer starts no write after that, even if
+        the end does not reach it. If the caller ends the stream first (it left without a
+        report, or its process or connection went), no write can come any more: the room ends
+        as not written."""
         if not isinstance(request, dict) or not isinstance(request.get("room"), str):
             raise ValueError("kv_claim takes {'room': str, 'timeout_s': float}")
         writer_timeout_s = request.get("timeout_s", 0.0)
@@ -334,7 +341,7 @@ class KvHandoff:
             yield {"accepted": False}
             return
         room.writer_timeout_s = float(writer_timeout_s)
-        yield {"accepted": True}
+        yield {"accepted": True, "wait_s": CLAIMED_TIMEOUT_S}
         stopped = asyncio.ensure_future(context.stopped())
         try:
             await asyncio.wait((stopped, room.ended), return_when=asyncio.FIRST_COMPLETED)

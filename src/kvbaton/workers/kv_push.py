@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
@@ -239,9 +238,11 @@ class LayerPush:
 class RoomClaim:
     """A prefill worker's claim on a decode worker's room, made in the background while the
     prompt is computed; `pusher` writes only once it is accepted, and stops writing if the
-    decode worker ends the claim first (it stopped waiting). Held from acceptance (the decode
-    worker reads its end as the end of our writes) until `report`, which tells the decode
-    worker whether its blocks hold the KV, then lets go."""
+    decode worker ends the claim first (it stopped waiting), or once the wait it promised, from
+    when the claim was sent, has passed (no word of its end may reach us: a request plane cut
+    off while the KV's path is not). Held from acceptance (the decode worker reads its end as
+    the end of our writes) until `report`, which tells the decode worker whether its blocks
+    hold the KV, then lets go."""
 
     def __init__(self, peers: PeerCalls, target: KvTarget, pusher: LayerPush) -> None:
         self.peers = peers
@@ -252,20 +253,28 @@ class RoomClaim:
         self._task = asyncio.create_task(self._claim(pusher))
 
     async def _claim(self, pusher: LayerPush) -> bool:
-        self._stream = await self.peers.claim(self.target, pusher.agent.timeout_s)
-        pusher.claimed(self._stream is not None)
-        if self._stream is not None:
-            self._watch = asyncio.create_task(self._watch_end(self._stream, pusher))
-        return self._stream is not None
+        sent = asyncio.get_running_loop().time()
+        claim = await self.peers.claim(self.target, pusher.agent.timeout_s)
+        pusher.claimed(claim is not None)
+        if claim is not None:
+            self._stream, wait_s = claim
+            self._watch = asyncio.create_task(self._watch_end(self._stream, pusher, sent + wait_s))
+        return claim is not None
 
-    async def _watch_end(self, stream: ResponseStream, pusher: LayerPush) -> None:
-        with contextlib.suppress(Exception):
-            async for _ in stream:
-                pass
+    async def _watch_end(self, stream: ResponseStream, pusher: LayerPush, until: float) -> None:
+        """Until the claim ends, or the loop's time `until`."""
+        ran_out = False
+        try:
+            async with asyncio.timeout_at(until):
+                async for _ in stream:
+                    pass
+        except TimeoutError:
+            ran_out = True
+        except Exception:
+            pass
         if not self.reported:
-            log.warning(
-                "room %s: the decode worker stopped waiting: no more writes", self.target.room
-            )
+            why = "its wait ran out" if ran_out else "the decode worker stopped waiting"
+            log.warning("room %s: %s: no more writes", self.target.room, why)
             pusher.claimed(False)
 
     async def accepted(self) -> bool:
