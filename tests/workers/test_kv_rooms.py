@@ -19,7 +19,7 @@ import pytest
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.protocols.llm import EngineOutput
 from kvbaton.runtime import Context
-from kvbaton.workers import kv_handoff
+from kvbaton.workers import kv_room
 from kvbaton.workers.kv_handoff import KvHandoff
 from kvbaton.workers.kv_push import RoomClaim
 
@@ -29,16 +29,16 @@ pytestmark = pytest.mark.unit
 async def admitted(handoff: KvHandoff, name: str) -> tuple[Any, asyncio.Task[list[int] | None]]:
     """A room whose blocks were announced, and the engine's load of its request waiting in it
     (on a load thread)."""
-    room = handoff.open_room(name)
+    room = handoff.rooms.open_room(name)
     load = asyncio.create_task(asyncio.to_thread(handoff.load, KvLoad(name, room, 0, [1, 2])))
     await asyncio.wait_for(room.allocated, 5)
-    target = handoff.target(room)
+    target = handoff.rooms.target(room)
     assert (target.room, target.block_ids) == (name, [1, 2])
     return room, load
 
 
 async def call(handoff: KvHandoff, **request: object) -> bool:
-    answer = await handoff.kv_ready(request, None)  # type: ignore[arg-type]
+    answer = await handoff.rooms.kv_ready(request, None)  # type: ignore[arg-type]
     return answer["accepted"]
 
 
@@ -56,10 +56,10 @@ class Claim:
 async def claim(handoff: KvHandoff, name: str, timeout_s: float = 0.0) -> Claim:
     """A writer whose transfers end within `timeout_s` claims the room."""
     context = Context(f"{name}-claim")
-    answers = handoff.kv_claim({"room": name, "timeout_s": timeout_s}, context)
+    answers = handoff.rooms.kv_claim({"room": name, "timeout_s": timeout_s}, context)
     first = await anext(answers)
     if first["accepted"]:  # the writer's bound: it writes nothing later than this after
-        assert first["wait_s"] == kv_handoff.CLAIMED_TIMEOUT_S
+        assert first["wait_s"] == kv_room.CLAIMED_TIMEOUT_S
 
     async def rest() -> list[object]:
         return [answer async for answer in answers]
@@ -71,10 +71,10 @@ async def test_an_unclaimed_room_ends_with_its_request_and_refuses_a_claim(
     handoff: KvHandoff,
 ) -> None:
     room, load = await admitted(handoff, "r")
-    handoff.close_room(room)
+    handoff.rooms.close_room(room)
     with pytest.raises(KvLoadFailed):
         await asyncio.wait_for(load, 2)
-    assert "r" not in handoff._rooms
+    assert "r" not in handoff.rooms._rooms
     assert not (await claim(handoff, "r")).accepted
 
 
@@ -92,13 +92,13 @@ async def test_a_claimed_room_waits_for_its_writer_after_its_request_ended(
     writer = await claim(handoff, "r")
     assert writer.accepted
     assert not (await claim(handoff, "r")).accepted  # one writer
-    handoff.close_room(room)  # the client left; the prefill worker may still write
+    handoff.rooms.close_room(room)  # the client left; the prefill worker may still write
     await asyncio.sleep(1.0)  # twice the wait for a claim
     assert not load.done() and not writer.held.done()
     assert await call(handoff, room="r", ok=False)
     with pytest.raises(KvLoadFailed):
         await asyncio.wait_for(load, 2)
-    assert "r" not in handoff._rooms
+    assert "r" not in handoff.rooms._rooms
     assert await asyncio.wait_for(writer.held, 2) == []  # the room ended: so did the claim
 
 
@@ -113,11 +113,11 @@ async def test_a_claimed_room_takes_its_writers_tokens(handoff: KvHandoff) -> No
 async def test_a_claimed_room_nobody_reports_on_ends_at_the_long_timeout(
     handoff: KvHandoff, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kv_handoff, "CLAIMED_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(kv_room, "CLAIMED_TIMEOUT_S", 0.5)
     room, load = await admitted(handoff, "r")
     writer = await claim(handoff, "r")
     assert writer.accepted
-    handoff.close_room(room)
+    handoff.rooms.close_room(room)
     with pytest.raises(KvLoadFailed) as failed:
         await asyncio.wait_for(load, 3)
     await asyncio.wait_for(writer.held, 2)  # the writer learns that nobody waits any more
@@ -125,7 +125,7 @@ async def test_a_claimed_room_nobody_reports_on_ends_at_the_long_timeout(
     assert writes_end is not None and not writes_end.is_set()  # its blocks stay out of use
     assert not await call(handoff, room="r", ok=True)  # a late report: the writes ended
     assert writes_end.is_set() and len(handoff.engine.reclaims) == 1  # type: ignore[attr-defined]
-    assert "r" not in handoff._rooms
+    assert "r" not in handoff.rooms._rooms
 
 
 async def test_a_report_without_ok_is_refused(handoff: KvHandoff) -> None:
@@ -136,7 +136,7 @@ async def test_a_report_without_ok_is_refused(handoff: KvHandoff) -> None:
         await call(handoff, room="r", claim=True)
     await asyncio.sleep(0.1)
     assert not load.done()
-    handoff.close_room(room)
+    handoff.rooms.close_room(room)
     with pytest.raises(KvLoadFailed):
         await asyncio.wait_for(load, 2)
 
@@ -146,7 +146,7 @@ async def test_the_routers_abandon_ends_an_unclaimed_room(handoff: KvHandoff) ->
     assert await call(handoff, room="r", abandon=True)
     with pytest.raises(KvLoadFailed):
         await asyncio.wait_for(load, 0.4)  # at once, not at the wait for a claim (0.5 s)
-    assert "r" not in handoff._rooms
+    assert "r" not in handoff.rooms._rooms
     assert not (await claim(handoff, "r")).accepted
 
 
@@ -172,7 +172,7 @@ async def test_a_claimed_room_ends_when_its_writer_lets_go_without_a_report(
 ) -> None:
     """The claim's end is the end of its writes: a prefill worker killed mid-prefill (its
     connection goes) frees the decode worker at once, with no report and no router."""
-    monkeypatch.setattr(kv_handoff, "WRITES_END_MARGIN_S", 0.1)
+    monkeypatch.setattr(kv_room, "WRITES_END_MARGIN_S", 0.1)
     _, load = await admitted(handoff, "r")
     writer = await claim(handoff, "r", writer_timeout_s)
     assert writer.accepted
@@ -189,7 +189,7 @@ async def test_a_claimed_room_ends_when_its_writer_lets_go_without_a_report(
     assert await asyncio.to_thread(writes_end.wait, 5)
     (reclaimed,) = handoff.engine.reclaims  # type: ignore[attr-defined]
     assert reclaimed - let_go >= 2 * max(0.5, writer_timeout_s) + 0.1 - 0.05
-    assert "r" not in handoff._rooms
+    assert "r" not in handoff.rooms._rooms
     assert not await call(handoff, room="r", ok=True, token_ids=[42])
 
 

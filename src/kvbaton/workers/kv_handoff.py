@@ -8,7 +8,7 @@ write), writes the prompt's KV into its blocks (layer by layer as it computes th
 `kv_push.py`, unless told to write whole blocks at the end), tells the decode worker
 (`kv_ready`, with the first token), lets go of the claim and frees its own blocks. The decode
 worker waits for that in its room: for a claim at most `timeout_s`, then, claimed, for the
-report or the claim's end (see `KvRoom`).
+report or the claim's end (`KvRooms`, in kv_room.py).
 
 Invariants: held blocks are released exactly once, by a `kv_release` call or, if none comes,
 after `hold_timeout_s`; a decode worker sends one release per request it was given params for
@@ -33,7 +33,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,22 +43,17 @@ from kvbaton.llm.peer_calls import CALL_TIMEOUT_S, PeerCalls
 from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput, KvTarget
 from kvbaton.runtime import Context, DistributedRuntime
 from kvbaton.workers.kv_push import LayerPush, RoomClaim
-from kvbaton.workers.kv_room import KvRoom
+from kvbaton.workers.kv_room import KvRoom, KvRooms, ReclaimingEngine
 
 log = logging.getLogger(__name__)
 
 DEFAULT_HOLD_TIMEOUT_S = 30.0
-# How long a claimed room waits for its writer's report, as a bound for a writer that lives on
-# but never reports: the PrefillRouter's prefill timeout.
-CLAIMED_TIMEOUT_S = 300.0
-WRITES_END_MARGIN_S = 1.0  # for the writer to see its claim end (one hop) and stop
 PUSH_MODES = ("layers", "blocks")
 PUSH_THREADS = 4  # writers of decode-first pushes in flight at once
 
 
-class HoldingEngine(Protocol):
+class HoldingEngine(ReclaimingEngine, Protocol):
     def release_kv(self, request_id: str) -> None: ...
-    def reclaim_kv_blocks(self) -> None: ...
 
 
 @dataclass
@@ -95,12 +89,10 @@ class KvHandoff:
         self.agent = agent
         self.cache = cache
         self.release_endpoint = f"{component_path}.kv_release"
-        self.claim_endpoint = f"{component_path}.kv_claim"
-        self.notify_endpoint = f"{component_path}.kv_ready"
         self.block_size = block_size
         self.hold_timeout_s = hold_timeout_s
         self._held: dict[str, asyncio.TimerHandle] = {}
-        self._rooms: dict[str, KvRoom] = {}
+        self.rooms = KvRooms(runtime, engine, agent, cache, component_path, block_size)
         self.peers = PeerCalls(runtime)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.push_layers = push == "layers"
@@ -113,15 +105,13 @@ class KvHandoff:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.rooms.start()
 
     async def close(self) -> None:
         for timer in self._held.values():
             timer.cancel()
         self._held.clear()
-        for room in list(self._rooms.values()):
-            room.end(False, [])
-            room.writes_end.set()  # the engine stops: nothing reuses the blocks
-        self._rooms.clear()
+        self.rooms.close()
         await self.peers.close()
         await asyncio.to_thread(self._writers.shutdown)
         await asyncio.to_thread(self.agent.close)
@@ -179,7 +169,7 @@ class KvHandoff:
     def load(self, load: KvLoad) -> list[int] | None:
         """The engine's loader (on a load thread)."""
         if isinstance(load.source, KvRoom):
-            return self._await_push(load, load.source)
+            return self.rooms.await_push(load, load.source)
         fetch = load.source
         assert isinstance(fetch, KvFetch)
         params = fetch.params
@@ -249,135 +239,7 @@ class KvHandoff:
         fetch.released = True
         return await self.peers.release(fetch.params)
 
-    # -- decode-first --------------------------------------------------------------------------
-    def open_room(self, name: str) -> KvRoom:
-        loop = asyncio.get_running_loop()
-        room = KvRoom(name, loop.create_future(), loop.create_future())
-        self._rooms[name] = room
-        return room
-
-    def close_room(self, room: KvRoom) -> None:
-        """The request ended. A room a writer claimed stays open until the writer is done: the
-        engine keeps the blocks of an aborted request until its load ends, so no write lands in
-        blocks given to another request meanwhile."""
-        if not room.allocated.done():
-            room.allocated.cancel()
-        if room.expire() and room.writes_end.is_set():
-            self._rooms.pop(room.name, None)
-
-    def _wait_for_writes(self, room: KvRoom) -> None:
-        """(On the loop.) A claimed room ended without its writer's report: its writes may
-        still land until the writer sees its claim end (it starts none after) and its transfer
-        in flight ends: within the larger of the two sides' transfer timeouts, taken twice (a
-        transfer may be retried once), plus `WRITES_END_MARGIN_S`. The room stays to take a
-        late report; the engine keeps the blocks out of use meanwhile (`KvLoadFailed`)."""
-        assert self._loop is not None
-        bound = 2 * max(self.agent.timeout_s, room.writer_timeout_s) + WRITES_END_MARGIN_S
-        self._loop.call_later(bound, self._writes_ended, room)
-
-    def _writes_ended(self, room: KvRoom) -> None:
-        if not room.writes_end.is_set():
-            room.writes_end.set()
-            self.engine.reclaim_kv_blocks()
-        if self._rooms.get(room.name) is room:
-            del self._rooms[room.name]
-
-    def target(self, room: KvRoom) -> KvTarget:
-        """The room's blocks, for the PrefillRouter to hand a prefill worker (its writer)."""
-        return KvTarget(
-            decode_instance_id=self.runtime.instance_id or 0,
-            claim_endpoint=self.claim_endpoint,
-            notify_endpoint=self.notify_endpoint,
-            room=room.name,
-            block_ids=room.block_ids,
-            first_block=room.first_block,
-            block_size=self.block_size,
-            pool=self.agent.info(),
-        )
-
-    def _await_push(self, load: KvLoad, room: KvRoom) -> list[int]:
-        """Publish the room's blocks, then wait for the writer's report (or the timeout)."""
-        room.block_ids, room.first_block = load.dst_blocks, load.first_block
-        assert self._loop is not None
-
-        def allocated() -> None:
-            if not room.allocated.done():
-                room.allocated.set_result(None)
-
-        self._loop.call_soon_threadsafe(allocated)
-        claimed = not room.done.wait(self.agent.timeout_s) and not room.expire()
-        # Claimed: the prefill worker computes and writes, then reports (or its claim ends).
-        if claimed and not room.done.wait(CLAIMED_TIMEOUT_S) and room.end(False, []):
-            log.warning("room %s: no report after %.0fs", room.name, CLAIMED_TIMEOUT_S)
-            self._loop.call_soon_threadsafe(self._wait_for_writes, room)
-        if room.writes_end.is_set():
-            self._loop.call_soon_threadsafe(self._writes_ended, room)  # forget it
-        if not room.ok:
-            raise KvLoadFailed(
-                f"room {room.name}: the prompt's KV was not written",
-                room.token_ids,
-                room.writes_end,
-            )
-        self.cache.stage_in(load.dst_blocks)
-        return room.token_ids
-
-    async def kv_claim(
-        self, request: Any, context: Context
-    ) -> AsyncIterator[dict[str, bool | float]]:
-        """Endpoint: a prefill worker claims `room` before its first write. Accepted, the stream
-        stays open until the room ends, which a report or the claim's end aside is at least
-        `wait_s` after the claim (a claim comes before `_await_push`'s first wait ends, and
-        its second lasts CLAIMED_TIMEOUT_S): the writer starts no write after that, even if
-        the end does not reach it. If the caller ends the stream first (it left without a
-        report, or its process or connection went), no write can come any more: the room ends
-        as not written."""
-        if not isinstance(request, dict) or not isinstance(request.get("room"), str):
-            raise ValueError("kv_claim takes {'room': str, 'timeout_s': float}")
-        writer_timeout_s = request.get("timeout_s", 0.0)
-        if not isinstance(writer_timeout_s, int | float) or writer_timeout_s < 0:
-            raise ValueError("kv_claim's timeout_s (the writer's transfer timeout) is seconds")
-        room = self._rooms.get(request["room"])
-        if room is None or not room.claim():
-            yield {"accepted": False}
-            return
-        room.writer_timeout_s = float(writer_timeout_s)
-        yield {"accepted": True, "wait_s": CLAIMED_TIMEOUT_S}
-        stopped = asyncio.ensure_future(context.stopped())
-        try:
-            await asyncio.wait((stopped, room.ended), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-        if room.end(False, []):
-            log.warning("room %s: its writer let go without a report", room.name)
-            self._wait_for_writes(room)
-
-    async def kv_ready(self, request: Any, context: Context) -> dict[str, bool]:
-        """Endpoint: the prefill worker reports that it wrote the KV of `room` (ok) or will
-        not; or the router abandons it (`abandon`: no prefill worker will come, which ends the
-        room unless a writer claimed it)."""
-        if not isinstance(request, dict) or not isinstance(request.get("room"), str):
-            raise ValueError(
-                "kv_ready takes {'room': str, 'ok': bool, 'token_ids': [int]} or "
-                "{'room': str, 'abandon': true}"
-            )
-        name = request["room"]
-        if request.get("abandon"):
-            room = self._rooms.get(name)
-            if room is None or not room.expire():
-                return {"accepted": False}  # its writer will report, or its claim end
-            self._rooms.pop(name, None)
-            return {"accepted": True}
-        if not isinstance(request.get("ok"), bool):  # (a claim goes to kv_claim)
-            raise ValueError("a kv_ready report takes 'ok': bool")
-        room = self._rooms.pop(name, None)
-        if room is None:
-            return {"accepted": False}
-        writes_were_pending = not room.writes_end.is_set()
-        accepted = room.report(request["ok"], [int(t) for t in request.get("token_ids", [])])
-        if writes_were_pending and not accepted:  # a late report: its blocks may be reused
-            self.engine.reclaim_kv_blocks()
-        return {"accepted": accepted}
-
+    # -- decode-first, prefill side -------------------------------------------------------------
     def layer_push(self, handle: str, target: KvTarget) -> LayerPush:
         """The writer of a decode-first prompt's KV (the engine's sink for it if `push_layers`:
         else it writes whole blocks at the end)."""

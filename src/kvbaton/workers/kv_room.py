@@ -1,13 +1,35 @@
-"""A decode-first request's room on the decode worker: the blocks its prompt's KV will be
-written into, and the state of that wait (claimed by a writer, ended, written or not, whether a
-write may still land). `KvHandoff` opens rooms, serves their endpoints and waits in them."""
+"""A decode worker's side of decode-first disaggregation: each request's room (`KvRoom`: the
+blocks its prompt's KV will be written into, and the state of that wait: claimed by a writer,
+ended, written or not, whether a write may still land), and the rooms it has open (`KvRooms`:
+opened and closed with their requests, claimed and reported on through the `kv_claim` and
+`kv_ready` endpoints, waited in by the engine's load). See `kv_handoff` for the invariants."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvbaton.engine.engine import KvCacheView
+from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
+from kvbaton.kv_transfer import KvTransferAgent
+from kvbaton.protocols.llm import KvTarget
+from kvbaton.runtime import Context, DistributedRuntime
+
+log = logging.getLogger(__name__)
+
+# How long a claimed room waits for its writer's report, as a bound for a writer that lives on
+# but never reports: the PrefillRouter's prefill timeout.
+CLAIMED_TIMEOUT_S = 300.0
+WRITES_END_MARGIN_S = 1.0  # for the writer to see its claim end (one hop) and stop
+
+
+class ReclaimingEngine(Protocol):
+    def reclaim_kv_blocks(self) -> None: ...
 
 
 @dataclass
@@ -73,3 +95,164 @@ class KvRoom:
     def _resolve_ended(self) -> None:
         if not self.ended.done():
             self.ended.set_result(None)
+
+
+class KvRooms:
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        engine: ReclaimingEngine,
+        agent: KvTransferAgent,
+        cache: KvCacheView,
+        component_path: str,
+        block_size: int,
+    ) -> None:
+        """`component_path`: "namespace.component" of this worker (its kv_claim and kv_ready
+        endpoints)."""
+        self.runtime = runtime
+        self.engine = engine
+        self.agent = agent
+        self.cache = cache
+        self.claim_endpoint = f"{component_path}.kv_claim"
+        self.notify_endpoint = f"{component_path}.kv_ready"
+        self.block_size = block_size
+        self._rooms: dict[str, KvRoom] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    def close(self) -> None:
+        """End every room (the engine stops: nothing reuses their blocks)."""
+        for room in list(self._rooms.values()):
+            room.end(False, [])
+            room.writes_end.set()
+        self._rooms.clear()
+
+    def open_room(self, name: str) -> KvRoom:
+        loop = asyncio.get_running_loop()
+        room = KvRoom(name, loop.create_future(), loop.create_future())
+        self._rooms[name] = room
+        return room
+
+    def close_room(self, room: KvRoom) -> None:
+        """The request ended. A room a writer claimed stays open until the writer is done: the
+        engine keeps the blocks of an aborted request until its load ends, so no write lands in
+        blocks given to another request meanwhile."""
+        if not room.allocated.done():
+            room.allocated.cancel()
+        if room.expire() and room.writes_end.is_set():
+            self._rooms.pop(room.name, None)
+
+    def _wait_for_writes(self, room: KvRoom) -> None:
+        """(On the loop.) A claimed room ended without its writer's report: its writes may
+        still land until the writer sees its claim end (it starts none after) and its transfer
+        in flight ends: within the larger of the two sides' transfer timeouts, taken twice (a
+        transfer may be retried once), plus `WRITES_END_MARGIN_S`. The room stays to take a
+        late report; the engine keeps the blocks out of use meanwhile (`KvLoadFailed`)."""
+        assert self._loop is not None
+        bound = 2 * max(self.agent.timeout_s, room.writer_timeout_s) + WRITES_END_MARGIN_S
+        self._loop.call_later(bound, self._writes_ended, room)
+
+    def _writes_ended(self, room: KvRoom) -> None:
+        if not room.writes_end.is_set():
+            room.writes_end.set()
+            self.engine.reclaim_kv_blocks()
+        if self._rooms.get(room.name) is room:
+            del self._rooms[room.name]
+
+    def target(self, room: KvRoom) -> KvTarget:
+        """The room's blocks, for the PrefillRouter to hand a prefill worker (its writer)."""
+        return KvTarget(
+            decode_instance_id=self.runtime.instance_id or 0,
+            claim_endpoint=self.claim_endpoint,
+            notify_endpoint=self.notify_endpoint,
+            room=room.name,
+            block_ids=room.block_ids,
+            first_block=room.first_block,
+            block_size=self.block_size,
+            pool=self.agent.info(),
+        )
+
+    def await_push(self, load: KvLoad, room: KvRoom) -> list[int]:
+        """Publish the room's blocks, then wait for the writer's report (or the timeout)."""
+        room.block_ids, room.first_block = load.dst_blocks, load.first_block
+        assert self._loop is not None
+
+        def allocated() -> None:
+            if not room.allocated.done():
+                room.allocated.set_result(None)
+
+        self._loop.call_soon_threadsafe(allocated)
+        claimed = not room.done.wait(self.agent.timeout_s) and not room.expire()
+        # Claimed: the prefill worker computes and writes, then reports (or its claim ends).
+        if claimed and not room.done.wait(CLAIMED_TIMEOUT_S) and room.end(False, []):
+            log.warning("room %s: no report after %.0fs", room.name, CLAIMED_TIMEOUT_S)
+            self._loop.call_soon_threadsafe(self._wait_for_writes, room)
+        if room.writes_end.is_set():
+            self._loop.call_soon_threadsafe(self._writes_ended, room)  # forget it
+        if not room.ok:
+            raise KvLoadFailed(
+                f"room {room.name}: the prompt's KV was not written",
+                room.token_ids,
+                room.writes_end,
+            )
+        self.cache.stage_in(load.dst_blocks)
+        return room.token_ids
+
+    async def kv_claim(
+        self, request: Any, context: Context
+    ) -> AsyncIterator[dict[str, bool | float]]:
+        """Endpoint: a prefill worker claims `room` before its first write. Accepted, the stream
+        stays open until the room ends, which a report or the claim's end aside is at least
+        `wait_s` after the claim (a claim comes before `await_push`'s first wait ends, and
+        its second lasts CLAIMED_TIMEOUT_S): the writer starts no write after that, even if
+        the end does not reach it. If the caller ends the stream first (it left without a
+        report, or its process or connection went), no write can come any more: the room ends
+        as not written."""
+        if not isinstance(request, dict) or not isinstance(request.get("room"), str):
+            raise ValueError("kv_claim takes {'room': str, 'timeout_s': float}")
+        writer_timeout_s = request.get("timeout_s", 0.0)
+        if not isinstance(writer_timeout_s, int | float) or writer_timeout_s < 0:
+            raise ValueError("kv_claim's timeout_s (the writer's transfer timeout) is seconds")
+        room = self._rooms.get(request["room"])
+        if room is None or not room.claim():
+            yield {"accepted": False}
+            return
+        room.writer_timeout_s = float(writer_timeout_s)
+        yield {"accepted": True, "wait_s": CLAIMED_TIMEOUT_S}
+        stopped = asyncio.ensure_future(context.stopped())
+        try:
+            await asyncio.wait((stopped, room.ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if room.end(False, []):
+            log.warning("room %s: its writer let go without a report", room.name)
+            self._wait_for_writes(room)
+
+    async def kv_ready(self, request: Any, context: Context) -> dict[str, bool]:
+        """Endpoint: the prefill worker reports that it wrote the KV of `room` (ok) or will
+        not; or the router abandons it (`abandon`: no prefill worker will come, which ends the
+        room unless a writer claimed it)."""
+        if not isinstance(request, dict) or not isinstance(request.get("room"), str):
+            raise ValueError(
+                "kv_ready takes {'room': str, 'ok': bool, 'token_ids': [int]} or "
+                "{'room': str, 'abandon': true}"
+            )
+        name = request["room"]
+        if request.get("abandon"):
+            room = self._rooms.get(name)
+            if room is None or not room.expire():
+                return {"accepted": False}  # its writer will report, or its claim end
+            self._rooms.pop(name, None)
+            return {"accepted": True}
+        if not isinstance(request.get("ok"), bool):  # (a claim goes to kv_claim)
+            raise ValueError("a kv_ready report takes 'ok': bool")
+        room = self._rooms.pop(name, None)
+        if room is None:
+            return {"accepted": False}
+        writes_were_pending = not room.writes_end.is_set()
+        accepted = room.report(request["ok"], [int(t) for t in request.get("token_ids", [])])
+        if writes_were_pending and not accepted:  # a late report: its blocks may be reused
+            self.engine.reclaim_kv_blocks()
+        return {"accepted": accepted}

@@ -133,7 +133,7 @@ class LLMWorker:
         fetch = self._fetch(request)
         room = None
         if request.bootstrap and self.handoff is not None and self.role != "prefill":
-            room = self.handoff.open_room(engine_id)
+            room = self.handoff.rooms.open_room(engine_id)
         pusher = claim = outputs = stream = None
         if request.kv_target is not None and self.handoff is not None:
             pusher = self.handoff.layer_push(engine_id, request.kv_target)
@@ -212,7 +212,7 @@ class LLMWorker:
             await claim.report(False, [])
         if room is not None:
             assert self.handoff is not None
-            self.handoff.close_room(room)
+            self.handoff.rooms.close_room(room)
         if fetch is not None and self.handoff is not None:
             await self.handoff.release_remote(fetch)
 
@@ -228,7 +228,7 @@ class LLMWorker:
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if room.allocated.done() and not room.allocated.cancelled():
                 yield EngineOutput(
-                    request_id=room.name, token_ids=[], kv_target=self.handoff.target(room)
+                    request_id=room.name, token_ids=[], kv_target=self.handoff.rooms.target(room)
                 )
             yield await first
         finally:
@@ -341,8 +341,8 @@ class LLMWorker:
                     serving.append(endpoint("kv_release").serve_endpoint(self.handoff.kv_release))
                 else:
                     serving += [
-                        endpoint("kv_claim").serve_endpoint(self.handoff.kv_claim),
-                        endpoint("kv_ready").serve_endpoint(self.handoff.kv_ready),
+                        endpoint("kv_claim").serve_endpoint(self.handoff.rooms.kv_claim),
+                        endpoint("kv_ready").serve_endpoint(self.handoff.rooms.kv_ready),
                     ]
             if self.kv_events is not None:
                 assert kv_stream is not None
