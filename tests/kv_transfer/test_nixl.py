@@ -221,7 +221,7 @@ def test_auto_picks_nixl_when_both_sides_have_it(peer: Peer) -> None:
     try:
         assert agent.info().nixl_metadata and agent.info().tcp_address
         assert agent.choose(peer.info) == "nixl"
-        assert agent.linger_s(peer.info) == agent.timeout_s  # NIXL may finish what timed out
+        assert agent.linger_s(peer.info, "read") == agent.timeout_s  # NIXL may finish it
         assert agent.read(peer.info, SRC, DST) == "nixl"
         np.testing.assert_array_equal(blocks_of(agent)[DST], pool_bytes(PEER_SEED)[SRC])
         # A peer without NIXL: auto falls back (its pool is not shared, so TCP).

@@ -44,13 +44,24 @@ def _recv_answer(sock: socket.socket) -> tcp.TransferAnswer:
     return msgspec.msgpack.decode(sock.recv(size, socket.MSG_WAITALL), type=tcp.TransferAnswer)
 
 
-def test_the_server_stops_taking_a_trickled_write_at_its_deadline(pool: KvPool) -> None:
-    server = tcp.KvTransferServer(pool, "127.0.0.1", TIMEOUT_S)
+@pytest.mark.parametrize(
+    "server_timeout_s, client_left_s",
+    [(TIMEOUT_S, None), (30.0, TIMEOUT_S)],
+    ids=["its-own-timeout", "the-clients-time-left"],
+)
+def test_the_server_stops_taking_a_trickled_write_at_its_deadline(
+    pool: KvPool, server_timeout_s: float, client_left_s: float | None
+) -> None:
+    """The deadline is the server's own timeout, or sooner the time the client had left: a
+    writer that gave up (and told the decode worker its blocks are free) lands no more bytes
+    after its own timeout, whatever the server's."""
+    server = tcp.KvTransferServer(pool, "127.0.0.1", server_timeout_s)
     host, _, port = server.address.rpartition(":")
     sock = socket.create_connection((host, int(port)))
     sent = 0
+    request = tcp.TransferRequest(op="write", layout=LAYOUT, blocks=[5], timeout_s=client_left_s)
     try:
-        _send_header(sock, tcp.TransferRequest(op="write", layout=LAYOUT, blocks=[5]))
+        _send_header(sock, request)
         assert _recv_answer(sock).ok
         with pytest.raises(OSError):  # the server closed the connection
             while sent < BLOCK_BYTES:
@@ -101,3 +112,36 @@ def test_the_client_gives_up_on_a_trickled_read_at_its_deadline(pool: KvPool) ->
         client.close()
         listener.close()
     assert not client._idle, "a connection that timed out is not kept"
+
+
+def test_a_header_sent_to_a_slow_reader_keeps_the_deadline() -> None:
+    """Each send of a large message gets the time left, not the whole timeout again."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        left = socket.create_connection(listener.getsockname()[:2])
+        right, _ = listener.accept()
+    left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * 1024)
+    right.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    got = 0
+    stop = threading.Event()
+
+    def read_slowly() -> None:
+        nonlocal got
+        while not stop.is_set():
+            data = right.recv(16 * 1024)
+            if not data:
+                return
+            got += len(data)
+            time.sleep(TRICKLE_S)
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
+    message = bytes(4 << 20)  # 2.5 s at 16 KB per 10 ms
+    try:
+        with pytest.raises(TimeoutError, match=f"not done after {TIMEOUT_S:g}s"):
+            tcp._Timed(left, TIMEOUT_S, "a header").sendall(message)
+        assert got < len(message)
+    finally:
+        stop.set()
+        left.close()
+        reader.join()
+        right.close()

@@ -77,7 +77,7 @@ async def test_a_read_that_timed_out_keeps_its_blocks_out_while_it_may_land(
 
     handoff.peers = FakePeers(held=True)  # type: ignore[assignment]
     handoff.agent.read = read  # type: ignore[method-assign]
-    handoff.agent.linger_s = lambda pool: linger_s  # type: ignore[method-assign]
+    handoff.agent.linger_s = lambda pool, op: linger_s  # type: ignore[method-assign]
     started = time.monotonic()
     with pytest.raises((KvLoadFailed, TimeoutError), match="not done after 30s") as failed:
         await asyncio.to_thread(handoff.load, KvLoad("r", fetch(), 0, [1, 2]))

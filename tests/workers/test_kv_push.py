@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -58,7 +59,8 @@ class FakeAgent:
             self.writes.append((src, dst, layers))
         return "fake"
 
-    def linger_s(self, peer: KvPoolInfo) -> float:
+    def linger_s(self, peer: KvPoolInfo, op: str) -> float:
+        assert op == "write"
         return self.linger
 
 
@@ -195,12 +197,13 @@ def test_a_failed_write_fails_the_push_and_ends_its_writes(
     assert not agent.writes
 
 
-@pytest.mark.parametrize("error", [TimeoutError, ConnectionError])
-def test_a_write_that_timed_out_may_land_for_the_agents_linger(
+@pytest.mark.parametrize("error", [TimeoutError, ConnectionError, ValueError])
+def test_a_write_that_failed_may_land_for_the_agents_linger(
     writers: concurrent.futures.ThreadPoolExecutor, error: type[Exception]
 ) -> None:
-    """Over NIXL a timed-out write may still land: the push says for how long (its report to
-    the decode worker waits for that); a write that failed otherwise has ended."""
+    """A write that timed out or broke off may still land (over NIXL, or a TCP write the
+    peer's server takes): the push says for how long, for its report to the decode worker; one
+    refused before it began (a bad request) has ended."""
     agent = FakeAgent()
     agent.fail, agent.linger = error, 30.0
     p = push(agent, writers, DST)
@@ -208,7 +211,20 @@ def test_a_write_that_timed_out_may_land_for_the_agents_linger(
     with pytest.raises(error):
         p.finish(PROMPT)
     left = p.linger_left()
-    assert 20.0 < left <= 30.0 if error is TimeoutError else left == 0.0
+    assert 20.0 < left <= 30.0 if issubclass(error, OSError) else left == 0.0
+
+
+def test_no_write_starts_after_the_claims_wait_ran_out(
+    writers: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    """`write_until` holds in the writer's thread itself, whatever the event loop does."""
+    agent = FakeAgent()
+    p = push(agent, writers, DST)
+    p.write_until = time.monotonic() - 1.0
+    compute(p, PromptChunk(0, 10, 0, PROMPT))
+    with pytest.raises(ConnectionError, match="may no longer wait"):
+        p.finish(PROMPT)
+    assert not agent.writes and not agent.started.is_set()
 
 
 def test_nothing_is_written_after_stop(writers: concurrent.futures.ThreadPoolExecutor) -> None:

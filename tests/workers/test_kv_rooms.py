@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
-from kvbaton.protocols.llm import EngineOutput
 from kvbaton.runtime import Context
 from kvbaton.workers import kv_room
 from kvbaton.workers.kv_handoff import KvHandoff
@@ -221,13 +220,19 @@ class FakePeers:
         assert timeout_s == 2.5  # the writer's transfer timeout
         return self.stream, self.wait_s
 
-    async def kv_ready(self, target: object, ok: bool, token_ids: list[int]) -> None:
-        self.calls.append(f"report {ok} {token_ids}")
+    async def kv_ready(
+        self, target: object, ok: bool, token_ids: list[int], linger_s: float
+    ) -> None:
+        self.calls.append(f"report {ok} {token_ids}" + (f" {linger_s:g}" if linger_s else ""))
 
 
-def writer_claim(wait_s: float = 300.0) -> tuple[RoomClaim, FakePeers, list[bool]]:
+def writer_claim(
+    wait_s: float = 300.0, linger_s: float = 0.0
+) -> tuple[RoomClaim, FakePeers, list[bool]]:
     peers, told = FakePeers(wait_s), []
-    pusher = SimpleNamespace(claimed=told.append, agent=SimpleNamespace(timeout_s=2.5))
+    pusher = SimpleNamespace(
+        claimed=told.append, agent=SimpleNamespace(timeout_s=2.5), linger_left=lambda: linger_s
+    )
     target = SimpleNamespace(room="r")
     return RoomClaim(peers, target, pusher), peers, told  # type: ignore[arg-type]
 
@@ -267,29 +272,52 @@ async def test_a_writer_stops_writing_once_the_wait_the_decode_worker_promised_r
     assert peers.calls == ["report False []", "let go"]
 
 
-async def test_a_writer_whose_write_timed_out_reports_once_it_can_no_longer_land(
-    handoff: KvHandoff,
+async def test_a_writers_report_says_how_long_a_failed_write_may_still_land() -> None:
+    made, peers, _ = writer_claim(linger_s=0.3)
+    assert await made.accepted()
+    await made.report(False, [])
+    assert peers.calls == ["report False [] 0.3", "let go"]
+
+
+async def test_a_report_with_a_linger_keeps_the_blocks_out_that_long(handoff: KvHandoff) -> None:
+    """A writer reports that a failed write may still land for a while (NIXL, or a TCP write
+    the decode worker's own server takes): the request goes on in other blocks at once, and
+    its blocks come back only after that."""
+    _, load = await admitted(handoff, "r")
+    assert (await claim(handoff, "r")).accepted
+    reported = time.monotonic()
+    assert await call(handoff, room="r", ok=False, token_ids=[42], linger_s=0.3)
+    with pytest.raises(KvLoadFailed) as failed:
+        await asyncio.wait_for(load, 2)
+    assert failed.value.token_ids == [42]
+    writes_end = failed.value.writes_end
+    assert writes_end is not None and not writes_end.is_set()
+    assert await asyncio.to_thread(writes_end.wait, 5)
+    (reclaimed,) = handoff.engine.reclaims  # type: ignore[attr-defined]
+    assert reclaimed - reported >= 0.3 - 0.05
+    assert "r" not in handoff.rooms._rooms
+
+
+async def test_of_two_times_writes_may_land_until_the_later_counts(
+    handoff: KvHandoff, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The prefill side of `push`: its report frees the decode worker's blocks, so it waits
-    until a timed-out write (over NIXL) can no longer land in them."""
-    events: list[tuple[str, float]] = []
+    """The claim ended first (its writes may land for twice the timeout plus the margin, 1.1 s
+    here); a late report says a failed write may land for 2 s more: the blocks wait for that."""
+    monkeypatch.setattr(kv_room, "WRITES_END_MARGIN_S", 0.1)
+    _, load = await admitted(handoff, "r")
+    writer = await claim(handoff, "r")
+    writer.let_go()
+    with pytest.raises(KvLoadFailed) as failed:
+        await asyncio.wait_for(load, 2)
+    writes_end = failed.value.writes_end
+    assert writes_end is not None
+    assert not await call(handoff, room="r", ok=False, token_ids=[], linger_s=2.0)  # (late)
+    reported = time.monotonic()
+    assert await asyncio.to_thread(writes_end.wait, 5)
+    (reclaimed,) = handoff.engine.reclaims  # type: ignore[attr-defined]
+    assert reclaimed - reported >= 2.0 - 0.05
 
-    def finish(prompt_blocks: list[int]) -> None:
-        raise TimeoutError("NIXL WRITE of 2 blocks: not done after 30s")
 
-    pusher = SimpleNamespace(finish=finish, stop=lambda: None, linger_left=lambda: 0.3)
-
-    async def accepted() -> bool:
-        return True
-
-    async def report(ok: bool, token_ids: list[int]) -> None:
-        events.append((f"report {ok}", time.monotonic()))
-
-    claim = SimpleNamespace(accepted=accepted, report=report)
-    target = SimpleNamespace(block_size=handoff.block_size, room="r")
-    out = EngineOutput(request_id="h", token_ids=[42], kv_blocks=[1, 2])
-    started = time.monotonic()
-    answer = await handoff.push("h", out, target, claim, pusher)  # type: ignore[arg-type]
-    assert answer.token_ids == [42]
-    ((what, when),) = events
-    assert what == "report False" and when - started >= 0.3
+async def test_a_report_with_a_bad_linger_is_refused(handoff: KvHandoff) -> None:
+    with pytest.raises(ValueError, match="linger_s"):
+        await call(handoff, room="r", ok=False, linger_s=-1)

@@ -1,5 +1,6 @@
-"""A claim is accepted only with the decode worker's promised wait (`wait_s`, the writer's
-bound); a refusal, an acceptance without a wait or no answer closes the stream and gives None."""
+"""A claim is accepted with the decode worker's promised wait (`wait_s`, the writer's bound;
+300 s from one that names none); a refusal, an acceptance with a bad wait or no answer closes
+the stream and gives None."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ TARGET = KvTarget(
     [
         ([{"accepted": True, "wait_s": 300.0}], 300.0),
         ([{"accepted": False}], None),
-        ([{"accepted": True}], None),
+        ([{"accepted": True}], 300.0),  # a decode worker from before wait_s
         ([{"accepted": True, "wait_s": 0}], None),
         ([], None),
     ],

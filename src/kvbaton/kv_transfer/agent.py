@@ -116,13 +116,17 @@ class KvTransferAgent:
             raise ValueError("the peer serves no KV over TCP")
         return "tcp"
 
-    def linger_s(self, peer: KvPoolInfo) -> float:
-        """How long after a transfer with `peer` timed out its bytes may still land: 0 where
-        this process moves them itself (shm, tcp: the copy stopped when the call did);
-        `timeout_s` over NIXL, which cancels the transfer and closes the peer's connection, but
-        whose NIC may still complete a posted RDMA operation until that close has gone
-        through."""
-        return self.timeout_s if self.choose(peer) == "nixl" else 0.0
+    def linger_s(self, peer: KvPoolInfo, op: str) -> float:
+        """How long after a transfer (`op`: "read" or "write") with `peer` failed (timed out or
+        broke off) its bytes may still land: 0 where this process moved them itself (shm, a
+        tcp read: the copy stopped with the call); `timeout_s` where the other side does, for
+        a tcp write (the peer's server takes bytes until the time this side had left when its
+        header arrived) and over NIXL (which cancels the transfer and closes the peer's
+        connection, but whose NIC may still complete a posted RDMA operation until that close
+        has gone through)."""
+        backend = self.choose(peer)
+        lingers = backend == "nixl" or (backend == "tcp" and op == "write")
+        return self.timeout_s if lingers else 0.0
 
     def read(
         self,

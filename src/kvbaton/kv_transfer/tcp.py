@@ -9,8 +9,10 @@ open for the next transfer to the same peer (a connection and a server thread pe
 cost more than moving a short prompt's KV), and retries once on a fresh connection when a kept
 one fails. A transfer (from the client's connect, or the server's first read of its header, to
 its last byte) has one deadline, `timeout_s`: each socket call gets the time left, so a peer
-that trickles bytes cannot stretch it. A bad header closes the connection with an error
-answer."""
+that trickles bytes cannot stretch it. The server's deadline is also at most the time the
+client had left when it sent the header (from when it arrived): a write stops landing in the
+server's pool at most the client's timeout after the client gave up on it. A bad header closes
+the connection with an error answer."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class TransferRequest(msgspec.Struct, kw_only=True):
     blocks: list[int]
     offset: int = 0  # the part of each block moved; length None: from offset to its end
     length: int | None = None
+    timeout_s: float | None = None  # the client's time left as it sent this: the server's too
 
     def span(self, block_bytes: int) -> slice:
         length = block_bytes - self.offset if self.length is None else self.length
@@ -73,7 +76,7 @@ class _Timed:
         self.deadline = (time.monotonic() if started is None else started) + timeout_s
 
     def _call(self, option: int, call: Callable[..., Any], *args: Any) -> Any:
-        left = self.deadline - time.monotonic()
+        left = self.left()
         if left > 0:
             self.sock.setsockopt(socket.SOL_SOCKET, option, _timeval(left))
             try:
@@ -82,8 +85,18 @@ class _Timed:
                 pass
         raise TimeoutError(f"{self.what}: not done after {self.timeout_s:g}s")
 
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def shorten(self, seconds: float) -> None:
+        """The deadline comes at the latest in `seconds`."""
+        self.deadline = min(self.deadline, time.monotonic() + seconds)
+
     def sendall(self, data: bytes) -> None:
-        self._call(socket.SO_SNDTIMEO, self.sock.sendall, data)
+        """(Each send bounded: `socket.sendall` would give each of its sends the time left.)"""
+        view = memoryview(data)
+        while view:
+            view = view[self.sendmsg([view]) :]
 
     def sendmsg(self, buffers: list[memoryview]) -> int:
         sent: int = self._call(socket.SO_SNDTIMEO, self.sock.sendmsg, buffers)
@@ -229,6 +242,8 @@ class KvTransferServer:
                 raise ValueError(f"cannot {request.op!r} blocks of this pool")
             pool.check_blocks(request.blocks)
             span = request.span(pool.block_bytes)
+            if request.timeout_s is not None:  # no bytes land here once the client gave up
+                sock.shorten(request.timeout_s)
         except Exception as exc:
             log.warning("KV transfer refused: %s", exc)
             with contextlib.suppress(OSError):
@@ -272,7 +287,7 @@ class TcpClient:
         the bytes `span` (the same in both pools: their layouts are equal)."""
 
         def read(sock: _Timed) -> None:
-            _send_header(sock, _request("read", layout, src, span))
+            _send_header(sock, _request("read", layout, src, span, sock.left()))
             _expect_ok(sock, address)
             _recv_blocks(sock, blocks, dst, span)
 
@@ -291,7 +306,7 @@ class TcpClient:
         the bytes `span`."""
 
         def write(sock: _Timed) -> None:
-            _send_header(sock, _request("write", layout, dst, span))
+            _send_header(sock, _request("write", layout, dst, span, sock.left()))
             _expect_ok(sock, address)
             _send_blocks(sock, blocks, src, span)
             _expect_ok(sock, address)
@@ -327,11 +342,18 @@ class TcpClient:
                 sock.close()
 
 
-def _request(op: str, layout: str, blocks: list[int], span: slice) -> TransferRequest:
+def _request(
+    op: str, layout: str, blocks: list[int], span: slice, timeout_s: float
+) -> TransferRequest:
     if span == WHOLE:
-        return TransferRequest(op=op, layout=layout, blocks=blocks)
+        return TransferRequest(op=op, layout=layout, blocks=blocks, timeout_s=timeout_s)
     return TransferRequest(
-        op=op, layout=layout, blocks=blocks, offset=span.start, length=span.stop - span.start
+        op=op,
+        layout=layout,
+        blocks=blocks,
+        offset=span.start,
+        length=span.stop - span.start,
+        timeout_s=timeout_s,
     )
 
 

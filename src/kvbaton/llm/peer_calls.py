@@ -17,6 +17,10 @@ from kvbaton.runtime import Client, DistributedRuntime, ResponseStream
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 5.0
+# How long a decode worker waits for the report on a claimed room (at least, from the claim), as
+# a bound for a writer that lives on but never reports: the PrefillRouter's prefill timeout. An
+# acceptance that names no wait (`wait_s`, from kvbaton before it) means this.
+CLAIMED_TIMEOUT_S = 300.0
 
 
 class PeerCalls:
@@ -48,7 +52,7 @@ class PeerCalls:
             stream = client.direct(request, target.decode_instance_id)
             answer = await asyncio.wait_for(anext(stream), CALL_TIMEOUT_S)
             if isinstance(answer, dict) and answer.get("accepted") is True:
-                wait_s = answer.get("wait_s")
+                wait_s = answer.get("wait_s", CLAIMED_TIMEOUT_S)
                 if not isinstance(wait_s, int | float) or wait_s <= 0:
                     raise ValueError(f"its acceptance says no wait (wait_s={wait_s!r})")
                 accepted = (stream, float(wait_s))
@@ -59,10 +63,13 @@ class PeerCalls:
                 await stream.aclose()
         return accepted
 
-    async def kv_ready(self, target: KvTarget, ok: bool, token_ids: list[int]) -> None:
+    async def kv_ready(
+        self, target: KvTarget, ok: bool, token_ids: list[int], linger_s: float = 0.0
+    ) -> None:
         """The decode worker's blocks of `target` hold the prompt's KV (`ok`), or will not;
-        `token_ids`: sampled by the prefill worker (the first token)."""
-        request = {"room": target.room, "ok": ok, "token_ids": token_ids}
+        `token_ids`: sampled by the prefill worker (the first token); `linger_s`: a write that
+        failed may still land in them for this long."""
+        request = {"room": target.room, "ok": ok, "token_ids": token_ids, "linger_s": linger_s}
         await self._call(target.notify_endpoint, target.decode_instance_id, request)
 
     async def abandon(self, target: KvTarget) -> None:

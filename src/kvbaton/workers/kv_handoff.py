@@ -13,7 +13,9 @@ report or the claim's end (`KvRooms`, in kv_room.py).
 Invariants: held blocks are released exactly once, by a `kv_release` call or, if none comes,
 after `hold_timeout_s`; a decode worker sends one release per request it was given params for
 (after its read, or when the request ends without one), and keeps what it read only if the
-answer says the blocks were held until then (else it prefills the prompt itself); a room ends
+answer says the blocks were held until then (else it prefills the prompt itself), and keeps the
+blocks of a read that failed out of use while it may still land (`KvTransferAgent.linger_s`,
+NIXL); a room ends
 exactly once, and a claimed one only by its writer's report, the end of its writer's claim (the
 writer left, or its process or connection went) or the long timeout, never by the router's
 abandon; its blocks are neither freed nor computed into here while a write may still land in
@@ -22,8 +24,9 @@ then, if writes may still land, quarantines them while the request goes on in ot
 a room that ended refuses a claim; a prefill worker writes only into a room it claimed, starts
 no write later than the wait the decode worker promised (counted from before it sent the claim,
 so even when no word of the room's end reaches it), and reports (`kv_ready`) on every
-decode-first request its engine took, once its writes have ended, before it lets go of the
-claim (one its engine refused never claims: the router abandons it)."""
+decode-first request its engine took, once no write runs or starts (saying how long one that
+failed may still land), before it lets go of the claim (one its engine refused never claims:
+the router abandons it)."""
 
 from __future__ import annotations
 
@@ -190,7 +193,7 @@ class KvHandoff:
             )
         except BaseException as exc:
             asyncio.run_coroutine_threadsafe(self.release_remote(fetch), self._loop)
-            linger_s = self.agent.linger_s(params.pool) if isinstance(exc, TimeoutError) else 0
+            linger_s = self.agent.linger_s(params.pool, "read") if isinstance(exc, OSError) else 0
             if linger_s:  # the read may still land in our blocks: keep them out of use
                 raise KvLoadFailed(
                     f"request {load.request_id}: {exc}", writes_end=self._ends_in(linger_s)
@@ -279,7 +282,6 @@ class KvHandoff:
                 self.engine.release_kv(handle)
         else:  # it stopped at its first token: no KV is wanted
             await asyncio.to_thread(pusher.stop)
-        await asyncio.sleep(pusher.linger_left())  # a timed-out write may still land
         await claim.report(ok, out.token_ids)
         return EngineOutput(
             request_id=out.request_id,

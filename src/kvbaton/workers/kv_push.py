@@ -15,8 +15,9 @@ since a write may have read a block after its reuse) and reports whether all wen
 Invariants: nothing is written before the room is claimed, and no write starts once the
 decode worker ended the claim (`claimed(False)`); one push's writes run one at a time, in the
 order the layers were computed; once `finish` or `stop` returns, none of its writes runs or
-starts, and none lands after `linger_left()` more seconds (a write that timed out over NIXL may
-still complete meanwhile); the engine's thread never waits on a write."""
+starts, and none lands after `linger_left()` more seconds (a write that failed may still
+complete meanwhile, over NIXL or TCP); no write starts after `write_until`; the engine's thread
+never waits on a write."""
 
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ class LayerPush:
         self._redo_all = False  # a chunk was computed again: write every block whole at the end
         self._streamed: dict[int, int] = {}  # prompt block index -> block id written, all layers
         self.writes = 0  # transfers made while the prompt was computed
-        self._lingers_until = 0.0  # (monotonic) a timed-out write may land until then
+        self._lingers_until = 0.0  # (monotonic) a write that failed may land until then
+        self.write_until = float("inf")  # (monotonic) no write starts after (`RoomClaim`)
 
     # -- the engine's thread -------------------------------------------------------------------
     def layer_written(self, chunk: PromptChunk, layer: int) -> None:
@@ -146,16 +148,18 @@ class LayerPush:
                     self._streamed[job.chunk.first_block + k] = block
 
     def _transfer(self, src: list[int], dst: list[int], layers: tuple[int, int] | None) -> str:
+        if time.monotonic() >= self.write_until:
+            raise ConnectionError(f"the decode worker may no longer wait in {self.target.room}")
         try:
             return self.agent.write(self.target.pool, src, dst, layers)
-        except TimeoutError:
-            linger_s = self.agent.linger_s(self.target.pool)
+        except OSError:
+            linger_s = self.agent.linger_s(self.target.pool, "write")
             with self._cond:
                 self._lingers_until = max(self._lingers_until, time.monotonic() + linger_s)
             raise
 
     def linger_left(self) -> float:
-        """Seconds until no write that timed out can land any more (0 if none did)."""
+        """Seconds until no write that failed can land any more (0 if none did)."""
         with self._cond:
             return max(0.0, self._lingers_until - time.monotonic())
 
@@ -247,18 +251,21 @@ class RoomClaim:
     def __init__(self, peers: PeerCalls, target: KvTarget, pusher: LayerPush) -> None:
         self.peers = peers
         self.target = target
+        self.pusher = pusher
         self.reported = False
         self._stream: ResponseStream | None = None
         self._watch: asyncio.Task[None] | None = None
         self._task = asyncio.create_task(self._claim(pusher))
 
     async def _claim(self, pusher: LayerPush) -> bool:
-        sent = asyncio.get_running_loop().time()
+        sent, sent_loop = time.monotonic(), asyncio.get_running_loop().time()
         claim = await self.peers.claim(self.target, pusher.agent.timeout_s)
-        pusher.claimed(claim is not None)
         if claim is not None:
             self._stream, wait_s = claim
-            self._watch = asyncio.create_task(self._watch_end(self._stream, pusher, sent + wait_s))
+            pusher.write_until = sent + wait_s  # checked as each write starts
+            until = sent_loop + wait_s
+            self._watch = asyncio.create_task(self._watch_end(self._stream, pusher, until))
+        pusher.claimed(claim is not None)
         return claim is not None
 
     async def _watch_end(self, stream: ResponseStream, pusher: LayerPush, until: float) -> None:
@@ -285,15 +292,16 @@ class RoomClaim:
         self._task.cancel()
 
     async def report(self, ok: bool, token_ids: list[int]) -> None:
-        """Once our writes have ended (a later call does nothing): the decode worker's blocks
-        hold the prompt's KV (`ok`), or will not; `token_ids`: the first token."""
+        """Once no write runs or starts (a later call does nothing): the decode worker's blocks
+        hold the prompt's KV (`ok`), or will not; `token_ids`: the first token. With it goes how
+        long a write that failed may still land in them (`LayerPush.linger_left`)."""
         if self.reported:
             return
         self.reported = True
         self.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         try:
-            await self.peers.kv_ready(self.target, ok, token_ids)
+            await self.peers.kv_ready(self.target, ok, token_ids, self.pusher.linger_left())
         finally:  # only now: the claim's end before the report reads as our writer's loss
             if self._watch is not None:
                 self._watch.cancel()

@@ -17,14 +17,12 @@ from typing import Any, Protocol
 from kvbaton.engine.engine import KvCacheView
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.kv_transfer import KvTransferAgent
+from kvbaton.llm.peer_calls import CLAIMED_TIMEOUT_S
 from kvbaton.protocols.llm import KvTarget
 from kvbaton.runtime import Context, DistributedRuntime
 
 log = logging.getLogger(__name__)
 
-# How long a claimed room waits for its writer's report, as a bound for a writer that lives on
-# but never reports: the PrefillRouter's prefill timeout.
-CLAIMED_TIMEOUT_S = 300.0
 WRITES_END_MARGIN_S = 1.0  # for the writer to see its claim end (one hop) and stop
 
 
@@ -48,6 +46,7 @@ class KvRoom:
     first_block: int = 0
     done: threading.Event = field(default_factory=threading.Event)
     writes_end: threading.Event = field(default_factory=threading.Event)
+    writes_end_at: float = 0.0  # (loop time) when `writes_end` is due, if a timer will set it
     claimed: bool = False
     writer_timeout_s: float = 0.0  # its transfers' timeout, as its claim said
     ok: bool = False
@@ -148,16 +147,29 @@ class KvRooms:
         """(On the loop.) A claimed room ended without its writer's report: its writes may
         still land until the writer sees its claim end (it starts none after) and its transfer
         in flight ends: within the larger of the two sides' transfer timeouts, taken twice (a
-        transfer may be retried once), plus `WRITES_END_MARGIN_S`. The room stays to take a
-        late report; the engine keeps the blocks out of use meanwhile (`KvLoadFailed`)."""
-        assert self._loop is not None
+        transfer may be retried once, or linger as long after it failed), plus
+        `WRITES_END_MARGIN_S`. The room stays to take a late report; the engine keeps the
+        blocks out of use meanwhile (`KvLoadFailed`)."""
         bound = 2 * max(self.agent.timeout_s, room.writer_timeout_s) + WRITES_END_MARGIN_S
-        self._loop.call_later(bound, self._writes_ended, room)
+        self._writes_end_in(room, bound)
 
-    def _writes_ended(self, room: KvRoom) -> None:
+    def _writes_end_in(self, room: KvRoom, seconds: float) -> None:
+        """(On the loop.) Set the room's `writes_end` in `seconds`, or later if a later time
+        is due already (a report without a linger sets it at once)."""
+        assert self._loop is not None
+        at = self._loop.time() + seconds
+        room.writes_end_at = max(room.writes_end_at, at)
+        self._loop.call_at(at, self._writes_ended, room, at)
+
+    def _writes_ended(self, room: KvRoom, at: float) -> None:
+        if at < room.writes_end_at:
+            return  # a later time is due: its own timer sets it
         if not room.writes_end.is_set():
             room.writes_end.set()
             self.engine.reclaim_kv_blocks()
+        self._forget(room)
+
+    def _forget(self, room: KvRoom) -> None:
         if self._rooms.get(room.name) is room:
             del self._rooms[room.name]
 
@@ -190,7 +202,7 @@ class KvRooms:
             log.warning("room %s: no report after %.0fs", room.name, CLAIMED_TIMEOUT_S)
             self._loop.call_soon_threadsafe(self._wait_for_writes, room)
         if room.writes_end.is_set():
-            self._loop.call_soon_threadsafe(self._writes_ended, room)  # forget it
+            self._loop.call_soon_threadsafe(self._forget, room)
         if not room.ok:
             raise KvLoadFailed(
                 f"room {room.name}: the prompt's KV was not written",
@@ -209,7 +221,8 @@ class KvRooms:
         its second lasts CLAIMED_TIMEOUT_S): the writer starts no write after that, even if
         the end does not reach it. If the caller ends the stream first (it left without a
         report, or its process or connection went), no write can come any more: the room ends
-        as not written."""
+        as not written. (Not covered: a claim's end that only this side sees, a connection
+        reset at this end alone; the writer may then write until `wait_s` has passed.)"""
         if not isinstance(request, dict) or not isinstance(request.get("room"), str):
             raise ValueError("kv_claim takes {'room': str, 'timeout_s': float}")
         writer_timeout_s = request.get("timeout_s", 0.0)
@@ -232,12 +245,13 @@ class KvRooms:
 
     async def kv_ready(self, request: Any, context: Context) -> dict[str, bool]:
         """Endpoint: the prefill worker reports that it wrote the KV of `room` (ok) or will
-        not; or the router abandons it (`abandon`: no prefill worker will come, which ends the
-        room unless a writer claimed it)."""
+        not, and that its writes have ended, or will have in `linger_s` (a write that failed
+        may still land until then); or the router abandons it (`abandon`: no prefill worker
+        will come, which ends the room unless a writer claimed it)."""
         if not isinstance(request, dict) or not isinstance(request.get("room"), str):
             raise ValueError(
-                "kv_ready takes {'room': str, 'ok': bool, 'token_ids': [int]} or "
-                "{'room': str, 'abandon': true}"
+                "kv_ready takes {'room': str, 'ok': bool, 'token_ids': [int], 'linger_s': float}"
+                " or {'room': str, 'abandon': true}"
             )
         name = request["room"]
         if request.get("abandon"):
@@ -248,11 +262,19 @@ class KvRooms:
             return {"accepted": True}
         if not isinstance(request.get("ok"), bool):  # (a claim goes to kv_claim)
             raise ValueError("a kv_ready report takes 'ok': bool")
+        linger_s = request.get("linger_s", 0.0)
+        if not isinstance(linger_s, int | float) or linger_s < 0:
+            raise ValueError("a kv_ready report's linger_s is seconds")
         room = self._rooms.pop(name, None)
         if room is None:
             return {"accepted": False}
+        token_ids = [int(t) for t in request.get("token_ids", [])]
         writes_were_pending = not room.writes_end.is_set()
-        accepted = room.report(request["ok"], [int(t) for t in request.get("token_ids", [])])
+        if linger_s > 0 and writes_were_pending:  # not written, and writes may still land
+            accepted = room.end(False, token_ids)
+            self._writes_end_in(room, float(linger_s))
+            return {"accepted": accepted}
+        accepted = room.report(request["ok"], token_ids)
         if writes_were_pending and not accepted:  # a late report: its blocks may be reused
             self.engine.reclaim_kv_blocks()
         return {"accepted": accepted}
