@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from kvbaton.engine import AsyncEngine, EngineConfig, SamplingParams
+from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from tests.engine.conftest import TEST_DEVICE
 from tests.engine.test_model_vs_hf import hf_greedy, prompts
 from tests.helpers import wait_until
@@ -70,3 +72,29 @@ async def test_bad_requests_fail_at_once(engine: AsyncEngine) -> None:
         await engine.add_request("bad", [], SamplingParams())
     with pytest.raises(ValueError, match="max_tokens"):
         await engine.add_request("bad", [5], SamplingParams(max_tokens=0))
+
+
+async def test_every_loading_request_starts_its_load_at_once(engine: AsyncEngine) -> None:
+    """A decode-first load waits in its room until the prefill worker wrote the KV (seconds,
+    minutes if it queues there), and a room is announced only once its load started: loads
+    must not wait for each other's threads, or the prefill worker sees a handful at a time."""
+    started: list[str] = []
+    written = threading.Event()
+
+    def wait_in_room(load: KvLoad) -> list[int] | None:
+        started.append(load.request_id)
+        assert written.wait(10)
+        raise KvLoadFailed("not written here: prefill it")
+
+    engine.kv_loader = wait_in_room
+    params = SamplingParams(max_tokens=2, temperature=0)
+    streams = [
+        await engine.add_request(f"r{i}", [5 + i, 6, 7], params, kv_source=f"room-{i}")
+        for i in range(12)  # three times as many as the engine had load threads
+    ]
+    try:
+        await wait_until(lambda: len(started) == 12, 10, "every load started")
+    finally:
+        written.set()
+    for stream in streams:
+        assert len([t async for out in stream for t in out.token_ids]) == 2

@@ -11,13 +11,17 @@ import threading
 import time
 from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 import pytest
 
 from kvbaton.engine.engine import KvCacheView
 from kvbaton.engine.sequence import PromptChunk
 from kvbaton.protocols.llm import KvPoolInfo, KvTarget
+from kvbaton.workers.kv_handoff import KvHandoff
 from kvbaton.workers.kv_push import LayerPush
+from tests.helpers import wait_until
+from tests.workers.fakes import POOL
 
 pytestmark = pytest.mark.unit
 
@@ -336,3 +340,39 @@ def test_a_prompt_the_target_does_not_fit_is_refused(
     p = push(agent, writers, [*DST, 12])
     with pytest.raises(ValueError, match="do not fit"):
         p.finish(PROMPT)
+
+
+async def test_a_write_stalled_on_one_decode_worker_holds_up_no_other_push(
+    handoff: KvHandoff,
+) -> None:
+    """A hung decode worker keeps each write to it for up to the transfer timeout: pushes to
+    another decode worker go on meanwhile, however many are stalled (one writer each)."""
+    stalled = threading.Event()
+    written: list[str] = []
+
+    def write(pool: KvPoolInfo, src: list[int], dst: list[int], layers: object = None) -> str:
+        if pool.host == "hung":
+            assert stalled.wait(10)
+        written.append(pool.host)
+        return "fake"
+
+    handoff.agent.write = write  # type: ignore[attr-defined]
+
+    def started_push(host: str, handle: str) -> LayerPush:
+        made = handoff.layer_push(
+            handle,
+            msgspec.structs.replace(target([2]), pool=msgspec.structs.replace(POOL, host=host)),
+        )
+        made.claimed(True)
+        made.layer_written(PromptChunk(0, BLOCK, 0, [5]), 0)
+        return made
+
+    hung = [started_push("hung", f"h{i}") for i in range(8)]
+    started_push("fine", "f")
+    try:
+        await wait_until(lambda: "fine" in written, 5, "the other decode worker's write")
+    finally:
+        stalled.set()
+    for made in hung:
+        made.stop()
+    assert written.count("hung") == 8

@@ -110,6 +110,7 @@ async def _handoff(
         engine.block_size,
         args.kv_hold_timeout,
         args.kv_push,
+        engine.engine.config.max_num_seqs,
     )
     engine.kv_loader = handoff.load
     return handoff

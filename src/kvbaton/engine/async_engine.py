@@ -9,10 +9,12 @@ the request, which frees its blocks before the next step.
 
 Disaggregation: a held request's stream ends with the output that names its blocks
 (`kv_blocks`); `release_kv` frees them. A request with a `kv_source` is loaded by the
-`kv_loader` (blocking; run on a thread of a small pool, which must end every call, by return
-or exception, within its own timeout). It returns the tokens sampled at the source that the
-request did not come with (decode-first: the first token); an exception makes the request
-compute its prompt here (after the tokens of a `KvLoadFailed`; in other blocks while its
+`kv_loader` (blocking; each on a thread of its own at once: a pool of `max_num_seqs` threads,
+as many as the requests that may be loading, since a decode-first load waits until the prefill
+worker wrote the KV, and its blocks are announced only once it started; it must end every call,
+by return or exception, within its own timeout). It returns the tokens sampled at the source
+that the request did not come with (decode-first: the first token); an exception makes the
+request compute its prompt here (after the tokens of a `KvLoadFailed`; in other blocks while its
 `writes_end` is not set, which `reclaim_kv_blocks` then frees once it is).
 """
 
@@ -85,7 +87,6 @@ class _Abort:
 
 
 _Message = _Add | _Abort | _Call | _Loaded | _Release | _Reclaim
-LOAD_THREADS = 4
 IDLE_POLL_S = 0.5  # a step that ran nothing waits this long for a message, at most
 
 
@@ -295,7 +296,7 @@ class AsyncEngine:
                 continue
             if self._loads is None:
                 self._loads = concurrent.futures.ThreadPoolExecutor(
-                    LOAD_THREADS, thread_name_prefix="kvbaton-kv-load"
+                    self.engine.config.max_num_seqs, thread_name_prefix="kvbaton-kv-load"
                 )
             future = self._loads.submit(self.kv_loader, load)
             future.add_done_callback(functools.partial(self._loaded, load.request_id))

@@ -36,6 +36,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HOLD_TIMEOUT_S = 30.0
 PUSH_MODES = ("layers", "blocks")
-PUSH_THREADS = 4  # writers of decode-first pushes in flight at once
+DEFAULT_MAX_PUSHES = 64  # the engine's default max_num_seqs
 
 
 class HoldingEngine(ReclaimingEngine, Protocol):
@@ -78,11 +79,16 @@ class KvHandoff:
         block_size: int,
         hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S,
         push: str = "layers",
+        max_pushes: int = DEFAULT_MAX_PUSHES,
     ) -> None:
         """`cache`: the engine's, whose blocks the agent's pool holds (or mirrors);
         `component_path`: "namespace.component" of this worker (its kv_release, kv_claim and
         kv_ready endpoints); `push`: how a prefill worker writes decode-first KV ("layers": as the
-        engine computes each layer; "blocks": whole blocks once the prompt is computed)."""
+        engine computes each layer; "blocks": whole blocks once the prompt is computed);
+        `max_pushes`: how many prompts the engine computes at once (its max_num_seqs), each of
+        whose pushes gets a writer thread of its own and one to wait for its writes in, so
+        that a write stalled on one decode worker (up to the transfer timeout) holds up no
+        other (nor the event loop's default executor)."""
         if hold_timeout_s <= 0:
             raise ValueError("the KV hold timeout must be positive")
         if push not in PUSH_MODES:
@@ -103,7 +109,10 @@ class KvHandoff:
         self.handoff_wait_s = 0.0
         self._count_lock = threading.Lock()
         self._writers = concurrent.futures.ThreadPoolExecutor(
-            PUSH_THREADS, thread_name_prefix="kvbaton-kv-push"
+            max_pushes, thread_name_prefix="kvbaton-kv-push"
+        )
+        self._waits = concurrent.futures.ThreadPoolExecutor(
+            max_pushes, thread_name_prefix="kvbaton-kv-push-wait"
         )
 
     def start(self) -> None:
@@ -117,6 +126,7 @@ class KvHandoff:
         self.rooms.close()
         await self.peers.close()
         await asyncio.to_thread(self._writers.shutdown)
+        await asyncio.to_thread(self._waits.shutdown)
         await asyncio.to_thread(self.agent.close)
 
     # -- prefill side --------------------------------------------------------------------------
@@ -253,6 +263,14 @@ class KvHandoff:
         claimed (and never if the decode worker refuses)."""
         return RoomClaim(self.peers, target, pusher)
 
+    async def stop_push(self, pusher: LayerPush) -> None:
+        """`pusher.stop`: returns once none of its writes runs."""
+        await self._wait(pusher.stop)
+
+    async def _wait(self, call: Callable[..., None], *args: Any) -> None:
+        """`call` (which waits for a push's writes) on a thread for that."""
+        await asyncio.get_running_loop().run_in_executor(self._waits, call, *args)
+
     async def push(
         self,
         handle: str,
@@ -272,16 +290,16 @@ class KvHandoff:
                 if not await claim.accepted():
                     raise ConnectionError("the decode worker no longer waits for this KV")
                 started = time.perf_counter()
-                await asyncio.to_thread(pusher.finish, out.kv_blocks)
+                await self._wait(pusher.finish, out.kv_blocks)
                 self._waited(started)
                 ok = True
             except Exception as exc:
                 log.warning("request %s: KV write to %s failed: %s", handle, target.room, exc)
             finally:
-                await asyncio.to_thread(pusher.stop)  # no write reads our blocks once freed
+                await self.stop_push(pusher)  # no write reads our blocks once freed
                 self.engine.release_kv(handle)
         else:  # it stopped at its first token: no KV is wanted
-            await asyncio.to_thread(pusher.stop)
+            await self.stop_push(pusher)
         await claim.report(ok, out.token_ids)
         return EngineOutput(
             request_id=out.request_id,

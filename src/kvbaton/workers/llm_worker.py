@@ -202,7 +202,8 @@ class LLMWorker:
         if claim is not None:
             claim.cancel()  # (answered, unless the request ended first)
         if pusher is not None:  # before the abort frees the blocks it reads
-            await asyncio.to_thread(pusher.stop)
+            assert self.handoff is not None
+            await self.handoff.stop_push(pusher)
         for stream in streams:
             try:
                 await stream.aclose()
