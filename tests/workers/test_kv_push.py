@@ -348,9 +348,11 @@ async def test_a_write_stalled_on_one_decode_worker_holds_up_no_other_push(
     """A hung decode worker keeps each write to it for up to the transfer timeout: pushes to
     another decode worker go on meanwhile, however many are stalled (one writer each)."""
     stalled = threading.Event()
+    started: list[str] = []
     written: list[str] = []
 
     def write(pool: KvPoolInfo, src: list[int], dst: list[int], layers: object = None) -> str:
+        started.append(pool.host)
         if pool.host == "hung":
             assert stalled.wait(10)
         written.append(pool.host)
@@ -358,7 +360,7 @@ async def test_a_write_stalled_on_one_decode_worker_holds_up_no_other_push(
 
     handoff.agent.write = write  # type: ignore[attr-defined]
 
-    def started_push(host: str, handle: str) -> LayerPush:
+    def push_to(host: str, handle: str) -> LayerPush:
         made = handoff.layer_push(
             handle,
             msgspec.structs.replace(target([2]), pool=msgspec.structs.replace(POOL, host=host)),
@@ -367,9 +369,10 @@ async def test_a_write_stalled_on_one_decode_worker_holds_up_no_other_push(
         made.layer_written(PromptChunk(0, BLOCK, 0, [5]), 0)
         return made
 
-    hung = [started_push("hung", f"h{i}") for i in range(8)]
-    started_push("fine", "f")
+    hung = [push_to("hung", f"h{i}") for i in range(8)]
     try:
+        await wait_until(lambda: len(started) == 8, 5, "the 8 stalled writes at once")
+        push_to("fine", "f")
         await wait_until(lambda: "fine" in written, 5, "the other decode worker's write")
     finally:
         stalled.set()

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
+from kvbaton.llm.peer_calls import Accepted
 from kvbaton.runtime import Context
 from kvbaton.workers import kv_room
 from kvbaton.workers.kv_handoff import KvHandoff
@@ -58,7 +59,7 @@ async def claim(handoff: KvHandoff, name: str, timeout_s: float = 0.0) -> Claim:
     answers = handoff.rooms.kv_claim({"room": name, "timeout_s": timeout_s}, context)
     first = await anext(answers)
     if first["accepted"]:  # the writer's bound: it writes nothing later than this after
-        assert first["wait_s"] == kv_room.CLAIMED_TIMEOUT_S
+        assert first["wait_s"] == kv_room.CLAIMED_TIMEOUT_S and first["linger"] is True
 
     async def rest() -> list[object]:
         return [answer async for answer in answers]
@@ -211,14 +212,15 @@ class FakeClaimStream:
 
 
 class FakePeers:
-    def __init__(self, wait_s: float) -> None:
+    def __init__(self, wait_s: float, takes_linger: bool) -> None:
         self.calls: list[str] = []
         self.stream = FakeClaimStream(self.calls)
         self.wait_s = wait_s
+        self.takes_linger = takes_linger
 
-    async def claim(self, target: object, timeout_s: float) -> tuple[FakeClaimStream, float]:
+    async def claim(self, target: object, timeout_s: float) -> Accepted:
         assert timeout_s == 2.5  # the writer's transfer timeout
-        return self.stream, self.wait_s
+        return Accepted(self.stream, self.wait_s, self.takes_linger)  # type: ignore[arg-type]
 
     async def kv_ready(
         self, target: object, ok: bool, token_ids: list[int], linger_s: float
@@ -227,9 +229,9 @@ class FakePeers:
 
 
 def writer_claim(
-    wait_s: float = 300.0, linger_s: float = 0.0
+    wait_s: float = 300.0, linger_s: float = 0.0, takes_linger: bool = True
 ) -> tuple[RoomClaim, FakePeers, list[bool]]:
-    peers, told = FakePeers(wait_s), []
+    peers, told = FakePeers(wait_s, takes_linger), []
     pusher = SimpleNamespace(
         claimed=told.append, agent=SimpleNamespace(timeout_s=2.5), linger_left=lambda: linger_s
     )
@@ -279,6 +281,16 @@ async def test_a_writers_report_says_how_long_a_failed_write_may_still_land() ->
     assert peers.calls == ["report False [] 0.3", "let go"]
 
 
+async def test_to_a_decode_worker_that_takes_no_linger_the_report_waits_it_out() -> None:
+    """A decode worker from before `linger_s` frees the blocks on the report itself."""
+    made, peers, _ = writer_claim(linger_s=0.3, takes_linger=False)
+    assert await made.accepted()
+    started = time.monotonic()
+    await made.report(False, [])
+    assert peers.calls == ["report False []", "let go"]
+    assert time.monotonic() - started >= 0.3 - 0.05
+
+
 async def test_a_report_with_a_linger_keeps_the_blocks_out_that_long(handoff: KvHandoff) -> None:
     """A writer reports that a failed write may still land for a while (NIXL, or a TCP write
     the decode worker's own server takes): the request goes on in other blocks at once, and
@@ -318,6 +330,27 @@ async def test_of_two_times_writes_may_land_until_the_later_counts(
     assert reclaimed - reported >= 2.0 - 0.05
 
 
-async def test_a_report_with_a_bad_linger_is_refused(handoff: KvHandoff) -> None:
+@pytest.mark.parametrize("linger_s", [-1, float("nan"), float("inf"), "1"])
+async def test_a_report_with_a_bad_linger_is_refused(handoff: KvHandoff, linger_s: object) -> None:
+    _, load = await admitted(handoff, "r")
+    assert (await claim(handoff, "r")).accepted
     with pytest.raises(ValueError, match="linger_s"):
-        await call(handoff, room="r", ok=False, linger_s=-1)
+        await call(handoff, room="r", ok=False, linger_s=linger_s)
+    assert not load.done() and "r" in handoff.rooms._rooms  # the room waits on
+    assert await call(handoff, room="r", ok=False)
+    with pytest.raises(KvLoadFailed):
+        await asyncio.wait_for(load, 2)
+
+
+@pytest.mark.parametrize("request_", [None, {"room": 3}, {"room": "r", "timeout_s": float("nan")}])
+async def test_a_bad_claim_is_refused_and_leaves_the_room_open(
+    handoff: KvHandoff, request_: object
+) -> None:
+    """(A writer timeout that is not a finite number would make the bound on its writes one.)"""
+    _, load = await admitted(handoff, "r")
+    with pytest.raises(ValueError, match="kv_claim"):
+        await anext(handoff.rooms.kv_claim(request_, Context("bad-claim")))
+    assert (await claim(handoff, "r")).accepted
+    assert await call(handoff, room="r", ok=False)
+    with pytest.raises(KvLoadFailed):
+        await asyncio.wait_for(load, 2)

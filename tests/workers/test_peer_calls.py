@@ -1,6 +1,6 @@
 """A claim is accepted with the decode worker's promised wait (`wait_s`, the writer's bound;
-300 s from one that names none); a refusal, an acceptance with a bad wait or no answer closes
-the stream and gives None."""
+300 s from one that names none) and whether its reports take a linger; a refusal, an
+acceptance with a bad wait (none, not finite) or no answer closes the stream and gives None."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvbaton.llm.peer_calls import PeerCalls
+from kvbaton.llm.peer_calls import Accepted, PeerCalls
 from kvbaton.protocols.llm import KvPoolInfo, KvTarget
 
 pytestmark = pytest.mark.unit
@@ -46,17 +46,21 @@ TARGET = KvTarget(
 
 
 @pytest.mark.parametrize(
-    "answers, wait_s",
+    "answers, wait_s, takes_linger",
     [
-        ([{"accepted": True, "wait_s": 300.0}], 300.0),
-        ([{"accepted": False}], None),
-        ([{"accepted": True}], 300.0),  # a decode worker from before wait_s
-        ([{"accepted": True, "wait_s": 0}], None),
-        ([], None),
+        ([{"accepted": True, "wait_s": 300.0, "linger": True}], 300.0, True),
+        ([{"accepted": True, "wait_s": 120}], 120.0, False),  # from before linger_s
+        ([{"accepted": True}], 300.0, False),  # from before wait_s
+        ([{"accepted": False}], None, False),
+        ([{"accepted": True, "wait_s": 0}], None, False),
+        ([{"accepted": True, "wait_s": float("nan")}], None, False),
+        ([{"accepted": True, "wait_s": float("inf")}], None, False),
+        ([{"accepted": True, "wait_s": True}], None, False),
+        ([], None, False),
     ],
 )
 async def test_a_claim_counts_only_with_the_wait_it_was_promised(
-    answers: list[Any], wait_s: float | None
+    answers: list[Any], wait_s: float | None, takes_linger: bool
 ) -> None:
     stream = FakeStream(list(answers))
     requests: list[dict[str, Any]] = []
@@ -72,4 +76,4 @@ async def test_a_claim_counts_only_with_the_wait_it_was_promised(
     if wait_s is None:
         assert claim is None and stream.closed
     else:
-        assert claim == (stream, wait_s) and not stream.closed
+        assert claim == Accepted(stream, wait_s, takes_linger) and not stream.closed

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 from kvbaton.protocols.llm import DisaggregatedParams, KvTarget
 from kvbaton.runtime import Client, DistributedRuntime, ResponseStream
@@ -21,6 +22,21 @@ CALL_TIMEOUT_S = 5.0
 # a bound for a writer that lives on but never reports: the PrefillRouter's prefill timeout. An
 # acceptance that names no wait (`wait_s`, from kvbaton before it) means this.
 CLAIMED_TIMEOUT_S = 300.0
+
+
+class Accepted(NamedTuple):
+    """A claim the decode worker accepted."""
+
+    stream: ResponseStream  # held open by the writer until it reported
+    wait_s: float  # the decode worker waits for the report at least this long after the claim
+    takes_linger: bool  # its kv_ready reads `linger_s` (kvbaton before it set the blocks free)
+
+
+def seconds(value: object, what: str) -> float:
+    """`value` as a finite number of seconds, at least 0; ValueError naming `what` else."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        raise ValueError(f"{what} is seconds (a finite number, at least 0), not {value!r}")
+    return float(value)
 
 
 class PeerCalls:
@@ -36,26 +52,22 @@ class PeerCalls:
         )
         return isinstance(answer, dict) and answer.get("released") is True
 
-    async def claim(
-        self, target: KvTarget, timeout_s: float
-    ) -> tuple[ResponseStream, float] | None:
-        """Claim the blocks of `target`, for writes that each end within `timeout_s`: if the
-        decode worker lets us write into them (it refuses once it stopped waiting), the open
-        stream, which the writer closes once its writes ended and it reported, and how long
-        after the claim arrived the decode worker waits for that at least (`wait_s`). None if
-        refused or unanswered."""
+    async def claim(self, target: KvTarget, timeout_s: float) -> Accepted | None:
+        """Claim the blocks of `target`, for writes that each end within `timeout_s`: the
+        acceptance if the decode worker lets us write into them (it refuses once it stopped
+        waiting). None if refused, unanswered or answered amiss."""
         stream: ResponseStream | None = None
-        accepted: tuple[ResponseStream, float] | None = None
+        accepted: Accepted | None = None
         try:
             client = await self._client(target.claim_endpoint)
             request = {"room": target.room, "timeout_s": timeout_s}
             stream = client.direct(request, target.decode_instance_id)
             answer = await asyncio.wait_for(anext(stream), CALL_TIMEOUT_S)
             if isinstance(answer, dict) and answer.get("accepted") is True:
-                wait_s = answer.get("wait_s", CLAIMED_TIMEOUT_S)
-                if not isinstance(wait_s, int | float) or wait_s <= 0:
-                    raise ValueError(f"its acceptance says no wait (wait_s={wait_s!r})")
-                accepted = (stream, float(wait_s))
+                wait_s = seconds(answer.get("wait_s", CLAIMED_TIMEOUT_S), "wait_s")
+                if not wait_s:
+                    raise ValueError("its acceptance says no wait (wait_s=0)")
+                accepted = Accepted(stream, wait_s, answer.get("linger") is True)
         except (Exception, StopAsyncIteration) as exc:
             log.warning("kv_claim on %x failed: %s", target.decode_instance_id, exc)
         finally:

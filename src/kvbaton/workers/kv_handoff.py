@@ -268,8 +268,14 @@ class KvHandoff:
         await self._wait(pusher.stop)
 
     async def _wait(self, call: Callable[..., None], *args: Any) -> None:
-        """`call` (which waits for a push's writes) on a thread for that."""
-        await asyncio.get_running_loop().run_in_executor(self._waits, call, *args)
+        """`call` (which waits for a push's writes) on a thread for that (any thread once the
+        handoff closed: a push that outlived the worker's wait for its end still ends)."""
+        try:
+            waited = self._waits.submit(call, *args)
+        except RuntimeError:  # the pool is shut down
+            await asyncio.to_thread(call, *args)
+        else:
+            await asyncio.wrap_future(waited)
 
     async def push(
         self,

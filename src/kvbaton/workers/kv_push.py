@@ -254,6 +254,7 @@ class RoomClaim:
         self.pusher = pusher
         self.reported = False
         self._stream: ResponseStream | None = None
+        self._takes_linger = False
         self._watch: asyncio.Task[None] | None = None
         self._task = asyncio.create_task(self._claim(pusher))
 
@@ -261,9 +262,9 @@ class RoomClaim:
         sent, sent_loop = time.monotonic(), asyncio.get_running_loop().time()
         claim = await self.peers.claim(self.target, pusher.agent.timeout_s)
         if claim is not None:
-            self._stream, wait_s = claim
-            pusher.write_until = sent + wait_s  # checked as each write starts
-            until = sent_loop + wait_s
+            self._stream, self._takes_linger = claim.stream, claim.takes_linger
+            pusher.write_until = sent + claim.wait_s  # checked as each write starts
+            until = sent_loop + claim.wait_s
             self._watch = asyncio.create_task(self._watch_end(self._stream, pusher, until))
         pusher.claimed(claim is not None)
         return claim is not None
@@ -294,14 +295,19 @@ class RoomClaim:
     async def report(self, ok: bool, token_ids: list[int]) -> None:
         """Once no write runs or starts (a later call does nothing): the decode worker's blocks
         hold the prompt's KV (`ok`), or will not; `token_ids`: the first token. With it goes how
-        long a write that failed may still land in them (`LayerPush.linger_left`)."""
+        long a write that failed may still land in them (`LayerPush.linger_left`), or, to a
+        decode worker that does not take that, the report waits as long."""
         if self.reported:
             return
         self.reported = True
         self.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+        linger_s = self.pusher.linger_left()
+        if linger_s and not self._takes_linger:
+            await asyncio.sleep(linger_s)
+            linger_s = 0.0
         try:
-            await self.peers.kv_ready(self.target, ok, token_ids, self.pusher.linger_left())
+            await self.peers.kv_ready(self.target, ok, token_ids, linger_s)
         finally:  # only now: the claim's end before the report reads as our writer's loss
             if self._watch is not None:
                 self._watch.cancel()

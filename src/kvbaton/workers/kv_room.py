@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from kvbaton.engine.engine import KvCacheView
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.kv_transfer import KvTransferAgent
-from kvbaton.llm.peer_calls import CLAIMED_TIMEOUT_S
+from kvbaton.llm.peer_calls import CLAIMED_TIMEOUT_S, seconds
 from kvbaton.protocols.llm import KvTarget
 from kvbaton.runtime import Context, DistributedRuntime
 
@@ -37,7 +37,8 @@ class KvRoom:
     of the writer's claim, or the long `CLAIMED_TIMEOUT_S`; an unclaimed one also when its wait
     times out, its request ends or the router abandons it, after which a claim is refused.
     `writes_end` is set once no write can land in its blocks any more: when an unclaimed room
-    ends, on its writer's report, else a grace period after the room ended."""
+    ends, on its writer's report (or the linger it names after it), else a grace period after
+    the room ended."""
 
     name: str
     allocated: asyncio.Future[None]  # resolved once the engine gave the request its blocks
@@ -225,15 +226,13 @@ class KvRooms:
         reset at this end alone; the writer may then write until `wait_s` has passed.)"""
         if not isinstance(request, dict) or not isinstance(request.get("room"), str):
             raise ValueError("kv_claim takes {'room': str, 'timeout_s': float}")
-        writer_timeout_s = request.get("timeout_s", 0.0)
-        if not isinstance(writer_timeout_s, int | float) or writer_timeout_s < 0:
-            raise ValueError("kv_claim's timeout_s (the writer's transfer timeout) is seconds")
+        writer_timeout_s = seconds(request.get("timeout_s", 0.0), "kv_claim's timeout_s")
         room = self._rooms.get(request["room"])
         if room is None or not room.claim():
             yield {"accepted": False}
             return
-        room.writer_timeout_s = float(writer_timeout_s)
-        yield {"accepted": True, "wait_s": CLAIMED_TIMEOUT_S}
+        room.writer_timeout_s = writer_timeout_s
+        yield {"accepted": True, "wait_s": CLAIMED_TIMEOUT_S, "linger": True}
         stopped = asyncio.ensure_future(context.stopped())
         try:
             await asyncio.wait((stopped, room.ended), return_when=asyncio.FIRST_COMPLETED)
@@ -262,9 +261,7 @@ class KvRooms:
             return {"accepted": True}
         if not isinstance(request.get("ok"), bool):  # (a claim goes to kv_claim)
             raise ValueError("a kv_ready report takes 'ok': bool")
-        linger_s = request.get("linger_s", 0.0)
-        if not isinstance(linger_s, int | float) or linger_s < 0:
-            raise ValueError("a kv_ready report's linger_s is seconds")
+        linger_s = seconds(request.get("linger_s", 0.0), "a kv_ready report's linger_s")
         room = self._rooms.pop(name, None)
         if room is None:
             return {"accepted": False}
@@ -272,7 +269,7 @@ class KvRooms:
         writes_were_pending = not room.writes_end.is_set()
         if linger_s > 0 and writes_were_pending:  # not written, and writes may still land
             accepted = room.end(False, token_ids)
-            self._writes_end_in(room, float(linger_s))
+            self._writes_end_in(room, linger_s)
             return {"accepted": accepted}
         accepted = room.report(request["ok"], token_ids)
         if writes_were_pending and not accepted:  # a late report: its blocks may be reused
