@@ -256,9 +256,10 @@ class RoomClaim:
         self._stream: ResponseStream | None = None
         self._takes_linger = False
         self._watch: asyncio.Task[None] | None = None
-        self._task = asyncio.create_task(self._claim(pusher))
+        self._task = asyncio.create_task(self._claim())
 
-    async def _claim(self, pusher: LayerPush) -> bool:
+    async def _claim(self) -> bool:
+        pusher = self.pusher
         sent, sent_loop = time.monotonic(), asyncio.get_running_loop().time()
         claim = await self.peers.claim(self.target, pusher.agent.timeout_s)
         if claim is not None:
