@@ -160,11 +160,6 @@ def test_auto_picks_shm_on_one_host_and_tcp_otherwise(peer: Peer, local: KvTrans
     assert local.choose(peer.info) == "shm"
     elsewhere = msgspec.structs.replace(peer.info, host="another-host")
     assert local.choose(elsewhere) == "tcp"
-    # What this process copies stops with the call; a tcp write lands through the peer's
-    # server, for at most our timeout after we gave up on it.
-    assert local.linger_s(peer.info, "read") == local.linger_s(peer.info, "write") == 0.0
-    assert local.linger_s(elsewhere, "read") == 0.0
-    assert local.linger_s(elsewhere, "write") == local.timeout_s
     forced = KvTransferAgent(local.pool, "shm")
     with pytest.raises(ValueError, match="on this host"):
         forced.choose(elsewhere)

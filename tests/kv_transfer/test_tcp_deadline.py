@@ -145,3 +145,70 @@ def test_a_header_sent_to_a_slow_reader_keeps_the_deadline() -> None:
         left.close()
         reader.join()
         right.close()
+
+
+def test_a_failed_transfer_lingers_only_once_its_bytes_moved_through_the_peer(
+    pool: KvPool,
+) -> None:
+    """After a failed transfer, its bytes may still land only where the peer's server takes
+    them (a write) and only once some were sent: a refused connection or a read lingers not."""
+    from kvbaton.kv_transfer import KvTransferAgent
+    from kvbaton.protocols.llm import KvPoolInfo
+
+    agent = KvTransferAgent(pool, "tcp", timeout_s=TIMEOUT_S)
+    closed = socket.create_server(("127.0.0.1", 0))
+    refused = closed.getsockname()[:2]
+    closed.close()
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def answer_then_stall(conn: socket.socket) -> None:
+        """Takes the header and answers, then neither reads nor sends (buffers fill up)."""
+        with conn:
+            conn.recv(4096)
+            _send_header(conn, tcp.TransferAnswer(ok=True))
+            stop.wait(10)
+
+    def serve() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(None)
+            threading.Thread(target=answer_then_stall, args=(conn,), daemon=True).start()
+
+    server = threading.Thread(target=serve)
+    server.start()
+
+    def peer(address: tuple[str, int]) -> KvPoolInfo:
+        return KvPoolInfo(
+            layout=LAYOUT,
+            num_blocks=BLOCKS,
+            block_bytes=BLOCK_BYTES,
+            host="elsewhere",
+            tcp_address=f"{address[0]}:{address[1]}",
+        )
+
+    stalling = peer(listener.getsockname()[:2])
+    big = KvPool(shared=False)  # blocks too large for the socket buffers to swallow
+    big.attach(big.allocate(4 * (8 << 20)), LAYOUT, 4, 8 << 20, 2)
+    writer = KvTransferAgent(big, "tcp", timeout_s=TIMEOUT_S)
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            agent.write(peer(refused), [0], [0])
+        assert agent.linger_s(peer(refused), "write") == 0.0
+        with pytest.raises(TimeoutError):
+            writer.write(msgspec.structs.replace(stalling, block_bytes=8 << 20), [0, 1], [0, 1])
+        assert writer.linger_s(stalling, "write") == TIMEOUT_S
+        with pytest.raises(OSError):
+            agent.read(stalling, [0], [0])
+        assert agent.linger_s(stalling, "read") == 0.0
+    finally:
+        stop.set()
+        server.join()
+        listener.close()
+        for made in (agent, writer):
+            made.close()
+        big.close()

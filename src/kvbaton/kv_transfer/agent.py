@@ -48,6 +48,7 @@ class KvTransferAgent:
         self._info: KvPoolInfo | None = None
         self._peers: dict[str, tuple[shared_memory.SharedMemory, np.ndarray]] = {}
         self._lock = threading.Lock()
+        self._moving = threading.local()  # `started`: this thread's last transfer moved bytes
         self.bytes_moved = 0  # by this agent's reads and writes, since it started
         self.seconds = 0.0
 
@@ -117,13 +118,16 @@ class KvTransferAgent:
         return "tcp"
 
     def linger_s(self, peer: KvPoolInfo, op: str) -> float:
-        """How long after a transfer (`op`: "read" or "write") with `peer` failed (timed out or
-        broke off) its bytes may still land: 0 where this process moved them itself (shm, a
-        tcp read: the copy stopped with the call); `timeout_s` where the other side does, for
-        a tcp write (the peer's server takes bytes until the time this side had left when its
-        header arrived) and over NIXL (which cancels the transfer and closes the peer's
-        connection, but whose NIC may still complete a posted RDMA operation until that close
-        has gone through)."""
+        """How long after this thread's last transfer (`op`: "read" or "write") with `peer`
+        failed (timed out or broke off) its bytes may still land: 0 if it failed before any
+        could move (a connection or request refused, a peer NIXL would not add) or where this
+        process moved them itself (shm, a tcp read: the copy stopped with the call);
+        `timeout_s` where the other side does, for a tcp write (the peer's server takes bytes
+        until the time this side had left when its header arrived) and over NIXL (which
+        cancels the transfer and closes the peer's connection, but whose NIC may still complete
+        a posted RDMA operation until that close has gone through)."""
+        if not getattr(self._moving, "started", False):
+            return 0.0
         backend = self.choose(peer)
         lingers = backend == "nixl" or (backend == "tcp" and op == "write")
         return self.timeout_s if lingers else 0.0
@@ -158,6 +162,7 @@ class KvTransferAgent:
         op: str,
         layers: tuple[int, int] | None,
     ) -> str:
+        self._moving.started = False
         if len(src) != len(dst):
             raise ValueError("as many source blocks as destination blocks")
         backend = self.choose(peer)
@@ -172,19 +177,25 @@ class KvTransferAgent:
         assert blocks is not None
         started = time.perf_counter()
         span = slice(offset, offset + length)
+
+        def moving() -> None:
+            self._moving.started = True
+
         if backend == "shm":
             other = self._peer_blocks(peer)
             source, target = (other, blocks) if op == "read" else (blocks, other)
+            moving()
             for s, d, n in block_runs(src, dst):
                 target[d : d + n, span] = source[s : s + n, span]
         elif backend == "nixl":
             assert self._nixl is not None
             move = self._nixl.read if op == "read" else self._nixl.write
-            move(peer, src, dst, self.timeout_s, None if layers is None else (offset, length))
+            part = None if layers is None else (offset, length)
+            move(peer, src, dst, self.timeout_s, part, moving)
         elif op == "read":
-            self._tcp.read(peer.tcp_address, peer.layout, src, blocks, dst, span)
+            self._tcp.read(peer.tcp_address, peer.layout, src, blocks, dst, span, moving)
         else:
-            self._tcp.write(peer.tcp_address, peer.layout, src, blocks, dst, span)
+            self._tcp.write(peer.tcp_address, peer.layout, src, blocks, dst, span, moving)
         with self._lock:  # transfers run on several threads
             self.seconds += time.perf_counter() - started
             self.bytes_moved += len(src) * length

@@ -32,6 +32,7 @@ import secrets
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -153,10 +154,12 @@ class NixlBackend:
         dst: list[int],
         timeout_s: float,
         part: tuple[int, int] | None = None,
+        started: Callable[[], None] = lambda: None,
     ) -> None:
         """Copy the peer's blocks `src` into ours `dst` (of each, the bytes (offset, length) of
-        `part`, if given); blocks until done or raises."""
-        self._transfer("READ", peer, dst, src, timeout_s, part)
+        `part`, if given); blocks until done or raises. `started` is called as the transfer
+        is posted (from then on bytes may move)."""
+        self._transfer("READ", peer, dst, src, timeout_s, part, started)
 
     def write(
         self,
@@ -165,9 +168,10 @@ class NixlBackend:
         dst: list[int],
         timeout_s: float,
         part: tuple[int, int] | None = None,
+        started: Callable[[], None] = lambda: None,
     ) -> None:
         """Copy our blocks `src` into the peer's `dst` (of each, the bytes of `part`)."""
-        self._transfer("WRITE", peer, src, dst, timeout_s, part)
+        self._transfer("WRITE", peer, src, dst, timeout_s, part, started)
 
     def close(self) -> None:
         """Drop the peers and the registration. Call once no transfer runs."""
@@ -197,6 +201,7 @@ class NixlBackend:
         theirs: list[int],
         timeout_s: float,
         part: tuple[int, int] | None,
+        started: Callable[[], None],
     ) -> None:
         if len(ours) != len(theirs):
             raise ValueError("as many source blocks as destination blocks")
@@ -230,16 +235,19 @@ class NixlBackend:
             self._drop(peer)
             raise ConnectionError(f"{what}: {type(exc).__name__}: {exc}") from exc
         try:
-            self._wait(agent, handle, what, timeout_s)
+            self._wait(agent, handle, what, timeout_s, started)
         except BaseException:
             self._drop(peer)  # its connection may be broken: add it anew next time
             raise
         finally:
             self._release(agent, handle, what)
 
-    def _wait(self, agent: Any, handle: Any, what: str, timeout_s: float) -> None:
+    def _wait(
+        self, agent: Any, handle: Any, what: str, timeout_s: float, started: Callable[[], None]
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         try:
+            started()
             state = agent.transfer(handle)
             pause = 0.0
             while state == "PROC":

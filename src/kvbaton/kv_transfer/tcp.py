@@ -282,13 +282,16 @@ class TcpClient:
         blocks: np.ndarray,
         dst: list[int],
         span: slice = WHOLE,
+        started: Callable[[], None] = lambda: None,
     ) -> None:
         """Read the peer's blocks `src` into our `blocks[dst]` (in that order); of each block
-        the bytes `span` (the same in both pools: their layouts are equal)."""
+        the bytes `span` (the same in both pools: their layouts are equal). `started` is
+        called as the blocks' bytes begin to move."""
 
         def read(sock: _Timed) -> None:
             _send_header(sock, _request("read", layout, src, span, sock.left()))
             _expect_ok(sock, address)
+            started()
             _recv_blocks(sock, blocks, dst, span)
 
         self._run(address, read)
@@ -301,13 +304,15 @@ class TcpClient:
         blocks: np.ndarray,
         dst: list[int],
         span: slice = WHOLE,
+        started: Callable[[], None] = lambda: None,
     ) -> None:
         """Write our `blocks[src]` into the peer's blocks `dst` (in that order); of each block
-        the bytes `span`."""
+        the bytes `span`. `started` is called as the blocks' bytes begin to move."""
 
         def write(sock: _Timed) -> None:
             _send_header(sock, _request("write", layout, dst, span, sock.left()))
             _expect_ok(sock, address)
+            started()
             _send_blocks(sock, blocks, src, span)
             _expect_ok(sock, address)
 
