@@ -264,6 +264,33 @@ def test_a_stalled_peer_times_out_and_a_dead_one_fails() -> None:
         with pytest.raises(TimeoutError, match="not done after 1s"):
             agent.read(other.info, [1, 2, 3], [1, 2, 3])
         assert agent.linger_s(other.info, "read") == 1.0  # posted: NIXL may still finish it
+        # Eight at once: one poller checks them all, not a thread each.
+        assert agent._nixl is not None
+        nixl_agent = agent._nixl._agent
+        checked_by: set[str] = set()
+        check = nixl_agent.check_xfer_state
+
+        def recorded(handle: object) -> str:
+            checked_by.add(threading.current_thread().name)
+            return str(check(handle))
+
+        nixl_agent.check_xfer_state = recorded
+        timeouts: list[BaseException] = []
+
+        def read(block: int) -> None:
+            try:
+                agent.read(other.info, [block], [block])
+            except TimeoutError as exc:
+                timeouts.append(exc)
+
+        readers = [threading.Thread(target=read, args=(b,)) for b in range(8)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(10)
+        nixl_agent.check_xfer_state = check
+        assert len(timeouts) == 8
+        assert checked_by == {f"nixl-poller-{agent._nixl.name}"}
         os.kill(other.process.pid, signal.SIGCONT)
         assert agent.read(other.info, [1, 2, 3], [1, 2, 3]) == "nixl"
         np.testing.assert_array_equal(blocks_of(agent)[1:4], pool_bytes(PEER_SEED + 1)[1:4])

@@ -8,7 +8,9 @@ One NIXL agent per pool. It registers the pool's memory once and publishes `meta
 NIXL agent metadata plus where the pool lies (address, size, memory type, device), which a
 peer needs to name our blocks. A peer's agent is added lazily, on the first transfer with it,
 and cached by its agent name; a peer that publishes new metadata under the same name is
-re-added, and one whose transfer fails or times out is dropped (re-added on the next try).
+re-added, and one whose transfer fails or times out is dropped (re-added on the next try)
+once no other transfer with it is under way (NIXL would end those and free their handles
+itself); a transfer meanwhile fails at once.
 
 Each pool's blocks are prepared once as NIXL descriptor lists (`prep_xfer_dlist`, one
 descriptor per block): ours when the agent starts, a peer's when it is added. A transfer is one
@@ -21,7 +23,10 @@ notification.
 Progress: NIXL's own progress thread spins a core (its delay is 0), so the agent runs without
 it, and a thread of ours progresses the agent every `progress_interval_s` (a peer's first
 connection and UCX's TCP transport need the passive side to progress; shared memory and RDMA
-do not). A transfer in flight is progressed by the thread that waits for it."""
+do not). Transfers in flight are progressed by one poller thread, which checks each of them,
+at most `_MAX_POLL_S` apart, and wakes its waiter once it ended: a thread per transfer each
+polling would cost a core's worth of wake-ups with 64 transfers in flight (measured: 2.5 s of
+CPU in 2 s, against 0.12 s with 4)."""
 
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -81,6 +86,16 @@ class _Published(msgspec.Struct, kw_only=True):
     nbytes: int
 
 
+@dataclass(eq=False)
+class _InFlight:
+    """A posted transfer the poller checks until it ends (`done`: `state`, or `error`)."""
+
+    handle: Any
+    done: threading.Event = field(default_factory=threading.Event)
+    state: str = "PROC"
+    error: Exception | None = None
+
+
 @dataclass(frozen=True)
 class _Peer:
     name: str
@@ -110,7 +125,11 @@ class NixlBackend:
         self._mem, self._device = "DRAM", 0
         self._lock = threading.Lock()  # the peer table, and adding or dropping a peer
         self._peers: dict[str, _Peer] = {}
+        self._busy: dict[str, int] = {}  # peer name -> its transfers under way
+        self._failing: set[str] = set()  # peers to drop once their transfers under way end
         self._unreleased: list[Any] = []  # transfer handles NIXL could not cancel
+        self._in_flight: list[_InFlight] = []  # the poller's (it checks them holding this)
+        self._in_flight_changed = threading.Condition()
         self._closed = threading.Event()
         config = _nixl.nixl_agent_config(
             enable_prog_thread=False,
@@ -142,6 +161,13 @@ class NixlBackend:
             daemon=True,
         )
         self._progress.start()
+        self._poller = threading.Thread(
+            target=_poll_loop,
+            args=(weakref.ref(self), self._closed),
+            name=f"nixl-poller-{self.name}",
+            daemon=True,
+        )
+        self._poller.start()
 
     def metadata(self) -> bytes:
         """This agent's metadata, for peers to add it (published in `KvPoolInfo`)."""
@@ -178,11 +204,16 @@ class NixlBackend:
         if self._closed.is_set():
             return
         self._closed.set()
+        with self._in_flight_changed:
+            self._in_flight_changed.notify()
         self._progress.join(timeout=5.0)
+        self._poller.join(timeout=5.0)
         agent, self._agent = self._agent, None
         with self._lock:
             peers = list(self._peers.values())
             self._peers.clear()
+            self._busy.clear()
+            self._failing.clear()
         for peer in peers:
             self._forget(agent, peer)
         for handle in self._unreleased:
@@ -216,52 +247,71 @@ class NixlBackend:
             raise ValueError(f"the peer's block ids must be in [0, {info.num_blocks})")
         if part is not None and (part[0] < 0 or part[1] <= 0 or sum(part) > self.block_bytes):
             raise ValueError(f"bytes {part[0]}+{part[1]} are not within a block")
-        peer = self._peer(info)
+        peer = self._peer(info)  # (counted as busy until `_done_with`)
         what = f"NIXL {op} of {len(ours)} blocks with {peer.name}"
+        failed = True
         try:
-            if part is None:
-                handle = agent.make_prepped_xfer(
-                    op,
-                    self._blocks_dlist,
-                    np.asarray(ours, dtype=np.int32),
-                    peer.blocks,
-                    np.asarray(theirs, dtype=np.int32),
-                )
-            else:
-                local = self._parts(agent, self._address, ours, part, self._device, self._mem)
-                remote = self._parts(agent, peer.address, theirs, part, peer.device, peer.mem)
-                handle = agent.initialize_xfer(op, local, remote, peer.name)
-        except Exception as exc:
-            self._drop(peer)
-            raise ConnectionError(f"{what}: {type(exc).__name__}: {exc}") from exc
-        try:
-            self._wait(agent, handle, what, timeout_s, started)
-        except BaseException:
-            self._drop(peer)  # its connection may be broken: add it anew next time
-            raise
-        finally:
-            self._release(agent, handle, what)
+            try:
+                if part is None:
+                    handle = agent.make_prepped_xfer(
+                        op,
+                        self._blocks_dlist,
+                        np.asarray(ours, dtype=np.int32),
+                        peer.blocks,
+                        np.asarray(theirs, dtype=np.int32),
+                    )
+                else:
+                    local = self._parts(agent, self._address, ours, part, self._device, self._mem)
+                    remote = self._parts(agent, peer.address, theirs, part, peer.device, peer.mem)
+                    handle = agent.initialize_xfer(op, local, remote, peer.name)
+            except Exception as exc:
+                raise ConnectionError(f"{what}: {type(exc).__name__}: {exc}") from exc
+            try:
+                self._wait(agent, handle, what, timeout_s, started)
+            finally:
+                self._release(agent, handle, what)
+            failed = False
+        finally:  # a failed peer's connection may be broken: it is added anew next time
+            self._done_with(peer, failed)
 
     def _wait(
         self, agent: Any, handle: Any, what: str, timeout_s: float, started: Callable[[], None]
     ) -> None:
-        deadline = time.monotonic() + timeout_s
         try:
             started()
             state = agent.transfer(handle)
-            pause = 0.0
-            while state == "PROC":
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{what}: not done after {timeout_s:g}s")
-                time.sleep(pause)
-                pause = min(max(2 * pause, 1e-5), _MAX_POLL_S)
-                state = agent.check_xfer_state(handle)
-        except TimeoutError:
-            raise
         except Exception as exc:
             raise ConnectionError(f"{what}: {type(exc).__name__}: {exc}") from exc
+        if state == "PROC":
+            waiting = _InFlight(handle)
+            with self._in_flight_changed:
+                self._in_flight.append(waiting)
+                self._in_flight_changed.notify()
+            if not waiting.done.wait(timeout_s):
+                with self._in_flight_changed:  # once out, the poller no longer touches it
+                    if waiting in self._in_flight:
+                        self._in_flight.remove(waiting)
+                if not waiting.done.is_set():
+                    raise TimeoutError(f"{what}: not done after {timeout_s:g}s")
+            if waiting.error is not None:
+                error = waiting.error
+                raise ConnectionError(f"{what}: {type(error).__name__}: {error}") from error
+            state = waiting.state
         if state != "DONE":
             raise ConnectionError(f"{what} failed ({state})")
+
+    def _poll(self) -> None:
+        """(The poller, holding `_in_flight_changed`.) Check each transfer in flight once."""
+        agent = self._agent
+        for waiting in list(self._in_flight):
+            try:
+                state = "ERR" if agent is None else agent.check_xfer_state(waiting.handle)
+            except Exception as exc:
+                waiting.error, state = exc, "ERR"
+            if state != "PROC":
+                waiting.state = state
+                self._in_flight.remove(waiting)
+                waiting.done.set()
 
     def _release(self, agent: Any, handle: Any, what: str) -> None:
         """Free a transfer's handle; NIXL cancels one still in flight, or refuses."""
@@ -292,14 +342,21 @@ class NixlBackend:
             raise ValueError("the peer registered less memory with NIXL than its pool holds")
         with self._lock:
             known = self._peers.get(published.name)
+            if known is not None and self._busy[known.name]:
+                if known.name in self._failing or known.raw != raw:
+                    raise ConnectionError(
+                        f"NIXL peer {known.name} is being reset: its transfers under way end first"
+                    )
+                self._busy[known.name] += 1
+                return known
             if known is not None and known.raw == raw:
+                self._busy[known.name] = 1
                 return known
             agent = self._agent
             if agent is None:
                 raise RuntimeError("the NIXL backend is closed")
             if known is not None:  # it published new metadata under the same name
-                del self._peers[known.name]
-                self._forget(agent, known)
+                self._forget_locked(agent, known)
             try:
                 loaded = agent.add_remote_agent(published.agent)
             except Exception as exc:
@@ -335,6 +392,7 @@ class NixlBackend:
                 mem=published.mem,
             )
             self._peers[peer.name] = peer
+            self._busy[peer.name] = 1
             return peer
 
     def _prep_blocks(self, agent_name: str, address: int, count: int, device: int, mem: str) -> Any:
@@ -352,13 +410,25 @@ class NixlBackend:
         descs[:, 0], descs[:, 1], descs[:, 2] = starts, part[1], device
         return agent.get_xfer_descs(descs, mem)
 
-    def _drop(self, peer: _Peer) -> None:
+    def _done_with(self, peer: _Peer, failed: bool) -> None:
+        """A transfer with `peer` ended. A failed one drops the peer, once no other transfer
+        with it is under way: NIXL ends those (NIXL_ERR_NOT_FOUND) and frees their handles
+        itself if their peer goes first."""
         with self._lock:
             if self._peers.get(peer.name) is not peer:
-                return  # dropped, or re-added, by another thread
-            del self._peers[peer.name]
-            if self._agent is not None:
-                self._forget(self._agent, peer)
+                return  # the backend closed
+            self._busy[peer.name] -= 1
+            if failed:
+                self._failing.add(peer.name)
+            if peer.name in self._failing and not self._busy[peer.name]:
+                self._forget_locked(self._agent, peer)
+
+    def _forget_locked(self, agent: Any, peer: _Peer) -> None:
+        """(Holding `_lock`.)"""
+        del self._peers[peer.name], self._busy[peer.name]
+        self._failing.discard(peer.name)
+        if agent is not None:
+            self._forget(agent, peer)
 
     def _forget(self, agent: Any, peer: _Peer) -> None:
         self._call_quietly(agent.release_dlist_handle, peer.blocks)
@@ -370,6 +440,25 @@ class NixlBackend:
             call(*args)
         except Exception as exc:
             log.debug("NIXL %s failed: %s", getattr(call, "__name__", call), exc)
+
+
+def _poll_loop(backend_ref: weakref.ref[NixlBackend], closed: threading.Event) -> None:
+    """Check the backend's transfers in flight until it is closed (or collected), sleeping
+    between two rounds from 0 up to `_MAX_POLL_S` (back to 0 once none is in flight)."""
+    pause = 0.0
+    while not closed.is_set():
+        backend = backend_ref()
+        if backend is None:
+            return
+        with backend._in_flight_changed:
+            if not backend._in_flight:
+                pause = 0.0
+                backend._in_flight_changed.wait(0.5)  # a transfer posted, or the close
+                continue
+            backend._poll()
+        del backend
+        time.sleep(pause)
+        pause = min(max(2 * pause, 1e-5), _MAX_POLL_S)
 
 
 def _progress_loop(
