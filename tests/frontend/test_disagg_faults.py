@@ -112,7 +112,7 @@ async def test_a_prefill_worker_killed_mid_prefill_leaves_the_decode_worker_to_p
     chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path, order: str
 ) -> None:
     async with running_frontend(tmp_path, "--transfer-order", order) as frontend:
-        # Decode-first: the blocks the killed writer claimed stay out of use for twice the
+        # Decode-first: the blocks the killed writer claimed stay out of use for three times the
         # transfer timeout after its claim ended (a write of its may still have been in flight).
         prefill = mocker(
             spawn_worker, chat_model, "prefill", "--mocker-prefill", "0,1,0", *TRANSFER_TIMEOUT

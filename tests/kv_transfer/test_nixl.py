@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -263,7 +264,7 @@ def test_a_stalled_peer_times_out_and_a_dead_one_fails() -> None:
         os.kill(other.process.pid, signal.SIGSTOP)
         with pytest.raises(TimeoutError, match="not done after 1s"):
             agent.read(other.info, [1, 2, 3], [1, 2, 3])
-        assert agent.linger_s(other.info, "read") == 1.0  # posted: NIXL may still finish it
+        assert agent.linger_s(other.info, "read") == 2.0  # posted: NIXL may still finish it
         # Eight at once: one poller checks them all, not a thread each.
         assert agent._nixl is not None
         nixl_agent = agent._nixl._agent
@@ -277,7 +278,10 @@ def test_a_stalled_peer_times_out_and_a_dead_one_fails() -> None:
         nixl_agent.check_xfer_state = recorded
         timeouts: list[BaseException] = []
 
+        together = threading.Barrier(8)  # (each posts before any times out)
+
         def read(block: int) -> None:
+            together.wait(10)
             try:
                 agent.read(other.info, [block], [block])
             except TimeoutError as exc:
@@ -335,3 +339,64 @@ def test_two_backends_in_one_process() -> None:
         b.close()
     with pytest.raises(RuntimeError, match="closed"):
         first.read(info_b, [0], [0], 10.0)
+
+
+def test_a_failed_peer_goes_once_its_other_transfers_ended() -> None:
+    """A transfer with a peer failed while another one with it is under way: the peer is
+    dropped only after that one ended (dropping it at once would make NIXL end the other and
+    free its handle); a transfer meanwhile fails at once; then the peer is added anew."""
+    other = start_peer("nixl", seed=PEER_SEED + 2)
+    pool = make_pool(LOCAL_SEED)
+    backend = NixlBackend(pool, "local-failing")
+    try:
+        os.kill(other.process.pid, signal.SIGSTOP)
+        slow: list[BaseException] = []
+
+        def read_slowly() -> None:
+            try:
+                backend.read(other.info, [4], [4], 2.0)
+            except BaseException as exc:
+                slow.append(exc)
+
+        reader = threading.Thread(target=read_slowly)
+        reader.start()
+        for _ in range(100):  # until the slow read is under way
+            if sum(backend._busy.values()) == 1:
+                break
+            time.sleep(0.05)
+        with pytest.raises(TimeoutError):
+            backend.read(other.info, [1], [1], 0.5)
+        with pytest.raises(ConnectionError, match="being reset"):
+            backend.read(other.info, [2], [2], 5.0)
+        reader.join(10)
+        assert len(slow) == 1 and isinstance(slow[0], TimeoutError), slow
+        os.kill(other.process.pid, signal.SIGCONT)
+        backend.read(other.info, [3], [3], 10.0)
+        assert pool.blocks is not None
+        np.testing.assert_array_equal(pool.blocks[3], pool_bytes(PEER_SEED + 2)[3])
+    finally:
+        other.stop()
+        backend.close()
+        pool.close()
+
+
+def test_a_backend_let_go_without_close_is_collected() -> None:
+    """Its threads hold it only weakly: they end once it is gone."""
+    import gc
+    import weakref
+
+    pool = make_pool(LOCAL_SEED)
+    backend = NixlBackend(pool, "local-dropped")
+    threads = [backend._poller, backend._progress]
+    gone = weakref.ref(backend)
+    del backend
+    for _ in range(50):  # (a thread may hold it for a moment)
+        gc.collect()
+        if gone() is None:
+            break
+        time.sleep(0.1)
+    assert gone() is None
+    for thread in threads:
+        thread.join(5)
+        assert not thread.is_alive()
+    pool.close()

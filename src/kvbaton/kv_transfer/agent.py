@@ -122,15 +122,17 @@ class KvTransferAgent:
         failed (timed out or broke off) its bytes may still land: 0 if it failed before any
         could move (a connection or request refused, a peer NIXL would not add) or where this
         process moved them itself (shm, a tcp read: the copy stopped with the call);
-        `timeout_s` where the other side does, for a tcp write (the peer's server takes bytes
-        until the time this side had left when its header arrived) and over NIXL (which
-        cancels the transfer and closes the peer's connection, but whose NIC may still complete
-        a posted RDMA operation until that close has gone through)."""
+        `timeout_s` for a tcp write (the peer's server takes bytes until the time this side
+        had left when its header arrived); twice `timeout_s` over NIXL, which cancels the
+        transfer and closes the peer's connection once its other transfers under way ended
+        (within `timeout_s`), while a NIC may still complete a posted RDMA operation until that
+        close has gone through."""
         if not getattr(self._moving, "started", False):
             return 0.0
         backend = self.choose(peer)
-        lingers = backend == "nixl" or (backend == "tcp" and op == "write")
-        return self.timeout_s if lingers else 0.0
+        if backend == "nixl":
+            return 2 * self.timeout_s
+        return self.timeout_s if backend == "tcp" and op == "write" else 0.0
 
     def read(
         self,

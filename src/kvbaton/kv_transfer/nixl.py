@@ -204,7 +204,11 @@ class NixlBackend:
         if self._closed.is_set():
             return
         self._closed.set()
-        with self._in_flight_changed:
+        with self._in_flight_changed:  # (none should be: their waiters fail at once)
+            for waiting in self._in_flight:
+                waiting.error = RuntimeError("the NIXL backend closed")
+                waiting.done.set()
+            self._in_flight.clear()
             self._in_flight_changed.notify()
         self._progress.join(timeout=5.0)
         self._poller.join(timeout=5.0)
@@ -247,10 +251,10 @@ class NixlBackend:
             raise ValueError(f"the peer's block ids must be in [0, {info.num_blocks})")
         if part is not None and (part[0] < 0 or part[1] <= 0 or sum(part) > self.block_bytes):
             raise ValueError(f"bytes {part[0]}+{part[1]} are not within a block")
-        peer = self._peer(info)  # (counted as busy until `_done_with`)
-        what = f"NIXL {op} of {len(ours)} blocks with {peer.name}"
         failed = True
+        peer = self._peer(info)  # (counted as busy until `_done_with`)
         try:
+            what = f"NIXL {op} of {len(ours)} blocks with {peer.name}"
             try:
                 if part is None:
                     handle = agent.make_prepped_xfer(
@@ -277,6 +281,7 @@ class NixlBackend:
     def _wait(
         self, agent: Any, handle: Any, what: str, timeout_s: float, started: Callable[[], None]
     ) -> None:
+        deadline = time.monotonic() + timeout_s
         try:
             started()
             state = agent.transfer(handle)
@@ -287,12 +292,14 @@ class NixlBackend:
             with self._in_flight_changed:
                 self._in_flight.append(waiting)
                 self._in_flight_changed.notify()
-            if not waiting.done.wait(timeout_s):
-                with self._in_flight_changed:  # once out, the poller no longer touches it
+            try:
+                waiting.done.wait(max(0.0, deadline - time.monotonic()))
+            finally:  # out of the list, the poller no longer touches its handle
+                with self._in_flight_changed:
                     if waiting in self._in_flight:
                         self._in_flight.remove(waiting)
-                if not waiting.done.is_set():
-                    raise TimeoutError(f"{what}: not done after {timeout_s:g}s")
+            if not waiting.done.is_set():
+                raise TimeoutError(f"{what}: not done after {timeout_s:g}s")
             if waiting.error is not None:
                 error = waiting.error
                 raise ConnectionError(f"{what}: {type(error).__name__}: {error}") from error
@@ -443,20 +450,26 @@ class NixlBackend:
 
 
 def _poll_loop(backend_ref: weakref.ref[NixlBackend], closed: threading.Event) -> None:
-    """Check the backend's transfers in flight until it is closed (or collected), sleeping
-    between two rounds from 0 up to `_MAX_POLL_S` (back to 0 once none is in flight)."""
+    """Check the backend's transfers in flight until it is closed (or collected: the thread
+    holds it only weakly, and not at all while it waits), sleeping between two rounds from 0 up
+    to `_MAX_POLL_S` (back to 0 once none is in flight)."""
     pause = 0.0
     while not closed.is_set():
         backend = backend_ref()
         if backend is None:
             return
-        with backend._in_flight_changed:
-            if not backend._in_flight:
-                pause = 0.0
-                backend._in_flight_changed.wait(0.5)  # a transfer posted, or the close
-                continue
-            backend._poll()
+        changed, in_flight = backend._in_flight_changed, backend._in_flight
+        with changed:
+            idle = not in_flight
+            if not idle:
+                backend._poll()
         del backend
+        if idle:
+            pause = 0.0
+            with changed:
+                if not in_flight and not closed.is_set():
+                    changed.wait(0.5)  # a transfer posted, or the close
+            continue
         time.sleep(pause)
         pause = min(max(2 * pause, 1e-5), _MAX_POLL_S)
 

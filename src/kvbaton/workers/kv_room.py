@@ -147,11 +147,12 @@ class KvRooms:
     def _wait_for_writes(self, room: KvRoom) -> None:
         """(On the loop.) A claimed room ended without its writer's report: its writes may
         still land until the writer sees its claim end (it starts none after) and its transfer
-        in flight ends: within the larger of the two sides' transfer timeouts, taken twice (a
-        transfer may be retried once, or linger as long after it failed), plus
-        `WRITES_END_MARGIN_S`. The room stays to take a late report; the engine keeps the
+        in flight ends and no longer lingers: within the larger of the two sides' transfer
+        timeouts, taken three times (a transfer, then up to twice that while a failed one may
+        still land, `KvTransferAgent.linger_s`), plus `WRITES_END_MARGIN_S`. The room stays to
+        take a late report (whose linger may keep the blocks out longer); the engine keeps the
         blocks out of use meanwhile (`KvLoadFailed`)."""
-        bound = 2 * max(self.agent.timeout_s, room.writer_timeout_s) + WRITES_END_MARGIN_S
+        bound = 3 * max(self.agent.timeout_s, room.writer_timeout_s) + WRITES_END_MARGIN_S
         self._writes_end_in(room, bound)
 
     def _writes_end_in(self, room: KvRoom, seconds: float) -> None:
