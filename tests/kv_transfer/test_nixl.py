@@ -387,7 +387,7 @@ def test_a_backend_let_go_without_close_is_collected() -> None:
 
     pool = make_pool(LOCAL_SEED)
     backend = NixlBackend(pool, "local-dropped")
-    threads = [backend._poller, backend._progress]
+    threads = [backend._poller._thread, backend._progress]
     gone = weakref.ref(backend)
     del backend
     for _ in range(50):  # (a thread may hold it for a moment)

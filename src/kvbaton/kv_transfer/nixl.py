@@ -23,10 +23,7 @@ notification.
 Progress: NIXL's own progress thread spins a core (its delay is 0), so the agent runs without
 it, and a thread of ours progresses the agent every `progress_interval_s` (a peer's first
 connection and UCX's TCP transport need the passive side to progress; shared memory and RDMA
-do not). Transfers in flight are progressed by one poller thread, which checks each of them,
-at most `_MAX_POLL_S` apart, and wakes its waiter once it ended: a thread per transfer each
-polling would cost a core's worth of wake-ups with 64 transfers in flight (measured: 2.5 s of
-CPU in 2 s, against 0.12 s with 4)."""
+do not). Transfers in flight are progressed by one poller thread (`nixl_poller.py`)."""
 
 from __future__ import annotations
 
@@ -38,13 +35,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from kvbaton.kv_transfer.nixl_poller import TransferPoller
 from kvbaton.kv_transfer.pool import KvPool
 from kvbaton.protocols.llm import KvPoolInfo
 
@@ -54,7 +52,6 @@ log = logging.getLogger(__name__)
 # depends on `nixl-cu12` alone: the meta package requires every CUDA variant) import a variant.
 _NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 PROGRESS_INTERVAL_S = 0.002
-_MAX_POLL_S = 0.0005  # the longest sleep between two looks at a transfer in flight
 _MEMORY_TYPES = ("DRAM", "VRAM")
 _BAD_METADATA = ("nixlMismatchError", "nixlInvalidParamError")  # add_remote_agent's answers
 
@@ -84,16 +81,6 @@ class _Published(msgspec.Struct, kw_only=True):
     device: int
     address: int
     nbytes: int
-
-
-@dataclass(eq=False)
-class _InFlight:
-    """A posted transfer the poller checks until it ends (`done`: `state`, or `error`)."""
-
-    handle: Any
-    done: threading.Event = field(default_factory=threading.Event)
-    state: str = "PROC"
-    error: Exception | None = None
 
 
 @dataclass(frozen=True)
@@ -128,8 +115,6 @@ class NixlBackend:
         self._busy: dict[str, int] = {}  # peer name -> its transfers under way
         self._failing: set[str] = set()  # peers to drop once their transfers under way end
         self._unreleased: list[Any] = []  # transfer handles NIXL could not cancel
-        self._in_flight: list[_InFlight] = []  # the poller's (it checks them holding this)
-        self._in_flight_changed = threading.Condition()
         self._closed = threading.Event()
         config = _nixl.nixl_agent_config(
             enable_prog_thread=False,
@@ -161,13 +146,7 @@ class NixlBackend:
             daemon=True,
         )
         self._progress.start()
-        self._poller = threading.Thread(
-            target=_poll_loop,
-            args=(weakref.ref(self), self._closed),
-            name=f"nixl-poller-{self.name}",
-            daemon=True,
-        )
-        self._poller.start()
+        self._poller = TransferPoller(self._agent, self.name)
 
     def metadata(self) -> bytes:
         """This agent's metadata, for peers to add it (published in `KvPoolInfo`)."""
@@ -204,14 +183,8 @@ class NixlBackend:
         if self._closed.is_set():
             return
         self._closed.set()
-        with self._in_flight_changed:  # (none should be: their waiters fail at once)
-            for waiting in self._in_flight:
-                waiting.error = RuntimeError("the NIXL backend closed")
-                waiting.done.set()
-            self._in_flight.clear()
-            self._in_flight_changed.notify()
+        self._poller.close()
         self._progress.join(timeout=5.0)
-        self._poller.join(timeout=5.0)
         agent, self._agent = self._agent, None
         with self._lock:
             peers = list(self._peers.values())
@@ -288,37 +261,14 @@ class NixlBackend:
         except Exception as exc:
             raise ConnectionError(f"{what}: {type(exc).__name__}: {exc}") from exc
         if state == "PROC":
-            waiting = _InFlight(handle)
-            with self._in_flight_changed:
-                self._in_flight.append(waiting)
-                self._in_flight_changed.notify()
             try:
-                waiting.done.wait(max(0.0, deadline - time.monotonic()))
-            finally:  # out of the list, the poller no longer touches its handle
-                with self._in_flight_changed:
-                    if waiting in self._in_flight:
-                        self._in_flight.remove(waiting)
-            if not waiting.done.is_set():
-                raise TimeoutError(f"{what}: not done after {timeout_s:g}s")
-            if waiting.error is not None:
-                error = waiting.error
-                raise ConnectionError(f"{what}: {type(error).__name__}: {error}") from error
-            state = waiting.state
+                state = self._poller.wait(handle, deadline)
+            except TimeoutError:
+                raise TimeoutError(f"{what}: not done after {timeout_s:g}s") from None
+            except Exception as exc:
+                raise ConnectionError(f"{what}: {type(exc).__name__}: {exc}") from exc
         if state != "DONE":
             raise ConnectionError(f"{what} failed ({state})")
-
-    def _poll(self) -> None:
-        """(The poller, holding `_in_flight_changed`.) Check each transfer in flight once."""
-        agent = self._agent
-        for waiting in list(self._in_flight):
-            try:
-                state = "ERR" if agent is None else agent.check_xfer_state(waiting.handle)
-            except Exception as exc:
-                waiting.error, state = exc, "ERR"
-            if state != "PROC":
-                waiting.state = state
-                self._in_flight.remove(waiting)
-                waiting.done.set()
 
     def _release(self, agent: Any, handle: Any, what: str) -> None:
         """Free a transfer's handle; NIXL cancels one still in flight, or refuses."""
@@ -447,31 +397,6 @@ class NixlBackend:
             call(*args)
         except Exception as exc:
             log.debug("NIXL %s failed: %s", getattr(call, "__name__", call), exc)
-
-
-def _poll_loop(backend_ref: weakref.ref[NixlBackend], closed: threading.Event) -> None:
-    """Check the backend's transfers in flight until it is closed (or collected: the thread
-    holds it only weakly, and not at all while it waits), sleeping between two rounds from 0 up
-    to `_MAX_POLL_S` (back to 0 once none is in flight)."""
-    pause = 0.0
-    while not closed.is_set():
-        backend = backend_ref()
-        if backend is None:
-            return
-        changed, in_flight = backend._in_flight_changed, backend._in_flight
-        with changed:
-            idle = not in_flight
-            if not idle:
-                backend._poll()
-        del backend
-        if idle:
-            pause = 0.0
-            with changed:
-                if not in_flight and not closed.is_set():
-                    changed.wait(0.5)  # a transfer posted, or the close
-            continue
-        time.sleep(pause)
-        pause = min(max(2 * pause, 1e-5), _MAX_POLL_S)
 
 
 def _progress_loop(
