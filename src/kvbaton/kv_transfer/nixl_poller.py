@@ -62,8 +62,12 @@ class TransferPoller:
                     self._in_flight.remove(waiting)
         if not waiting.done.is_set():
             raise TimeoutError
-        if waiting.error is not None:
-            raise waiting.error
+        error, waiting.error = waiting.error, None
+        if error is not None:
+            try:
+                raise error
+            finally:  # (its traceback holds this frame: no cycle through it)
+                del error
         return waiting.state
 
     def close(self) -> None:
@@ -82,8 +86,8 @@ class TransferPoller:
         for waiting in list(self._in_flight):
             try:
                 state = str(self._agent.check_xfer_state(waiting.handle))
-            except Exception as exc:
-                waiting.error, state = exc, "ERR"
+            except Exception as exc:  # (its traceback would tie this frame, and the poller)
+                waiting.error, state = exc.with_traceback(None), "ERR"
             if state != "PROC":
                 waiting.state = state
                 self._in_flight.remove(waiting)
