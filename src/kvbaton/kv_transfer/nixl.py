@@ -299,16 +299,13 @@ class NixlBackend:
             raise ValueError("the peer registered less memory with NIXL than its pool holds")
         with self._lock:
             known = self._peers.get(published.name)
-            if known is not None and self._busy[known.name]:
-                if known.name in self._failing or known.raw != raw:
-                    raise ConnectionError(
-                        f"NIXL peer {known.name} is being reset: its transfers under way end first"
-                    )
+            if known is not None and known.raw == raw and known.name not in self._failing:
                 self._busy[known.name] += 1
                 return known
-            if known is not None and known.raw == raw:
-                self._busy[known.name] = 1
-                return known
+            if known is not None and self._busy[known.name]:  # failing, or new metadata
+                raise ConnectionError(
+                    f"NIXL peer {known.name} is being reset: its transfers under way end first"
+                )
             agent = self._agent
             if agent is None:
                 raise RuntimeError("the NIXL backend is closed")

@@ -350,16 +350,8 @@ class TcpClient:
 def _request(
     op: str, layout: str, blocks: list[int], span: slice, timeout_s: float
 ) -> TransferRequest:
-    if span == WHOLE:
-        return TransferRequest(op=op, layout=layout, blocks=blocks, timeout_s=timeout_s)
-    return TransferRequest(
-        op=op,
-        layout=layout,
-        blocks=blocks,
-        offset=span.start,
-        length=span.stop - span.start,
-        timeout_s=timeout_s,
-    )
+    part = {} if span == WHOLE else {"offset": span.start, "length": span.stop - span.start}
+    return TransferRequest(op=op, layout=layout, blocks=blocks, timeout_s=timeout_s, **part)
 
 
 def _connect(address: str, timeout_s: float) -> socket.socket:

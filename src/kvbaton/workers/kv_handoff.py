@@ -15,18 +15,17 @@ after `hold_timeout_s`; a decode worker sends one release per request it was giv
 (after its read, or when the request ends without one), and keeps what it read only if the
 answer says the blocks were held until then (else it prefills the prompt itself), and keeps the
 blocks of a read that failed out of use while it may still land (`KvTransferAgent.linger_s`,
-NIXL); a room ends
-exactly once, and a claimed one only by its writer's report, the end of its writer's claim (the
-writer left, or its process or connection went) or the long timeout, never by the router's
-abandon; its blocks are neither freed nor computed into here while a write may still land in
-them (`KvRoom.writes_end`: the engine keeps a loading request's blocks until its load ends, and
-then, if writes may still land, quarantines them while the request goes on in other blocks);
-a room that ended refuses a claim; a prefill worker writes only into a room it claimed, starts
-no write later than the wait the decode worker promised (counted from before it sent the claim,
-so even when no word of the room's end reaches it), and reports (`kv_ready`) on every
-decode-first request its engine took, once no write runs or starts (saying how long one that
-failed may still land), before it lets go of the claim (one its engine refused never claims:
-the router abandons it)."""
+NIXL); a room ends exactly once, and a claimed one only by its writer's report, the end of its
+writer's claim (the writer left, or its process or connection went) or the long timeout, never
+by the router's abandon; its blocks are neither freed nor computed into here while a write may
+still land in them (`KvRoom.writes_end`: the engine keeps a loading request's blocks until its
+load ends, and then, if writes may still land, quarantines them while the request goes on in
+other blocks); a room that ended refuses a claim; a prefill worker writes only into a room it
+claimed, starts no write later than the wait the decode worker promised (counted from before it
+sent the claim, so even when no word of the room's end reaches it), and reports (`kv_ready`) on
+every decode-first request its engine took, once no write runs or starts (saying how long one
+that failed may still land), before it lets go of the claim (one its engine refused never
+claims: the router abandons it)."""
 
 from __future__ import annotations
 
@@ -40,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.engine import KvCacheView
 from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
 from kvbaton.kv_transfer import KvTransferAgent
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HOLD_TIMEOUT_S = 30.0
 PUSH_MODES = ("layers", "blocks")
-DEFAULT_MAX_PUSHES = 64  # the engine's default max_num_seqs
+DEFAULT_MAX_PUSHES = EngineConfig.max_num_seqs
 
 
 class HoldingEngine(ReclaimingEngine, Protocol):

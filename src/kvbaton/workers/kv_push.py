@@ -266,11 +266,11 @@ class RoomClaim:
             self._stream, self._takes_linger = claim.stream, claim.takes_linger
             pusher.write_until = sent + claim.wait_s  # checked as each write starts
             until = sent_loop + claim.wait_s
-            self._watch = asyncio.create_task(self._watch_end(self._stream, pusher, until))
+            self._watch = asyncio.create_task(self._watch_end(self._stream, until))
         pusher.claimed(claim is not None)
         return claim is not None
 
-    async def _watch_end(self, stream: ResponseStream, pusher: LayerPush, until: float) -> None:
+    async def _watch_end(self, stream: ResponseStream, until: float) -> None:
         """Until the claim ends, or the loop's time `until`."""
         ran_out = False
         try:
@@ -284,7 +284,7 @@ class RoomClaim:
         if not self.reported:
             why = "its wait ran out" if ran_out else "the decode worker stopped waiting"
             log.warning("room %s: %s: no more writes", self.target.room, why)
-            pusher.claimed(False)
+            self.pusher.claimed(False)
 
     async def accepted(self) -> bool:
         return await self._task
