@@ -1,7 +1,7 @@
 """Waiting for posted NIXL transfers: one thread per NIXL agent checks every transfer in flight
 (`check_xfer_state`, which also progresses it), at most `MAX_POLL_S` apart, and wakes each
-waiter once its transfer ended. A thread per transfer, each polling, would cost a core's worth
-of wake-ups with 64 transfers in flight (measured: 2.5 s of CPU in 2 s, against 0.12 s with 4).
+waiter once its transfer ended. A thread per transfer, each polling, would wake up to 2,000
+times a second per transfer: 128,000 wake-ups a second with 64 transfers in flight.
 
 Invariants: a transfer's handle is touched by the poller only while its waiter waits (a waiter
 that stops waiting, however, takes it out of the poller's list first, so its handle may then be
