@@ -7,7 +7,12 @@ more than its trim threshold is free (thresholds that it grows itself only up to
 Each step then faults fresh zeroed pages in again: a 64 x 128 decode of SmolLM2 took 11.8 million
 minor page faults (about 45 GB of zeroed pages). `retain_freed_memory` makes malloc keep what it
 was given instead, as jemalloc and tcmalloc do (Intel's advice for PyTorch on CPUs): the
-process's resident memory stays at its largest step's, no higher.
+process's resident memory settles at its largest step's within a step or two.
+
+It settles a little higher on glibc that keeps `posix_memalign`'s small remainders in its
+per-thread cache (fixed upstream with bug 30723; Debian 12's 2.36 keeps them): they stay in use
+as far as merging goes, so a hole a freed piece leaves is exactly its size, too small for the same
+request, which asks for its alignment on top. Such a piece is faulted in afresh once, elsewhere.
 
 Invariant: only glibc is touched; elsewhere (musl, macOS) this does nothing."""
 
