@@ -1,8 +1,9 @@
 """Routers: each ranks the live workers for a request, best first (the frontend tries them in
 that order), and follows the requests it routed until they end.
 
-A request's life with its router: `route()` ranks; `Route.served_by(w)` once a worker took it
-(again if a refusal passed it on to another); `Route.first_token()`; `Route.done()` exactly
+A request's life with its router: `route()` ranks; `Route.served_by(w)` with the first-ranked
+worker as it is sent, before any await (requests routed at once must see each other), and again
+if another one took it (a refusal passed it on); `Route.first_token()`; `Route.done()` exactly
 once. Every router counts in-flight requests per worker from these calls.
 """
 

@@ -64,11 +64,13 @@ class PrefillRouter:
             request, route.ranking, request_id=f"{request_id}-prefill", timeout=self.timeout_s
         )
         try:
+            if route.ranking:  # its prompt counts there at once: a burst routed before any
+                route.served_by(route.ranking[0])  # stream opened spreads over the workers
             answer: EngineOutput | None = None
             async for out in stream:  # one output: the first token and where its KV is
                 assert stream.instance_id is not None
                 if answer is None:
-                    route.served_by(stream.instance_id)
+                    route.served_by(stream.instance_id)  # if another one took it
                     route.first_token()
                 answer = out
             if answer is None or not answer.token_ids:
