@@ -1,7 +1,7 @@
-"""Decode-first under a burst: one decode worker, several prefill workers.
+"""Decode-first under a burst: several prefill workers, one decode worker (or more).
 
-    python bench/decode_first_burst.py [--prefill-workers 3] [--requests 24]
-                                       [--prompt 2000,4000] [--repeats 3]
+    python bench/decode_first_burst.py [--prefill-workers 3] [--decode-workers 1]
+                                       [--requests 24] [--prompt 2000,4000] [--repeats 3]
 
 In decode-first order a request first takes blocks on its decode worker (its room), and only
 once the room is announced does the router send the prompt to a prefill worker, which writes
@@ -12,7 +12,7 @@ run on the same deployment and the same burst, is the baseline: decode-first sho
 same time to first token, whatever the number of prefill workers.
 
 For each repeat and each transfer order, a fresh deployment (`kvbaton serve --engine mocker
---mode disagg --prefill-workers P --decode-workers 1 --transfer-order ORDER`, load shedding
+--mode disagg --prefill-workers P --decode-workers D --transfer-order ORDER`, load shedding
 off: the burst is meant to queue) gets a few warm-up requests, then `--requests` streaming
 `/v1/completions` requests sent at once, each a prompt of random token ids (no two share a
 block: no prefix-cache hits) of `--prompt` tokens and 8 output tokens. Figures: time to first
@@ -45,7 +45,8 @@ def start(args: argparse.Namespace, order: str) -> tuple[subprocess.Popen[str], 
     command = [
         *(sys.executable, "-m", "kvbaton", "serve", "--engine", "mocker", "--port", "0"),
         *("--model", args.model, "--mode", "disagg", "--transfer-order", order),
-        *("--prefill-workers", str(args.prefill_workers), "--decode-workers", "1"),
+        *("--prefill-workers", str(args.prefill_workers)),
+        *("--decode-workers", str(args.decode_workers)),
         *("--busy-prefill-tokens", "0", "--busy-kv-usage", "0", "--log-level", "WARNING"),
     ]
     proc = subprocess.Popen(
@@ -85,7 +86,7 @@ async def one_run(
 ) -> dict[str, float]:
     proc, url = start(args, order)
     try:
-        model = await wait_for_workers(url, args.prefill_workers, 1, STARTUP_S)
+        model = await wait_for_workers(url, args.prefill_workers, args.decode_workers, STARTUP_S)
         await burst(url, model, warm)
         return await burst(url, model, prompts)
     finally:
@@ -113,8 +114,8 @@ async def run(args: argparse.Namespace) -> int:
     }
     print(
         f"{args.requests} requests at once, prompts of {args.prompt[0]}-{args.prompt[1]} tokens, "
-        f"{OUTPUT_TOKENS} output tokens; 1 decode + {args.prefill_workers} prefill workers "
-        f"(mocker); medians of {args.repeats} repeats, ms\n"
+        f"{OUTPUT_TOKENS} output tokens; {args.decode_workers} decode + {args.prefill_workers} "
+        f"prefill workers (mocker); medians of {args.repeats} repeats, ms\n"
     )
     print("| order | " + " | ".join(FIGURES) + " |")
     print("|---|" + "---:|" * len(FIGURES))
@@ -129,6 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2", help="whose tokenizer and vocabulary")
     parser.add_argument("--prefill-workers", type=int, default=3)
+    parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--prompt", type=span, default=(2000, 4000), metavar="MIN,MAX")
     parser.add_argument("--repeats", type=int, default=3)

@@ -1,84 +1,160 @@
 """A routed request counts on its worker from the moment it is sent, not from the worker's first
 answer (a prefill worker's answer comes once the whole prompt is computed): a burst of requests
 routed at once spreads over the workers instead of piling onto the one that looked idlest when
-they arrived. Both ways a frontend sends a request: the PrefillRouter's, and `follow` (a whole
-request, or a decode worker's part)."""
+they arrived. Every way a frontend sends a request: the PrefillRouter's, `follow` (a whole
+request, or a decode worker's part), and prefill-first's decode worker, chosen on arrival and
+sent the request once the prefill is done."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest
-from kvbaton.router.disagg import follow
+from kvbaton.protocols.llm import (
+    DisaggregatedParams,
+    EngineOutput,
+    KvPoolInfo,
+    PreprocessedRequest,
+)
+from kvbaton.router.disagg import Disaggregated, follow
 from kvbaton.router.indexer import KvIndexer
 from kvbaton.router.kv_router import KvRouter
 from kvbaton.router.policies import RouteRequest
 from kvbaton.router.prefill_router import PrefillRouter
-from kvbaton.runtime import Context, DistributedRuntime
+from kvbaton.runtime import Client, Context, DistributedRuntime
 from tests.helpers import collect, wait_until
 
-ENDPOINT = "ns.prefill.generate"
 BLOCK = 16
+BURST = 6
 
 
-@pytest.mark.parametrize("path", ["prefill router", "follow"])
-async def test_a_burst_spreads_over_the_workers(path: str) -> None:
-    discovery = f"mem://{uuid.uuid4().hex}"
-    answer = asyncio.Event()
-    taken: dict[int, int] = {}  # worker -> prompts it has taken
+def params(instance_id: int) -> DisaggregatedParams:
+    pool = KvPoolInfo(layout="x", num_blocks=1, block_bytes=1, host="h")
+    return DisaggregatedParams(
+        prefill_instance_id=instance_id,
+        release_endpoint="ns.prefill.kv_release",
+        handle="h",
+        block_ids=[0],
+        num_tokens=1,
+        block_size=BLOCK,
+        first_token_ids=[1],
+        pool=pool,
+    )
 
-    def worker(runtime: DistributedRuntime) -> object:
-        async def generate(request: PreprocessedRequest, ctx: Context) -> AsyncIterator[object]:
+
+class Workers:
+    """Two workers of an endpoint whose answers wait until `answer` is set; the requests each
+    has taken."""
+
+    def __init__(self, discovery: str, endpoint: str, answer: asyncio.Event) -> None:
+        self.endpoint = endpoint
+        self.answer = answer
+        self.taken: dict[int, int] = {}
+        self.runtimes = [DistributedRuntime(discovery) for _ in range(2)]
+        self.tasks = [
+            asyncio.create_task(
+                r.endpoint(endpoint).serve_endpoint(
+                    self._handler(r), request_type=PreprocessedRequest
+                )
+            )
+            for r in self.runtimes
+        ]
+
+    def _handler(self, runtime: DistributedRuntime) -> Callable[..., AsyncIterator[EngineOutput]]:
+        async def generate(
+            request: PreprocessedRequest, ctx: Context
+        ) -> AsyncIterator[EngineOutput]:
             assert runtime.instance_id is not None
-            taken[runtime.instance_id] = taken.get(runtime.instance_id, 0) + 1
-            await answer.wait()  # prefilling
-            yield EngineOutput(request_id=ctx.id, token_ids=[1])
+            self.taken[runtime.instance_id] = self.taken.get(runtime.instance_id, 0) + 1
+            await self.answer.wait()  # computing
+            yield EngineOutput(
+                request_id=ctx.id,
+                token_ids=[1],
+                disaggregated_params=params(runtime.instance_id)
+                if "prefill" in self.endpoint
+                else None,
+            )
 
         return generate
 
-    burst: list[asyncio.Task[list[int]]] = []
-    workers = [DistributedRuntime(discovery) for _ in range(2)]
+    async def client(self, caller: DistributedRuntime) -> Client:
+        client = await caller.endpoint(self.endpoint).client(response_type=EngineOutput)
+        await wait_until(lambda: len(client.instance_ids()) == 2, what=f"both {self.endpoint}")
+        return client
+
+    def spread(self) -> bool:
+        return sorted(self.taken.values()) == [BURST // 2] * 2
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for runtime in self.runtimes:
+            await runtime.shutdown()
+
+
+def router_ranking_one_first(client: Client) -> KvRouter:
+    """A KV router of `client`'s workers where the first caches a block: ties go to the other
+    one, whatever the candidates' order."""
+    indexer = KvIndexer()
+    indexer.store(client.instance_ids()[0], [12345])
+    return KvRouter(indexer, BLOCK)
+
+
+def prompt(i: int) -> list[int]:
+    return [i * 1000 + t for t in range(4 * BLOCK)]
+
+
+@pytest.mark.parametrize("path", ["prefill router", "follow", "prefill-first decode"])
+async def test_a_burst_spreads_over_the_workers(path: str) -> None:
+    discovery = f"mem://{uuid.uuid4().hex}"
+    computed, decoded = asyncio.Event(), asyncio.Event()
+    prefill_workers = Workers(discovery, "ns.prefill.generate", computed)
+    decode_workers = Workers(discovery, "ns.backend.generate", decoded)
     caller = DistributedRuntime(discovery)
-    serving = [
-        asyncio.create_task(
-            w.endpoint(ENDPOINT).serve_endpoint(worker(w), request_type=PreprocessedRequest)
-        )
-        for w in workers
-    ]
+    burst: list[asyncio.Task[list[int]]] = []
     try:
-        client = await caller.endpoint(ENDPOINT).client(response_type=EngineOutput)
-        await wait_until(lambda: len(client.instance_ids()) == 2, what="both prefill workers")
-        indexer = KvIndexer()
-        busy, idle = client.instance_ids()
-        indexer.store(busy, [12345])  # it caches a block: ties go to the other one
-        router = KvRouter(indexer, BLOCK)
-        prefill = PrefillRouter(caller, client, router)
+        prefill_client = await prefill_workers.client(caller)
+        decode_client = await decode_workers.client(caller)
+        prefill_router = PrefillRouter(
+            caller, prefill_client, router_ranking_one_first(prefill_client)
+        )
+        decode_router = router_ranking_one_first(decode_client)
 
         async def send(i: int) -> list[int]:
-            prompt = [i * 1000 + t for t in range(4 * BLOCK)]
-            request = PreprocessedRequest(model="m", token_ids=prompt)
-            hints, candidates = RouteRequest(prompt), client.instance_ids()
+            request = PreprocessedRequest(model="m", token_ids=prompt(i))
+            hints = RouteRequest(prompt(i))
             if path == "prefill router":
-                out = await prefill.prefill(request, f"r{i}", hints, candidates, [])
+                candidates = prefill_client.instance_ids()
+                out = await prefill_router.prefill(request, f"r{i}", hints, candidates, [])
                 return out.token_ids
-            route = router.route(hints, candidates)
-            outs = await collect(follow(client.ordered(request, route.ranking), route, []))
-            return [t for out in outs for t in out.token_ids]
+            route = decode_router.route(hints, decode_client.instance_ids())
+            if path == "follow":
+                outputs = follow(decode_client.ordered(request, route.ranking), route, [])
+            else:
+                outputs = Disaggregated(
+                    *(prefill_router, decode_client, request, f"r{i}", hints),
+                    *(prefill_client.instance_ids(), route, [], True),
+                ).prefill_first()
+            return [t for out in await collect(outputs) for t in out.token_ids]
 
-        burst += [asyncio.create_task(send(i)) for i in range(6)]
-        await wait_until(lambda: sum(taken.values()) == 6, what="every request taken")
-        assert taken == {busy: 3, idle: 3}
-        answer.set()
-        assert await asyncio.gather(*burst) == [[1]] * 6
-        await prefill.close()
+        burst += [asyncio.create_task(send(i)) for i in range(BURST)]
+        if path == "prefill-first decode":  # the prefills end together, after every arrival
+            await wait_until(prefill_workers.spread, what="the prefills spread")
+            computed.set()
+        workers = prefill_workers if path == "prefill router" else decode_workers
+        await wait_until(lambda: sum(workers.taken.values()) == BURST, what="every request")
+        assert workers.spread(), workers.taken
+        computed.set()
+        decoded.set()
+        tokens = [1, 1] if path == "prefill-first decode" else [1]  # the prefill's, the decode's
+        assert await asyncio.gather(*burst) == [tokens] * BURST
+        await prefill_router.close()
     finally:
         for task in burst:
             task.cancel()
-        for task in serving:
-            task.cancel()
-        for runtime in [caller, *workers]:
-            await runtime.shutdown()
+        await caller.shutdown()
+        await prefill_workers.stop()
+        await decode_workers.stop()

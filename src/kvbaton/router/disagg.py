@@ -78,6 +78,8 @@ class Disaggregated:
         params = None
         taken = False  # a decode worker produced output: it read (or released) the blocks
         try:
+            if route.ranking:  # its decode worker, chosen now, counts it during the prefill too
+                route.served_by(route.ranking[0])
             answer = await self._prefill(request)
             if answer is not None and answer.disaggregated_params is None:
                 yield answer  # it stopped at its first token
