@@ -113,6 +113,29 @@ def test_route_lifecycle_counts(router_type: type[Router]) -> None:
     assert r.in_flight == {}
 
 
+async def test_send_counts_the_first_choice_at_once_then_the_worker_that_took_it() -> None:
+    """While the stream opens, the request counts on the first-ranked worker; once opened, on
+    the one that took it (the first was unreachable, say)."""
+    r = RoundRobinRouter()
+    route = r.route(REQ, [1, 2])
+    first, other = route.ranking
+    seen = []
+
+    class Stream:
+        instance_id: int | None = None
+
+        async def open(self) -> Stream:
+            seen.append(dict(r.in_flight))
+            self.instance_id = other
+            return self
+
+    await route.send(Stream())  # type: ignore[arg-type]
+    assert seen == [{first: 1}]
+    assert r.in_flight == {other: 1}
+    route.done()
+    assert r.in_flight == {}
+
+
 def test_done_without_a_worker_is_harmless() -> None:
     r = RoundRobinRouter()
     route = r.route(REQ, [1])

@@ -38,11 +38,8 @@ async def follow(
 ) -> AsyncGenerator[EngineOutput, None]:
     """A worker's outputs, its route kept up to date; the route is done at the end."""
     try:
-        if route.ranking:  # counted there at once: a burst routed before any stream opened
-            route.served_by(route.ranking[0])  # spreads over the workers
-        await stream.open()
+        await route.send(stream)
         assert stream.instance_id is not None
-        route.served_by(stream.instance_id)  # if another one took it
         taken = False
         async for out in stream:
             if not taken and (out.token_ids or out.finish_reason):

@@ -3,7 +3,7 @@ that order), and follows the requests it routed until they end.
 
 A request's life with its router: `route()` ranks; `Route.served_by(w)` with the first-ranked
 worker as it is sent, before any await (requests routed at once must see each other), and again
-if another one took it (a refusal passed it on); `Route.first_token()`; `Route.done()` exactly
+if another one took it (`Route.send` does both); `Route.first_token()`; `Route.done()` exactly
 once. Every router counts in-flight requests per worker from these calls.
 """
 
@@ -14,8 +14,12 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvbaton.router.metrics import RouterMetrics
+
+if TYPE_CHECKING:
+    from kvbaton.runtime import ResponseStream
 
 
 @dataclass
@@ -51,6 +55,15 @@ class Route:
             self.router._release(self)
         self.worker_id = worker_id
         self.router._serve(self)
+
+    async def send(self, stream: ResponseStream) -> None:
+        """Open `stream` (the request to the ranked workers), counted on the first-ranked
+        worker before it awaits, then on the worker that took it."""
+        if self.ranking:
+            self.served_by(self.ranking[0])
+        await stream.open()
+        assert stream.instance_id is not None
+        self.served_by(stream.instance_id)
 
     def first_token(self) -> None:
         if self.worker_id is not None and not self._done:

@@ -64,13 +64,12 @@ class PrefillRouter:
             request, route.ranking, request_id=f"{request_id}-prefill", timeout=self.timeout_s
         )
         try:
-            if route.ranking:  # its prompt counts there at once: a burst routed before any
-                route.served_by(route.ranking[0])  # stream opened spreads over the workers
+            await route.send(stream)  # its prompt counts there while computed
             answer: EngineOutput | None = None
             async for out in stream:  # one output: the first token and where its KV is
                 assert stream.instance_id is not None
                 if answer is None:
-                    route.served_by(stream.instance_id)  # if another one took it
+                    route.served_by(stream.instance_id)  # a refusal may have passed it on
                     route.first_token()
                 answer = out
             if answer is None or not answer.token_ids:
