@@ -46,12 +46,13 @@ def params(instance_id: int) -> DisaggregatedParams:
 
 
 class Workers:
-    """Two workers of an endpoint whose answers wait until `answer` is set; the requests each
-    has taken."""
+    """Two workers of an endpoint whose answers wait until `answer` is set (a prefill worker's
+    with `DisaggregatedParams`); the requests each has taken."""
 
-    def __init__(self, discovery: str, endpoint: str, answer: asyncio.Event) -> None:
+    def __init__(self, discovery: str, endpoint: str, answer: asyncio.Event, prefill: bool) -> None:
         self.endpoint = endpoint
         self.answer = answer
+        self.prefill = prefill
         self.taken: dict[int, int] = {}
         self.runtimes = [DistributedRuntime(discovery) for _ in range(2)]
         self.tasks = [
@@ -73,9 +74,7 @@ class Workers:
             yield EngineOutput(
                 request_id=ctx.id,
                 token_ids=[1],
-                disaggregated_params=params(runtime.instance_id)
-                if "prefill" in self.endpoint
-                else None,
+                disaggregated_params=params(runtime.instance_id) if self.prefill else None,
             )
 
         return generate
@@ -95,7 +94,7 @@ class Workers:
             await runtime.shutdown()
 
 
-def router_ranking_one_first(client: Client) -> KvRouter:
+def kv_router_preferring_the_second(client: Client) -> KvRouter:
     """A KV router of `client`'s workers where the first caches a block: ties go to the other
     one, whatever the candidates' order."""
     indexer = KvIndexer()
@@ -111,17 +110,17 @@ def prompt(i: int) -> list[int]:
 async def test_a_burst_spreads_over_the_workers(path: str) -> None:
     discovery = f"mem://{uuid.uuid4().hex}"
     computed, decoded = asyncio.Event(), asyncio.Event()
-    prefill_workers = Workers(discovery, "ns.prefill.generate", computed)
-    decode_workers = Workers(discovery, "ns.backend.generate", decoded)
+    prefill_workers = Workers(discovery, "ns.prefill.generate", computed, prefill=True)
+    decode_workers = Workers(discovery, "ns.backend.generate", decoded, prefill=False)
     caller = DistributedRuntime(discovery)
     burst: list[asyncio.Task[list[int]]] = []
     try:
         prefill_client = await prefill_workers.client(caller)
         decode_client = await decode_workers.client(caller)
         prefill_router = PrefillRouter(
-            caller, prefill_client, router_ranking_one_first(prefill_client)
+            caller, prefill_client, kv_router_preferring_the_second(prefill_client)
         )
-        decode_router = router_ranking_one_first(decode_client)
+        decode_router = kv_router_preferring_the_second(decode_client)
 
         async def send(i: int) -> list[int]:
             request = PreprocessedRequest(model="m", token_ids=prompt(i))
