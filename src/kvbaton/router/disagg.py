@@ -75,8 +75,7 @@ class Disaggregated:
         params = None
         taken = False  # a decode worker produced output: it read (or released) the blocks
         try:
-            if route.ranking:  # its decode worker, chosen now, counts it during the prefill too
-                route.served_by(route.ranking[0])
+            route.count_on_first()  # its decode worker, chosen now, counts it during the prefill
             answer = await self._prefill(request)
             if answer is not None and answer.disaggregated_params is None:
                 yield answer  # it stopped at its first token

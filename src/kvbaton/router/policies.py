@@ -56,11 +56,16 @@ class Route:
         self.worker_id = worker_id
         self.router._serve(self)
 
+    def count_on_first(self) -> None:
+        """Count the request on its first-ranked worker from now on (call before any await:
+        requests routed at once must see each other)."""
+        if self.ranking:
+            self.served_by(self.ranking[0])
+
     async def send(self, stream: ResponseStream) -> None:
         """Open `stream` (the request to the ranked workers), counted on the first-ranked
         worker before it awaits, then on the worker that took it."""
-        if self.ranking:
-            self.served_by(self.ranking[0])
+        self.count_on_first()
         await stream.open()
         assert stream.instance_id is not None
         self.served_by(stream.instance_id)
