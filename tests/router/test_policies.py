@@ -136,6 +136,44 @@ async def test_send_counts_the_first_choice_at_once_then_the_worker_that_took_it
     assert r.in_flight == {}
 
 
+async def test_only_the_worker_that_took_a_request_counts_it_as_routed() -> None:
+    """The metric of requests routed to each worker: the first choice, counted while the
+    stream opened elsewhere, is not; nor the first choice of a request that never went."""
+    registry = CollectorRegistry()
+    r = KvRouter(KvIndexer(), BS, model="m", metrics=RouterMetrics(registry), subscriber=None)
+
+    def routed(worker: int) -> float | None:
+        labels = {"model": "m", "mode": "kv", "worker": f"{worker:x}"}
+        return registry.get_sample_value("kvbaton_router_requests_total", labels)
+
+    route = r.route(REQ, [A, B])
+    first, other = route.ranking
+
+    class Stream:
+        instance_id: int | None = None
+
+        async def open(self) -> Stream:
+            self.instance_id = other
+            return self
+
+    await route.send(Stream())  # type: ignore[arg-type]
+    route.served_by(other)  # its first output: the same worker, counted once
+    route.done()
+    assert (routed(first), routed(other)) == (None, 1)
+    assert (
+        registry.get_sample_value(
+            "kvbaton_router_overlap_blocks_count", {"model": "m", "mode": "kv"}
+        )
+        == 1
+    )
+
+    never_sent = r.route(REQ, [A, B])
+    never_sent.count_on_first()  # a prefill-first decode route whose prefill ended the request
+    never_sent.done()
+    assert (routed(first), routed(other)) == (None, 1)
+    assert r.in_flight == {}
+
+
 def test_done_without_a_worker_is_harmless() -> None:
     r = RoundRobinRouter()
     route = r.route(REQ, [1])

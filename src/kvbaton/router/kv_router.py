@@ -139,7 +139,12 @@ class KvRouter(Router):
         overlap = route.overlaps.get(worker, 0)
         uncached = max(0, len(route.request.token_ids) - overlap * self.block_size)
         self.active.add(route, worker, route.block_hashes, uncached)
+
+    def _taken(self, route: Route) -> None:
+        super()._taken(route)
         if self.metrics is not None:
+            assert route.worker_id is not None
+            overlap = route.overlaps.get(route.worker_id, 0)
             self.metrics.overlap_blocks.labels(self.model, self.mode).observe(overlap)
 
     def _first_token(self, route: Route) -> None:

@@ -53,7 +53,7 @@ class RouterMetrics:
         )
         self.routed = Counter(
             "kvbaton_router_requests",
-            "Requests sent to each worker",
+            "Requests each worker took (a request passed on by a worker counts on both)",
             [*labels, "worker"],
             registry=registry,
         )

@@ -1,10 +1,11 @@
 """Routers: each ranks the live workers for a request, best first (the frontend tries them in
 that order), and follows the requests it routed until they end.
 
-A request's life with its router: `route()` ranks; `Route.served_by(w)` with the first-ranked
-worker as it is sent, before any await (requests routed at once must see each other), and again
-if another one took it (`Route.send` does both); `Route.first_token()`; `Route.done()` exactly
-once. Every router counts in-flight requests per worker from these calls.
+A request's life with its router: `route()` ranks; `Route.count_on_first()` as it is sent,
+before any await (requests routed at once must see each other), and `Route.served_by(w)` once
+worker w took it (`Route.send` does both); `Route.first_token()`; `Route.done()` exactly once.
+Every router counts in-flight requests per worker from these calls; the requests routed to a
+worker (the metric) are those it took.
 """
 
 from __future__ import annotations
@@ -45,22 +46,30 @@ class Route:
         self.request = request
         self.ranking = ranking
         self.overlaps = overlaps or {}
-        self.worker_id: int | None = None
+        self.worker_id: int | None = None  # where the request counts
+        self._taken_by: int | None = None  # the last worker that took it
         self._done = False
 
     def served_by(self, worker_id: int) -> None:
+        """`worker_id` took the request: it counts there from now on."""
+        self._count_on(worker_id)
+        if worker_id != self._taken_by and not self._done:
+            self._taken_by = worker_id
+            self.router._taken(self)
+
+    def count_on_first(self) -> None:
+        """Count the request on its first-ranked worker from now on, before it took the
+        request (call before any await: requests routed at once must see each other)."""
+        if self.ranking:
+            self._count_on(self.ranking[0])
+
+    def _count_on(self, worker_id: int) -> None:
         if worker_id == self.worker_id or self._done:
             return
         if self.worker_id is not None:
             self.router._release(self)
         self.worker_id = worker_id
         self.router._serve(self)
-
-    def count_on_first(self) -> None:
-        """Count the request on its first-ranked worker from now on (call before any await:
-        requests routed at once must see each other)."""
-        if self.ranking:
-            self.served_by(self.ranking[0])
 
     async def send(self, stream: ResponseStream) -> None:
         """Open `stream` (the request to the ranked workers), counted on the first-ranked
@@ -135,6 +144,9 @@ class Router:
     def _serve(self, route: Route) -> None:
         assert route.worker_id is not None
         self.in_flight[route.worker_id] = self.in_flight.get(route.worker_id, 0) + 1
+
+    def _taken(self, route: Route) -> None:
+        assert route.worker_id is not None
         if self.metrics is not None:
             self.metrics.routed.labels(self.model, self.mode, f"{route.worker_id:x}").inc()
 
