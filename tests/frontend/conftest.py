@@ -41,8 +41,13 @@ class Deployment:
     discovery: str
     model: str
     lines: list[str] = field(default_factory=list)  # everything the components logged
+    reader: threading.Thread | None = None  # what fills `lines` from the process's output
 
     def log_text(self) -> str:
+        """What was logged so far; once the process has exited, all of it (its output read to
+        the end)."""
+        if self.reader is not None and self.proc.poll() is not None:
+            self.reader.join(10)
         return "\n".join(self.lines)
 
 
@@ -104,7 +109,8 @@ def _start(
                 deployment.url = m.group(1)
                 ready.set()
 
-    threading.Thread(target=read, daemon=True).start()
+    deployment.reader = threading.Thread(target=read, daemon=True)
+    deployment.reader.start()
     deadline = time.monotonic() + READY_S
     while not ready.wait(0.2):
         if proc.poll() is not None or time.monotonic() > deadline:
