@@ -4,6 +4,7 @@ stopped (by PID) at the end of the test."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,20 @@ import pytest
 from tests.servers import EtcdServer, KubeStandIn, NatsServer, running
 
 WorkerFactory = Callable[..., subprocess.Popen[bytes]]
+_SERVING = re.compile(r"serving \S+ as instance ([0-9a-f]+) ")
+
+
+def worker_log(tmp_path: Path, index: int) -> Path:
+    """The log of the `index`-th worker `spawn_worker` started in the test (from 0)."""
+    return tmp_path / f"worker-{index}.log"
+
+
+def instance_id(log: Path) -> int:
+    """The instance id a worker's log says it serves as (once it serves)."""
+    found = _SERVING.search(log.read_text(errors="replace"))
+    if found is None:
+        raise AssertionError(f"{log.name} names no instance yet")
+    return int(found.group(1), 16)
 
 
 @pytest.fixture
@@ -30,7 +45,7 @@ def spawn_worker(tmp_path: Path, discovery_url: str) -> Iterator[WorkerFactory]:
     def spawn(
         *extra: str, lease_ttl: float = 2.0, namespace: str = "t", engine: str = "echo"
     ) -> subprocess.Popen[bytes]:
-        log = open(tmp_path / f"worker-{len(procs)}.log", "wb")  # noqa: SIM115 (closed below)
+        log = open(worker_log(tmp_path, len(procs)), "wb")  # noqa: SIM115 (closed below)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
         proc = subprocess.Popen(
             [

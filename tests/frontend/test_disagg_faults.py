@@ -20,7 +20,7 @@ import pytest
 
 from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest, SamplingParams, WorkerLoad
 from kvbaton.runtime import DistributedRuntime
-from tests.conftest import WorkerFactory
+from tests.conftest import WorkerFactory, worker_log
 from tests.frontend.conftest import (
     Deployment,
     start_frontend,
@@ -142,7 +142,7 @@ async def test_a_prefill_worker_killed_mid_prefill_leaves_the_decode_worker_to_p
             assert reference.choices[0].text  # the deployment worked before the kill
             await all_free(rt, "backend")
         if order == "decode-first":  # the writer's claim ended with its process, not by a report
-            decode_log = (tmp_path / "worker-1.log").read_text()
+            decode_log = worker_log(tmp_path, 1).read_text()
             assert "its writer let go without a report" in decode_log
 
 
@@ -251,7 +251,7 @@ async def test_kv_whose_hold_ran_out_before_the_decode_worker_read_it_is_not_use
             assert texts[1] == await complete(prompt_c, 4, pinned=True)
         async with DistributedRuntime(frontend.discovery) as rt:
             await all_free(rt, "prefill", "backend")
-    decode_log = (tmp_path / "worker-1.log").read_text()
+    decode_log = worker_log(tmp_path, 1).read_text()
     assert "no longer held the KV" in decode_log
 
 

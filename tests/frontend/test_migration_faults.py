@@ -8,14 +8,18 @@ Victims: a worker mid-stream (aggregated; mocker and the tiny real model), a dec
 mid-stream, and a prefill worker while prefills and KV transfers are in flight (disaggregated,
 mocker: the requests it was prefilling are prefilled on the decode worker instead). And a
 worker stopped with SIGTERM and a short drain timeout: it deregisters, the
-streams it cannot finish in time are migrated, and it exits 0."""
+streams it cannot finish in time are migrated, and it exits 0.
+
+The victim is signalled when its own load shows it mid-work, not when the client has read so
+many chunks: the client reads behind the workers, by however long its process stalls, and a
+victim that finished its streams first would lose nothing."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 import subprocess
-from collections.abc import Callable
+import threading
 from pathlib import Path
 
 import openai
@@ -24,16 +28,16 @@ import pytest
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
 from kvbaton.runtime.errors import RuntimeServiceError
-from tests.conftest import WorkerFactory
+from tests.conftest import WorkerFactory, instance_id, worker_log
 from tests.frontend.test_disagg_faults import client_of, poll, ready, running_frontend
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NS = "t"
 STREAMS = 50
-# Tokens a stream: the client reads the streams slower than the workers write them, so the kill
-# at a chunk count the client saw must come long before the victim's streams end. The real model
-# writes a token of 25 streams in ~15 ms: 150 tokens are ~2 s; the mocker's SLOW_DECODE ~30 ms.
+# Tokens a stream: enough that a victim seen mid-stream is still so when the signal reaches it.
+# The real model writes a token of 25 streams in ~2 ms: 150 tokens are ~0.3 s; the mocker's
+# SLOW_DECODE ~30 ms: 40 tokens are ~1.2 s.
 TOKENS = {"mocker": 40, "torch": 150}
 PROMPTS = [[(i * 7 + j * 13) % 150 + 20 for j in range(40 + i)] for i in range(STREAMS)]
 MOCKER = ("--block-size", "16", "--num-kv-blocks", "1024", "--max-model-len", "1024")
@@ -46,7 +50,6 @@ async def one_stream(
     model: str,
     prompt: list[int],
     tokens: int,
-    on_chunk: Callable[[], None],
 ) -> tuple[str, int]:
     """The request's text and completion tokens (its usage)."""
     stream = await client.completions.create(
@@ -63,19 +66,13 @@ async def one_stream(
     async for chunk in stream:
         if chunk.choices:
             text.append(chunk.choices[0].text)
-            on_chunk()
         if chunk.usage is not None:
             completion = chunk.usage.completion_tokens
     return "".join(text), completion
 
 
-async def serve_all(
-    client: openai.AsyncOpenAI,
-    model: str,
-    tokens: int,
-    on_chunk: Callable[[], None] = lambda: None,
-) -> list[tuple[str, int]]:
-    return await asyncio.gather(*(one_stream(client, model, p, tokens, on_chunk) for p in PROMPTS))
+async def serve_all(client: openai.AsyncOpenAI, model: str, tokens: int) -> list[tuple[str, int]]:
+    return await asyncio.gather(*(one_stream(client, model, p, tokens) for p in PROMPTS))
 
 
 async def used_blocks(runtime: DistributedRuntime, component: str) -> dict[int, int]:
@@ -95,6 +92,54 @@ async def used_blocks(runtime: DistributedRuntime, component: str) -> dict[int, 
     finally:
         await client.close()
     return used
+
+
+def signal_mid_work(
+    discovery: str,
+    component: str,
+    instance: int,
+    victim: subprocess.Popen[bytes],
+    sig: signal.Signals,
+    streams: int,
+    stop: threading.Event,
+) -> WorkerLoad | None:
+    """Send `sig` to `victim` (instance `instance` of `component`) once its load shows it
+    mid-work; the load it was signalled at, or None if `stop` was set first. Mid-work: a prefill
+    worker has computed prompts (its pending prefill fell) and has more to compute; another runs
+    `streams` requests or more, each past its prompt, which have decoded a few tokens since (their
+    blocks grew by a quarter of their number: with 16-token blocks, about 4 tokens each).
+
+    Run in a thread, on a runtime of its own: the test's loop, reading 50 streams through the
+    client, falls hundreds of ms behind the workers, time in which the victim could finish."""
+
+    async def watch() -> WorkerLoad | None:
+        async with DistributedRuntime(discovery) as runtime:
+            client = await runtime.endpoint(f"{NS}.{component}.load_metrics").client(
+                response_type=WorkerLoad
+            )
+            peak = 0
+            prompts_done: int | None = None  # blocks in use once every prompt was computed
+            try:
+                while not stop.is_set():
+                    load: WorkerLoad = await anext(client.direct(None, instance, timeout=5))
+                    pending, used = load.active_prefill_tokens, load.kv_blocks_used
+                    peak = max(peak, pending)
+                    if component == "prefill":
+                        busy = 0 < pending < peak
+                    elif load.running >= streams and pending == 0:
+                        prompts_done = used if prompts_done is None else prompts_done
+                        busy = used >= prompts_done + load.running // 4
+                    else:
+                        busy = False
+                    if busy:
+                        victim.send_signal(sig)
+                        return load
+                    await asyncio.sleep(0.01)
+                return None
+            finally:
+                await client.close()
+
+    return asyncio.run(watch())
 
 
 async def clear_cache(runtime: DistributedRuntime, component: str, count: int) -> None:
@@ -156,28 +201,38 @@ async def test_a_worker_killed_under_50_streams_loses_no_request_and_no_token(
             tokens = max(TOKENS[engine] for _, engine, _ in workers)
             reference = await serve_all(client, model, tokens)
             assert all(n == tokens for _, n in reference), reference
-            # Without their cached prefixes the prompts prefill as slowly again, so that the kill
-            # lands while prefills are in flight however slowly this client reads.
+            # Without their cached prefixes the prompts prefill as slowly again: a prefill victim
+            # is seen mid-prefill.
             await clear_cache(rt, "backend", serving)
             if len(workers) > serving:
                 await clear_cache(rt, "prefill", len(workers) - serving)
 
             victim = procs[victim_index]
-            chunks = 0
-            # Mid-stream: after about 5 tokens a stream; mid-prefill: after the first streams.
             victim_role = workers[victim_index][0]
-            kill_at = 10 if victim_role == "prefill" else STREAMS * 5
-
-            def count() -> None:
-                nonlocal chunks
-                chunks += 1
-                if chunks == kill_at:
-                    victim.send_signal(sig)
-
-            disturbed = await serve_all(client, model, tokens, count)
+            victim_component = "prefill" if victim_role == "prefill" else "backend"
+            victim_id = instance_id(worker_log(tmp_path, victim_index))
+            half_its_share = STREAMS // serving // 2  # of the streams, on a serving victim
+            stop = threading.Event()
+            killer = asyncio.create_task(
+                asyncio.to_thread(
+                    signal_mid_work,
+                    frontend.discovery,
+                    victim_component,
+                    victim_id,
+                    victim,
+                    sig,
+                    half_its_share,
+                    stop,
+                )
+            )
+            try:
+                disturbed = await serve_all(client, model, tokens)
+            finally:
+                stop.set()
+            killed_at = await killer
+            assert killed_at is not None, "the victim was never seen mid-work"
             assert victim.wait(10) == (-sig if sig == signal.SIGKILL else 0)
-            assert chunks >= kill_at  # the kill happened while requests were in flight
-            assert disturbed == reference  # every token, once, in order; the same text
+            assert disturbed == reference, killed_at  # every token, once, in order; same text
 
             components = {"prefill" if role == "prefill" else "backend" for role, _, _ in workers}
 
