@@ -3,7 +3,8 @@ answer (a prefill worker's answer comes once the whole prompt is computed): a bu
 routed at once spreads over the workers instead of piling onto the one that looked idlest when
 they arrived. Every way a frontend sends a request: the PrefillRouter's, `follow` (a whole
 request, or a decode worker's part), and prefill-first's decode worker, chosen on arrival and
-sent the request once the prefill is done."""
+sent the request once the prefill is done. That decode worker counts the request's blocks but
+none of its prompt as prefill pending there, unless the prefill failed and it computes it."""
 
 from __future__ import annotations
 
@@ -154,6 +155,51 @@ async def test_a_burst_spreads_over_the_workers(path: str) -> None:
     finally:
         for task in burst:
             task.cancel()
+        await caller.shutdown()
+        await prefill_workers.stop()
+        await decode_workers.stop()
+
+
+@pytest.mark.parametrize("prefill", ["answers", "fails"])
+async def test_a_decode_worker_sent_the_kv_counts_no_prefill_of_it(prefill: str) -> None:
+    discovery = f"mem://{uuid.uuid4().hex}"
+    computed, decoded = asyncio.Event(), asyncio.Event()
+    prefill_workers = Workers(discovery, "ns.prefill.generate", computed, prefill=True)
+    decode_workers = Workers(discovery, "ns.backend.generate", decoded, prefill=False)
+    caller = DistributedRuntime(discovery)
+    try:
+        prefill_client = await prefill_workers.client(caller)
+        decode_client = await decode_workers.client(caller)
+        prefill_router = PrefillRouter(caller, prefill_client, KvRouter(KvIndexer(), BLOCK))
+        decode_router = KvRouter(KvIndexer(), BLOCK)
+        hints = RouteRequest(prompt(0))
+        route = decode_router.route(hints, decode_client.instance_ids())
+        live = prefill_client.instance_ids() if prefill == "answers" else []  # [] fails
+        outputs = Disaggregated(
+            *(prefill_router, decode_client, PreprocessedRequest(model="m", token_ids=prompt(0))),
+            *("r", hints, live, route, [], False),
+        ).prefill_first()
+        request = asyncio.create_task(collect(outputs))
+        decode_worker = route.ranking[0]
+        active = decode_router.active
+        if prefill == "answers":
+            await wait_until(lambda: sum(prefill_workers.taken.values()) == 1, what="a prefill")
+            assert (active.prefill_tokens(decode_worker), active.active_blocks(decode_worker)) == (
+                0,
+                5,
+            )
+            computed.set()
+        await wait_until(lambda: decode_workers.taken == {decode_worker: 1}, what="the decode")
+        pending = 0 if prefill == "answers" else 4 * BLOCK
+        assert (active.prefill_tokens(decode_worker), active.active_blocks(decode_worker)) == (
+            pending,
+            5,
+        )
+        decoded.set()
+        await request
+        assert len(active) == 0
+        await prefill_router.close()
+    finally:
         await caller.shutdown()
         await prefill_workers.stop()
         await decode_workers.stop()

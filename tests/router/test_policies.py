@@ -320,6 +320,27 @@ def test_kv_router_first_token_and_done_drain_the_counts() -> None:
     )
 
 
+def test_kv_router_a_worker_sent_the_kv_has_no_prefill_pending() -> None:
+    """A caches 2 of 8 blocks. A request whose KV a prefill worker sends A holds 9 blocks there
+    and leaves no prefill pending: the same request then costs 6 + 9 + 8 - 8 shared = 15 on A,
+    16 on B. Once A computes the prompt itself (a failed prefill), 24 tokens are pending on A:
+    12 + 9 = 21, and B is cheaper."""
+    r = kv_router()
+    r.indexer.apply(A, stored(PROMPT, 2))
+    route = r.route(REQ, [A, B])
+    route.set_prefills(False)
+    route.served_by(A)
+    assert (r.active.prefill_tokens(A), r.active.active_blocks(A)) == (0, 9)
+    assert r.route(REQ, [A, B]).ranking[0] == A
+    route.set_prefills(True)
+    assert (r.active.prefill_tokens(A), r.active.active_blocks(A)) == (24, 9)
+    assert r.active.requests(A) == 1 and r.in_flight == {A: 1}
+    assert r.route(REQ, [A, B]).ranking[0] == B
+    route.done()
+    route.set_prefills(False)
+    assert len(r.active) == 0 and r.in_flight == {}
+
+
 def test_kv_router_served_by_another_worker_moves_the_active_request() -> None:
     r = kv_router()
     route = r.route(REQ, [A, B])

@@ -8,8 +8,9 @@ worker, or disaggregated in either transfer order.
   prefill worker, sent the request with it, writes the KV into those blocks and tells the
   decode worker, which then streams every token, the first included.
 
-Invariants: `Route.done()` once per route; a prefill failure falls back to a prefill on the
-decode worker (or raises PrefillError with `enforce`); blocks a prefill worker holds for a
+Invariants: `Route.done()` once per route; the decode worker's route counts no prefill of the
+prompt there, until a prefill failure falls back to a prefill on the decode worker (or raises
+PrefillError with `enforce`); blocks a prefill worker holds for a
 decode worker that never takes the request are released, and a decode worker's room that no
 prefill worker will fill is ended at once."""
 
@@ -75,6 +76,7 @@ class Disaggregated:
         params = None
         taken = False  # a decode worker produced output: it read (or released) the blocks
         try:
+            route.set_prefills(False)  # the prefill worker sends it the KV
             route.count_on_first()  # its decode worker, chosen now, counts it during the prefill
             answer = await self._prefill(request)
             if answer is not None and answer.disaggregated_params is None:
@@ -100,6 +102,7 @@ class Disaggregated:
                 await self.prefill.release(params)
 
     async def decode_first(self) -> AsyncGenerator[EngineOutput, None]:
+        self.route.set_prefills(False)  # the prefill worker writes it the KV
         bootstrap = msgspec.structs.replace(self.request, bootstrap=True)
         stream = self.decode.ordered(bootstrap, self.route.ranking, request_id=self.request_id)
         outputs = follow(stream, self.route, self.served_by)
@@ -134,6 +137,7 @@ class Disaggregated:
             if self.enforce:
                 raise
             log.warning("request %s: %s; prefilling on the decode worker", self.request_id, exc)
+            self.route.set_prefills(True)
             return None
 
 

@@ -134,10 +134,20 @@ class KvRouter(Router):
 
     def _serve(self, route: Route) -> None:
         super()._serve(route)
+        self._add_active(route)
+
+    def _recount(self, route: Route) -> None:
+        self._add_active(route)
+
+    def _add_active(self, route: Route) -> None:
+        """Count the route's blocks on its worker, and the prompt it lacks as pending prefill
+        there unless a prefill worker sends it the KV."""
         assert isinstance(route, KvRoute) and route.worker_id is not None
         worker = route.worker_id
-        overlap = route.overlaps.get(worker, 0)
-        uncached = max(0, len(route.request.token_ids) - overlap * self.block_size)
+        uncached = 0
+        if route.prefills:
+            overlap = route.overlaps.get(worker, 0)
+            uncached = max(0, len(route.request.token_ids) - overlap * self.block_size)
         self.active.add(route, worker, route.block_hashes, uncached)
 
     def _taken(self, route: Route) -> None:

@@ -5,7 +5,8 @@ A request's life with its router: `route()` ranks; `Route.count_on_first()` as i
 before any await (requests routed at once must see each other), and `Route.served_by(w)` once
 worker w took it (`Route.send` does both); `Route.first_token()`; `Route.done()` exactly once.
 Every router counts in-flight requests per worker from these calls; the requests routed to a
-worker (the metric) are those it took.
+worker (the metric) are those it took. A decode worker that receives the prompt's KV from a
+prefill worker (`Route.set_prefills(False)`) has none of its prompt to prefill.
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ class Route:
         self.worker_id: int | None = None  # where the request counts
         self._taken_by: int | None = None  # the last worker that took it
         self._done = False
+        self.prefills = True  # the worker computes the KV of the prompt it lacks
+
+    def set_prefills(self, prefills: bool) -> None:
+        """Whether the worker computes the KV of the prompt it lacks (the default), or is sent
+        it by a prefill worker. Call before its first token; a request counted already is
+        counted anew."""
+        if prefills != self.prefills:
+            self.prefills = prefills
+            if self.worker_id is not None and not self._done:
+                self.router._recount(self)
 
     def served_by(self, worker_id: int) -> None:
         """`worker_id` took the request: it counts there from now on."""
@@ -144,6 +155,9 @@ class Router:
     def _serve(self, route: Route) -> None:
         assert route.worker_id is not None
         self.in_flight[route.worker_id] = self.in_flight.get(route.worker_id, 0) + 1
+
+    def _recount(self, route: Route) -> None:
+        """`route.prefills` changed while the route counted on `route.worker_id`."""
 
     def _taken(self, route: Route) -> None:
         assert route.worker_id is not None
