@@ -99,8 +99,10 @@ def test_kv_mode_sends_a_prompt_back_to_the_worker_that_cached_it(mockers: Deplo
     longer, cached_longer, _ = complete(url, model, PROMPT + " And then it rained.")
     assert longer == worker and cached_longer >= cached
     metrics = httpx.get(f"{url}/metrics").text
-    assert (
-        f'kvbaton_router_requests_total{{mode="kv",model="{model}",worker="{worker}"}}' in metrics
+    assert re.search(  # labelled with its workers' component
+        rf'kvbaton_router_requests_total{{component="[^".]+\.backend",mode="kv",model="{model}",'
+        rf'worker="{worker}"}}',
+        metrics,
     )
     indexed = re.search(
         rf'kvbaton_router_indexed_blocks{{component="[^"]+",model="{model}",worker="{worker}"}}'

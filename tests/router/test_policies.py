@@ -143,7 +143,7 @@ async def test_only_the_worker_that_took_a_request_counts_it_as_routed() -> None
     r = KvRouter(KvIndexer(), BS, model="m", metrics=RouterMetrics(registry), subscriber=None)
 
     def routed(worker: int) -> float | None:
-        labels = {"model": "m", "mode": "kv", "worker": f"{worker:x}"}
+        labels = {"model": "m", "component": "", "mode": "kv", "worker": f"{worker:x}"}
         return registry.get_sample_value("kvbaton_router_requests_total", labels)
 
     route = r.route(REQ, [A, B])
@@ -162,7 +162,7 @@ async def test_only_the_worker_that_took_a_request_counts_it_as_routed() -> None
     assert (routed(first), routed(other)) == (None, 1)
     assert (
         registry.get_sample_value(
-            "kvbaton_router_overlap_blocks_count", {"model": "m", "mode": "kv"}
+            "kvbaton_router_overlap_blocks_count", {"model": "m", "component": "", "mode": "kv"}
         )
         == 1
     )
@@ -182,17 +182,35 @@ def test_done_without_a_worker_is_harmless() -> None:
     assert r.in_flight == {} and route.worker_id is None
 
 
-def test_metrics_are_recorded() -> None:
+def test_metrics_are_recorded_per_component() -> None:
+    """A disaggregating frontend's two routers (prefill and decode workers) count apart."""
     registry = CollectorRegistry()
-    r = KvRouter(KvIndexer(), BS, model="m", metrics=RouterMetrics(registry), subscriber=None)
-    route = r.route(REQ, [A, B])
-    route.served_by(A)
-    route.done()
-    labels = {"model": "m", "mode": "kv"}
-    assert registry.get_sample_value("kvbaton_router_decision_seconds_count", labels) == 1
-    assert registry.get_sample_value("kvbaton_router_overlap_blocks_count", labels) == 1
-    worker = {**labels, "worker": f"{A:x}"}
-    assert registry.get_sample_value("kvbaton_router_requests_total", worker) == 1
+    metrics = RouterMetrics(registry)
+    routers = [
+        KvRouter(KvIndexer(), BS, model="m", metrics=metrics, component="ns.prefill"),
+        KvRouter(KvIndexer(), BS, model="m", metrics=metrics, component="ns.backend"),
+    ]
+    for r in routers:
+        route = r.route(REQ, [A, B])
+        route.served_by(A)
+        route.done()
+    routers[1].route(REQ, [A, B]).served_by(B)
+    simple = RoundRobinRouter("m", metrics, "ns.other")
+    simple.route(REQ, [C]).served_by(C)
+
+    def sample(name: str, component: str, mode: str = "kv", **worker: str) -> float | None:
+        labels = {"model": "m", "component": component, "mode": mode, **worker}
+        return registry.get_sample_value(f"kvbaton_router_{name}", labels)
+
+    assert sample("decision_seconds_count", "ns.prefill") == 1
+    assert sample("decision_seconds_count", "ns.backend") == 2
+    assert sample("overlap_blocks_count", "ns.prefill") == 1
+    assert sample("overlap_blocks_count", "ns.backend") == 2
+    assert sample("requests_total", "ns.prefill", worker=f"{A:x}") == 1
+    assert sample("requests_total", "ns.prefill", worker=f"{B:x}") is None
+    assert sample("requests_total", "ns.backend", worker=f"{A:x}") == 1
+    assert sample("requests_total", "ns.backend", worker=f"{B:x}") == 1
+    assert sample("requests_total", "ns.other", "round-robin", worker=f"{C:x}") == 1
 
 
 # -- the KV router --------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def make_router(
 ) -> Router:
     mode = settings.mode or ("kv" if card.kv_events else "least-loaded")
     if mode != "kv":
-        return _SIMPLE[mode](card.name, metrics)
+        return _SIMPLE[mode](card.name, metrics, card.component)
     subscriber = None
     indexer: KvIndexer
     if settings.kv_events:

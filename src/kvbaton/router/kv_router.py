@@ -48,9 +48,8 @@ class KvRouter(Router):
         seed: int | None = None,
         component: str = "",
     ) -> None:
-        """`subscriber`: the workers' KV events feeding `indexer` (and their loads);
-        `component`: "namespace.component" of the workers (a label of the metrics)."""
-        super().__init__(model, metrics)
+        """`subscriber`: the workers' KV events feeding `indexer` (and their loads)."""
+        super().__init__(model, metrics, component)
         if overlap_weight < 0 or temperature < 0:
             raise ValueError("overlap_weight and temperature must be >= 0")
         self.indexer = indexer
@@ -58,7 +57,6 @@ class KvRouter(Router):
         self.overlap_weight = overlap_weight
         self.temperature = temperature
         self.subscriber = subscriber
-        self.component = component
         # worker id -> its last load report
         self.loads: dict[int, WorkerLoad] = subscriber.loads if subscriber else {}
         self.active = ActiveSequences()
@@ -155,7 +153,8 @@ class KvRouter(Router):
         if self.metrics is not None:
             assert route.worker_id is not None
             overlap = route.overlaps.get(route.worker_id, 0)
-            self.metrics.overlap_blocks.labels(self.model, self.mode).observe(overlap)
+            labels = (self.model, self.component, self.mode)
+            self.metrics.overlap_blocks.labels(*labels).observe(overlap)
 
     def _first_token(self, route: Route) -> None:
         self.active.prefill_done(route)

@@ -35,8 +35,11 @@ class _IndexedBlocks(Collector):
 
 
 class RouterMetrics:
+    """Every metric is per model and per component ("namespace.component" of the workers
+    routed to: a disaggregating frontend's prefill and decode workers are two) and mode."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
-        labels = ["model", "mode"]
+        labels = ["model", "component", "mode"]
         self.decision_seconds = Histogram(
             "kvbaton_router_decision_seconds",
             "Time to rank the workers for one request",

@@ -104,9 +104,14 @@ class Route:
 class Router:
     mode = "base"
 
-    def __init__(self, model: str = "", metrics: RouterMetrics | None = None) -> None:
+    def __init__(
+        self, model: str = "", metrics: RouterMetrics | None = None, component: str = ""
+    ) -> None:
+        """`component`: "namespace.component" of the workers routed to (a label of the
+        metrics)."""
         self.model = model
         self.metrics = metrics
+        self.component = component
         self.in_flight: dict[int, int] = {}
         self._rotation = itertools.count()
 
@@ -132,7 +137,7 @@ class Router:
 
     def _observe(self, started: float) -> None:
         if self.metrics is not None:
-            self.metrics.decision_seconds.labels(self.model, self.mode).observe(
+            self.metrics.decision_seconds.labels(self.model, self.component, self.mode).observe(
                 time.perf_counter() - started
             )
 
@@ -162,7 +167,8 @@ class Router:
     def _taken(self, route: Route) -> None:
         assert route.worker_id is not None
         if self.metrics is not None:
-            self.metrics.routed.labels(self.model, self.mode, f"{route.worker_id:x}").inc()
+            labels = (self.model, self.component, self.mode, f"{route.worker_id:x}")
+            self.metrics.routed.labels(*labels).inc()
 
     def _first_token(self, route: Route) -> None:
         pass
