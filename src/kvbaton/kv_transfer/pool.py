@@ -24,7 +24,16 @@ from kvbaton.protocols.llm import KvPoolInfo
 log = logging.getLogger(__name__)
 
 _OWNED: set[str] = set()  # segments this process created
-_LINGERING: list[shared_memory.SharedMemory] = []  # closed while viewed: never collected
+
+
+class _Segment(shared_memory.SharedMemory):
+    """A segment that may be let go of while views of it live (the engine's cache, freed after
+    the modules at exit): its mapping then stays until the last view goes, instead of
+    `SharedMemory.__del__` raising BufferError."""
+
+    def __del__(self) -> None:
+        with contextlib.suppress(BufferError):
+            super().__del__()
 
 
 def _reserve(segment: shared_memory.SharedMemory, nbytes: int) -> None:
@@ -58,7 +67,7 @@ class KvPool:
         """The buffer for the engine's cache (zeroed): in shared memory if `shared` and the
         shared-memory file system has room for all of it, its pages allocated at once."""
         if self.shared and nbytes > 0:
-            segment = shared_memory.SharedMemory(create=True, size=nbytes)
+            segment = _Segment(create=True, size=nbytes)
             _OWNED.add(segment.name)
             try:
                 _reserve(segment, nbytes)
@@ -125,10 +134,8 @@ class KvPool:
         self.blocks = None
         if self.segment is not None:
             segment, self.segment = self.segment, None
-            try:
+            with contextlib.suppress(BufferError):  # the engine's cache still views it
                 segment.close()
-            except BufferError:  # the engine's cache still views it: unmapped at exit
-                _LINGERING.append(segment)
             segment.unlink()
             _OWNED.discard(segment.name)
 
@@ -136,7 +143,7 @@ class KvPool:
 def attach_segment(name: str, nbytes: int) -> tuple[shared_memory.SharedMemory, np.ndarray]:
     """A peer's segment and a uint8 view of its first `nbytes` bytes. Attaching does not make
     this process an owner: its resource tracker is told to leave the segment alone."""
-    segment = shared_memory.SharedMemory(name=name)
+    segment = _Segment(name=name)
     # Trackers differ between Python versions; a failure here only warns at exit. (A segment
     # of this process's own stays registered: its owner unlinks it.)
     if name not in _OWNED:
