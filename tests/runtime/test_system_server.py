@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from kvbaton.runtime import Context, DistributedRuntime
+from kvbaton.runtime.http_embed import listen
 from tests.conftest import WorkerFactory
 from tests.helpers import wait_until
 from tests.servers import free_port
@@ -87,3 +88,15 @@ async def test_a_worker_serves_its_health_on_the_system_port(
         assert any(e.endswith(".generate") for e in health.json()["endpoints"])
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
+
+
+def test_a_port_in_use_is_named_in_the_error() -> None:
+    """The frontend, the system server and the http plane all listen through `listen`."""
+    taken = listen("127.0.0.1", 0)
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: ") as error:
+            listen("127.0.0.1", port)
+        assert error.value.errno is not None
+    finally:
+        taken.close()

@@ -24,7 +24,7 @@ from kvbaton.cli.planner import add_planner_flags
 from kvbaton.cli.profile import add_profile_flags
 from kvbaton.cli.routing import add_router_flags, router_settings
 from kvbaton.cli.worker import add_worker_flags
-from kvbaton.runtime import DistributedRuntime, RuntimeSettings
+from kvbaton.runtime import DistributedRuntime, RuntimeSettings, RuntimeShutDownError
 
 log = logging.getLogger("kvbaton")
 
@@ -143,6 +143,8 @@ def run_on_runtime(
             if runtime.settings.system_port is not None:
                 log.info("system server at %s", runtime.start_system_server())
             await body(args, runtime)
+        except RuntimeShutDownError:  # the signal came while `body` was starting
+            log.info("stopped before serving")
         finally:
             await runtime.shutdown()
 

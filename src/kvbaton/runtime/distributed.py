@@ -19,6 +19,7 @@ from typing import Any
 from kvbaton.protocols.discovery import Instance
 from kvbaton.runtime.client import Client
 from kvbaton.runtime.discovery import Discovery, open_discovery
+from kvbaton.runtime.errors import RuntimeShutDownError
 from kvbaton.runtime.names import EndpointPath, check_name
 from kvbaton.runtime.nats_connections import NatsConnections
 from kvbaton.runtime.request_plane import (
@@ -98,7 +99,7 @@ class DistributedRuntime:
     async def _serving_setup(self) -> tuple[FrameServer, int]:
         async with self._setup_lock:  # shutdown takes it too: no setup outlives a shutdown
             if self._closed:
-                raise RuntimeError("the runtime is shut down")
+                raise RuntimeShutDownError("the runtime is shut down")
             if self._server is None:
                 server = make_request_server(self.settings, self.nats)
                 await server.start()

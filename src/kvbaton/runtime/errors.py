@@ -34,6 +34,11 @@ class StreamLimitError(RuntimeServiceError):
     """The connection already had its most concurrent streams open; the request never ran."""
 
 
+class RuntimeShutDownError(RuntimeServiceError, RuntimeError):
+    """The runtime was shut down (a stop signal, say) before the call: nothing more can be
+    served on it."""
+
+
 class DeadlineExceededError(RuntimeServiceError, TimeoutError):
     """The request's deadline passed."""
 
