@@ -27,6 +27,7 @@ READY_S = 120.0  # two cold Python starts and a model load on a loaded 2-core ma
 NUM_KV_BLOCKS = 64
 _READY = re.compile(r"ready at (http://\S+)/v1")
 _LISTENING = re.compile(r"OpenAI API at (http://\S+)/v1")
+_OWN_DISCOVERY = re.compile(r"its instances: kvbaton status --discovery (\S+)")  # no --discovery
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +56,9 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
 
 
-def start_serve(model_dir: Path, discovery_dir: Path, *extra: str) -> Deployment:
-    """`kvbaton serve` on free ports; returns once it says it is ready."""
+def start_serve(model_dir: Path, discovery_dir: Path | None, *extra: str) -> Deployment:
+    """`kvbaton serve` on free ports; returns once it says it is ready. `discovery_dir` None:
+    serve's own (the deployment's `discovery` is then what it says it is)."""
     command = [
         "serve",
         "--model",
@@ -79,9 +81,9 @@ def start_frontend(discovery: Path | str, namespace: str, *extra: str) -> Deploy
 
 
 def _start(
-    command: list[str], ready_line: re.Pattern[str], discovery: Path | str, model: str
+    command: list[str], ready_line: re.Pattern[str], discovery: Path | str | None, model: str
 ) -> Deployment:
-    url = f"file://{discovery}" if isinstance(discovery, Path) else discovery
+    url = f"file://{discovery}" if isinstance(discovery, Path) else discovery or ""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -90,8 +92,7 @@ def _start(
             *command,
             "--http-port",
             "0",
-            "--discovery",
-            url,
+            *(["--discovery", url] if url else []),
         ],
         env=clean_env() | {"KVBATON_LEASE_TTL": "3"},
         stdout=subprocess.PIPE,
@@ -105,8 +106,11 @@ def _start(
         for raw in iter(proc.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
             deployment.lines.append(line)
-            if not ready.is_set() and (m := ready_line.search(line)):
+            if not deployment.url and (m := ready_line.search(line)):
                 deployment.url = m.group(1)
+            if not deployment.discovery and (m := _OWN_DISCOVERY.search(line)):
+                deployment.discovery = m.group(1)
+            if deployment.url and deployment.discovery:
                 ready.set()
 
     deployment.reader = threading.Thread(target=read, daemon=True)

@@ -151,6 +151,29 @@ async def test_serve_with_two_workers_stops_them_all_on_sigint(
     assert status.stdout.splitlines()[1] == "no instances"
 
 
+async def test_serve_on_a_discovery_of_its_own_names_it_and_removes_it(chat_model: Path) -> None:
+    """With no --discovery, `kvbaton serve` keeps its processes apart from every other
+    deployment's, and says how `kvbaton status` finds them."""
+    deployment = await asyncio.to_thread(start_serve, chat_model, None, "--engine", "mocker")
+    own = deployment.discovery
+    try:
+        assert own.startswith("file://") and "kvbaton-serve-" in own, own
+        await asyncio.to_thread(wait_for_health, deployment.url, deployment.model, 1)
+        status = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "kvbaton", "status", "--discovery", own],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=clean_env(),
+        )
+        rows = [line.split()[:3] for line in status.stdout.splitlines()[2:]]
+        assert ["kvbaton", "backend", "generate"] in rows, status.stdout
+    finally:
+        assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
+    assert not await asyncio.to_thread(os.path.exists, own.removeprefix("file://"))
+
+
 async def test_serve_stops_everything_when_a_worker_dies(chat_model: Path, tmp_path: Path) -> None:
     deployment = await asyncio.to_thread(start_serve, chat_model, tmp_path / "discovery")
     try:

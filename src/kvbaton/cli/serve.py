@@ -135,13 +135,14 @@ def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
     if args.api_key:
         env[API_KEY_ENV] = args.api_key
     try:
-        return _supervise(args, env)
+        return _supervise(args, env, private_dir is not None)
     finally:
         if private_dir is not None:
             shutil.rmtree(private_dir, ignore_errors=True)
 
 
-def _supervise(args: argparse.Namespace, env: dict[str, str]) -> int:
+def _supervise(args: argparse.Namespace, env: dict[str, str], private: bool) -> int:
+    """`private`: the discovery is this deployment's own (named once it is ready)."""
     found_url: list[str] = []
     children: list[subprocess.Popen[bytes]] = []
     for name, cmd in _commands(args):
@@ -167,6 +168,12 @@ def _supervise(args: argparse.Namespace, env: dict[str, str]) -> int:
         if not ready and found_url and _ready(found_url[0]):
             ready = True
             print(f"kvbaton serve: model {model} ready at {found_url[0]}/v1", flush=True)
+            if private:
+                discovery = env["KVBATON_DISCOVERY"]
+                print(
+                    f"kvbaton serve: its instances: kvbaton status --discovery {discovery}",
+                    flush=True,
+                )
         if not ready and time.monotonic() - started > READY_TIMEOUT_S:
             log.error("not ready after %.0fs; stopping", READY_TIMEOUT_S)
             code = 1
