@@ -9,8 +9,10 @@ none of its prompt as prefill pending there, unless the prefill failed and it co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import pytest
 
@@ -107,99 +109,113 @@ def prompt(i: int) -> list[int]:
     return [i * 1000 + t for t in range(4 * BLOCK)]
 
 
-@pytest.mark.parametrize("path", ["prefill router", "follow", "prefill-first decode"])
-async def test_a_burst_spreads_over_the_workers(path: str) -> None:
+@dataclass
+class Cluster:
+    """Two prefill and two decode workers whose answers wait for `computed` and `decoded`,
+    their clients, and the runtime of the caller (the frontend)."""
+
+    caller: DistributedRuntime
+    prefill_workers: Workers
+    decode_workers: Workers
+    prefill_client: Client
+    decode_client: Client
+    computed: asyncio.Event
+    decoded: asyncio.Event
+
+
+@contextlib.asynccontextmanager
+async def cluster() -> AsyncIterator[Cluster]:
     discovery = f"mem://{uuid.uuid4().hex}"
     computed, decoded = asyncio.Event(), asyncio.Event()
     prefill_workers = Workers(discovery, "ns.prefill.generate", computed, prefill=True)
     decode_workers = Workers(discovery, "ns.backend.generate", decoded, prefill=False)
     caller = DistributedRuntime(discovery)
-    burst: list[asyncio.Task[list[int]]] = []
     try:
-        prefill_client = await prefill_workers.client(caller)
-        decode_client = await decode_workers.client(caller)
-        prefill_router = PrefillRouter(
-            caller, prefill_client, kv_router_preferring_the_second(prefill_client)
+        yield Cluster(
+            caller,
+            prefill_workers,
+            decode_workers,
+            await prefill_workers.client(caller),
+            await decode_workers.client(caller),
+            computed,
+            decoded,
         )
-        decode_router = kv_router_preferring_the_second(decode_client)
-
-        async def send(i: int) -> list[int]:
-            request = PreprocessedRequest(model="m", token_ids=prompt(i))
-            hints = RouteRequest(prompt(i))
-            if path == "prefill router":
-                candidates = prefill_client.instance_ids()
-                out = await prefill_router.prefill(request, f"r{i}", hints, candidates, [])
-                return out.token_ids
-            route = decode_router.route(hints, decode_client.instance_ids())
-            if path == "follow":
-                outputs = follow(decode_client.ordered(request, route.ranking), route, [])
-            else:
-                outputs = Disaggregated(
-                    *(prefill_router, decode_client, request, f"r{i}", hints),
-                    *(prefill_client.instance_ids(), route, [], True),
-                ).prefill_first()
-            return [t for out in await collect(outputs) for t in out.token_ids]
-
-        burst += [asyncio.create_task(send(i)) for i in range(BURST)]
-        if path == "prefill-first decode":  # the prefills end together, after every arrival
-            await wait_until(prefill_workers.spread, what="the prefills spread")
-            computed.set()
-        workers = prefill_workers if path == "prefill router" else decode_workers
-        await wait_until(lambda: sum(workers.taken.values()) == BURST, what="every request")
-        assert workers.spread(), workers.taken
-        computed.set()
-        decoded.set()
-        tokens = [1, 1] if path == "prefill-first decode" else [1]  # the prefill's, the decode's
-        assert await asyncio.gather(*burst) == [tokens] * BURST
-        await prefill_router.close()
     finally:
-        for task in burst:
-            task.cancel()
         await caller.shutdown()
         await prefill_workers.stop()
         await decode_workers.stop()
 
 
+@pytest.mark.parametrize("path", ["prefill router", "follow", "prefill-first decode"])
+async def test_a_burst_spreads_over_the_workers(path: str) -> None:
+    burst: list[asyncio.Task[list[int]]] = []
+    async with cluster() as c:
+        try:
+            prefill_router = PrefillRouter(
+                c.caller, c.prefill_client, kv_router_preferring_the_second(c.prefill_client)
+            )
+            decode_router = kv_router_preferring_the_second(c.decode_client)
+
+            async def send(i: int) -> list[int]:
+                request = PreprocessedRequest(model="m", token_ids=prompt(i))
+                hints = RouteRequest(prompt(i))
+                if path == "prefill router":
+                    candidates = c.prefill_client.instance_ids()
+                    out = await prefill_router.prefill(request, f"r{i}", hints, candidates, [])
+                    return out.token_ids
+                route = decode_router.route(hints, c.decode_client.instance_ids())
+                if path == "follow":
+                    outputs = follow(c.decode_client.ordered(request, route.ranking), route, [])
+                else:
+                    outputs = Disaggregated(
+                        *(prefill_router, c.decode_client, request, f"r{i}", hints),
+                        *(c.prefill_client.instance_ids(), route, [], True),
+                    ).prefill_first()
+                return [t for out in await collect(outputs) for t in out.token_ids]
+
+            burst += [asyncio.create_task(send(i)) for i in range(BURST)]
+            if path == "prefill-first decode":  # the prefills end together, after every arrival
+                await wait_until(c.prefill_workers.spread, what="the prefills spread")
+                c.computed.set()
+            workers = c.prefill_workers if path == "prefill router" else c.decode_workers
+            await wait_until(lambda: sum(workers.taken.values()) == BURST, what="every request")
+            assert workers.spread(), workers.taken
+            c.computed.set()
+            c.decoded.set()
+            tokens = [1, 1] if path == "prefill-first decode" else [1]  # prefill's, decode's
+            assert await asyncio.gather(*burst) == [tokens] * BURST
+            await prefill_router.close()
+        finally:
+            for task in burst:
+                task.cancel()
+
+
 @pytest.mark.parametrize("prefill", ["answers", "fails"])
 async def test_a_decode_worker_sent_the_kv_counts_no_prefill_of_it(prefill: str) -> None:
-    discovery = f"mem://{uuid.uuid4().hex}"
-    computed, decoded = asyncio.Event(), asyncio.Event()
-    prefill_workers = Workers(discovery, "ns.prefill.generate", computed, prefill=True)
-    decode_workers = Workers(discovery, "ns.backend.generate", decoded, prefill=False)
-    caller = DistributedRuntime(discovery)
-    try:
-        prefill_client = await prefill_workers.client(caller)
-        decode_client = await decode_workers.client(caller)
-        prefill_router = PrefillRouter(caller, prefill_client, KvRouter(KvIndexer(), BLOCK))
+    async with cluster() as c:
+        prefill_router = PrefillRouter(c.caller, c.prefill_client, KvRouter(KvIndexer(), BLOCK))
         decode_router = KvRouter(KvIndexer(), BLOCK)
         hints = RouteRequest(prompt(0))
-        route = decode_router.route(hints, decode_client.instance_ids())
-        live = prefill_client.instance_ids() if prefill == "answers" else []  # [] fails
+        route = decode_router.route(hints, c.decode_client.instance_ids())
+        live = c.prefill_client.instance_ids() if prefill == "answers" else []  # [] fails
         outputs = Disaggregated(
-            *(prefill_router, decode_client, PreprocessedRequest(model="m", token_ids=prompt(0))),
+            *(prefill_router, c.decode_client, PreprocessedRequest(model="m", token_ids=prompt(0))),
             *("r", hints, live, route, [], False),
         ).prefill_first()
         request = asyncio.create_task(collect(outputs))
         decode_worker = route.ranking[0]
         active = decode_router.active
+
+        def counts() -> tuple[int, int]:
+            return active.prefill_tokens(decode_worker), active.active_blocks(decode_worker)
+
         if prefill == "answers":
-            await wait_until(lambda: sum(prefill_workers.taken.values()) == 1, what="a prefill")
-            assert (active.prefill_tokens(decode_worker), active.active_blocks(decode_worker)) == (
-                0,
-                5,
-            )
-            computed.set()
-        await wait_until(lambda: decode_workers.taken == {decode_worker: 1}, what="the decode")
-        pending = 0 if prefill == "answers" else 4 * BLOCK
-        assert (active.prefill_tokens(decode_worker), active.active_blocks(decode_worker)) == (
-            pending,
-            5,
-        )
-        decoded.set()
+            await wait_until(lambda: sum(c.prefill_workers.taken.values()) == 1, what="a prefill")
+            assert counts() == (0, 5)  # 4 blocks and a partial one
+            c.computed.set()
+        await wait_until(lambda: c.decode_workers.taken == {decode_worker: 1}, what="the decode")
+        assert counts() == (0 if prefill == "answers" else 4 * BLOCK, 5)
+        c.decoded.set()
         await request
         assert len(active) == 0
         await prefill_router.close()
-    finally:
-        await caller.shutdown()
-        await prefill_workers.stop()
-        await decode_workers.stop()
