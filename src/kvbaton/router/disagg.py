@@ -10,9 +10,9 @@ worker, or disaggregated in either transfer order.
 
 Invariants: `Route.done()` once per route; the decode worker's route counts no prefill of the
 prompt there, until a prefill failure falls back to a prefill on the decode worker (or raises
-PrefillError with `enforce`); blocks a prefill worker holds for a
-decode worker that never takes the request are released, and a decode worker's room that no
-prefill worker will fill is ended at once."""
+PrefillError with `enforce`); blocks a prefill worker holds for a decode worker that never
+takes the request are released, and a decode worker's room that no prefill worker will fill is
+ended at once."""
 
 from __future__ import annotations
 
