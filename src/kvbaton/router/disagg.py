@@ -68,6 +68,9 @@ class Disaggregated:
     served_by: list[int]
     enforce: bool  # a failed prefill fails the request (else: prefilled on the decode worker)
 
+    def __post_init__(self) -> None:
+        self.route.set_prefills(False)  # a prefill worker sends or writes it the KV
+
     def outputs(self, order: str) -> AsyncGenerator[EngineOutput, None]:
         return self.decode_first() if order == "decode-first" else self.prefill_first()
 
@@ -76,7 +79,6 @@ class Disaggregated:
         params = None
         taken = False  # a decode worker produced output: it read (or released) the blocks
         try:
-            route.set_prefills(False)  # the prefill worker sends it the KV
             route.count_on_first()  # its decode worker, chosen now, counts it during the prefill
             answer = await self._prefill(request)
             if answer is not None and answer.disaggregated_params is None:
@@ -102,7 +104,6 @@ class Disaggregated:
                 await self.prefill.release(params)
 
     async def decode_first(self) -> AsyncGenerator[EngineOutput, None]:
-        self.route.set_prefills(False)  # the prefill worker writes it the KV
         bootstrap = msgspec.structs.replace(self.request, bootstrap=True)
         stream = self.decode.ordered(bootstrap, self.route.ranking, request_id=self.request_id)
         outputs = follow(stream, self.route, self.served_by)
