@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvbaton.planner.connectors import (
     Connector,
@@ -23,6 +25,10 @@ from kvbaton.planner.connectors import (
     make_connector,
 )
 from kvbaton.planner.connectors.local import LocalConnector
+from kvbaton.planner.planner import Planner, PlannerMetrics, Predictors
+from kvbaton.planner.predictors import make_predictor
+from kvbaton.planner.replicas import ReplicaPlanner, ReplicaPolicy
+from kvbaton.planner.types import Decision, Observation, Profile, ProfilePoint, Targets
 from kvbaton.runtime import DistributedRuntime
 from tests.helpers import collect, wait_until
 
@@ -39,11 +45,12 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
 
 
-def _echo_args(discovery_url: str, role: str = "decode") -> list[str]:
-    # A long lease: a stopped worker must leave discovery by deregistering, not by expiring.
+def _echo_args(discovery_url: str, role: str = "decode", lease_ttl: float = 30) -> list[str]:
+    # A long lease by default: a stopped worker must leave discovery by deregistering, not by
+    # expiring.
     return [
         *("--role", role, "--engine", "echo", "--discovery", discovery_url),
-        *("--namespace", "t", "--lease-ttl", "30"),
+        *("--namespace", "t", "--lease-ttl", str(lease_ttl)),
     ]
 
 
@@ -131,6 +138,126 @@ async def test_local_scales_0_2_1_0_and_a_stopped_worker_drains_its_stream(
     assert await connector.current() == {"prefill": 0, "decode": 0}
     with pytest.raises(RuntimeError, match="closed"):
         await connector.scale("decode", 1)
+
+
+PLANNER_INTERVAL_S = 0.5
+
+
+class _NoTraffic:
+    """The planner's observer for a frontend that sees no requests: every decision keeps each
+    pool at its minimum."""
+
+    async def start(self) -> None: ...
+
+    async def observe(self) -> Observation:
+        return Observation(interval_s=PLANNER_INTERVAL_S)
+
+
+@pytest.mark.integration
+async def test_the_planner_replaces_a_killed_local_worker_at_its_next_interval(
+    tmp_path: Path, discovery_url: str
+) -> None:
+    """A worker that dies (SIGKILL: no deregistration, no drain) stops counting in `current()`;
+    the planner's next decision finds the pool below its target and the connector starts a new
+    worker, which registers, while the killed one's lease expires (short TTL)."""
+    connector = LocalConnector(
+        {"decode": _echo_args(discovery_url, lease_ttl=3)},
+        env=_clean_env(),
+        log_dir=tmp_path / "logs",
+        stop_grace_s=10.0,
+    )
+    registry = CollectorRegistry()
+    seen: list[float | None] = []  # the decode count the connector reported at each decision
+
+    def on_decision(observation: Observation, decision: Decision) -> None:
+        seen.append(
+            registry.get_sample_value("kvbaton_planner_current_replicas", {"role": "decode"})
+        )
+
+    profile = Profile(
+        engine="echo",
+        model="echo",
+        prefill=[ProfilePoint(16, 1.0), ProfilePoint(4096, 50.0)],
+        decode=[ProfilePoint(1, 1.0), ProfilePoint(8, 8.0)],
+    )
+    planner = Planner(
+        _NoTraffic(),  # type: ignore[arg-type]
+        connector,
+        ReplicaPlanner(
+            profile,
+            Targets(ttft_ms=1000, itl_ms=10),
+            ReplicaPolicy(min_prefill=0, max_prefill=0, min_decode=2, max_decode=2),
+        ),
+        Predictors(*(make_predictor("constant") for _ in range(3))),
+        interval_s=PLANNER_INTERVAL_S,
+        metrics=PlannerMetrics(registry),
+        on_decision=on_decision,
+    )
+    runtime = DistributedRuntime(discovery_url)
+    started: list[int] = []
+    loop = asyncio.create_task(planner.run())
+    try:
+        stats = await runtime.endpoint("t.backend.stats").client()
+
+        async def pid_of_each_instance() -> dict[int, int]:
+            return {
+                (await collect(stats.direct(None, iid)))[0]["pid"]: iid
+                for iid in stats.instance_ids()
+            }
+
+        # The first decision starts the pool; both workers register.
+        await wait_until(lambda: len(connector.pids("decode")) == 2, 10, "the first decision")
+        started = connector.pids("decode")
+        victim, survivor = started  # the oldest dies
+        await wait_until(lambda: len(stats.instance_ids()) == 2, STARTUP_S, "2 in discovery")
+        instances = await pid_of_each_instance()
+        assert set(instances) == {survivor, victim}
+
+        decisions_before = len(seen)
+        os.kill(victim, signal.SIGKILL)  # a process the connector started, by its PID
+        await wait_until(
+            lambda: victim not in connector.pids("decode") and len(connector.pids("decode")) == 2,
+            10,
+            "a new worker in the killed one's place",
+        )
+        [replacement] = set(connector.pids("decode")) - {survivor}
+        started.append(replacement)
+        assert connector.pids("decode") == [survivor, replacement]  # the survivor untouched
+        assert await connector.current() == {"prefill": 0, "decode": 2}
+        assert not _alive(victim)
+        # The planner's decision replaced it: one saw the pool one short.
+        assert 1.0 in seen[decisions_before:], seen
+        assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+            "decode-1.log",
+            "decode-2.log",
+            "decode-3.log",
+        ]
+
+        # In discovery: the killed worker's lease expires, the new worker registers.
+        await wait_until(
+            lambda: (
+                instances[victim] not in stats.instance_ids() and len(stats.instance_ids()) == 2
+            ),
+            STARTUP_S,
+            "the killed worker expired and its replacement registered",
+        )
+        assert set(await pid_of_each_instance()) == {survivor, replacement}
+        # ... and the pool stays as it is: no further worker is started.
+        assert connector.pids("decode") == [survivor, replacement]
+        # Exactly one decision saw the pool short (the first after the death was noticed); it
+        # replaced the worker, and every later one found the pool whole.
+        after = seen[decisions_before:]
+        short = after.index(1.0)
+        assert after[:short] == [2.0] * short, seen
+        assert set(after[short + 1 :]) == {2.0}, seen
+    finally:
+        planner.stop()
+        try:
+            await loop
+        finally:
+            await connector.close()
+            await runtime.shutdown()
+    assert not [pid for pid in started if _alive(pid)]
 
 
 @pytest.mark.integration
