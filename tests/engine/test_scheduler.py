@@ -152,3 +152,21 @@ def test_blocks_always_return_to_the_pool(
     for s in requests:
         assert s.is_finished
         assert s.finish_reason == "abort" or s.num_output_tokens == s.params.max_tokens
+
+
+def test_aborting_a_held_sequence_frees_its_blocks_and_slot_once() -> None:
+    """A held sequence's output may never be read (its request was cancelled first): its abort
+    frees what it holds; a late `release` then frees nothing."""
+    sched = make(max_seqs=1)
+    free = sched.blocks.num_free_blocks
+    held = Sequence("h", list(range(10)), SamplingParams(max_tokens=5), hold_kv=True)
+    sched.add(held)
+    step(sched, random.Random(0))
+    assert list(sched.held) == ["h"] and sched.num_active == 1
+    assert sched.abort("h") is held and held.finish_reason == "abort"
+    assert (sched.num_active, sched.blocks.num_free_blocks) == (0, free)
+    assert sched.abort("h") is None and not sched.release("h")
+    assert sched.blocks.num_free_blocks == free
+    after = Sequence("next", list(range(5)), SamplingParams(max_tokens=1))
+    sched.add(after)
+    assert [s.seq for s in step(sched, random.Random(0)).scheduled] == [after]  # the slot's back

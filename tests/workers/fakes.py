@@ -1,22 +1,36 @@
 """A `KvHandoff` on stand-ins: an agent that moves no bytes (its reads are recorded in
-`agent.reads`) and an engine that records when it is told to reclaim blocks
-(`engine.reclaims`, monotonic times)."""
+`agent.reads`) and an engine that records the handles it is told to release
+(`engine.released`) and when it is told to reclaim blocks (`engine.reclaims`, monotonic times);
+or, on a real engine, a prefill worker (`make_prefill_worker`) whose decode workers never answer
+a claim, and a hook between a request's move to held and its output's delivery
+(`before_held_output`)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
+from kvbaton.engine import AsyncEngine, LLMEngine
 from kvbaton.engine.engine import KvCacheView
-from kvbaton.protocols.llm import KvPoolInfo
-from kvbaton.workers.kv_handoff import KvHandoff
+from kvbaton.protocols.llm import EngineOutput, KvPoolInfo, KvTarget
+from kvbaton.workers.kv_handoff import HoldingEngine, KvHandoff
+from kvbaton.workers.llm_worker import LLMWorker
 
 POOL = KvPoolInfo(layout="test", num_blocks=8, block_bytes=0, host="")
 
 
-def make_handoff(timeout_s: float) -> KvHandoff:
+def make_handoff(
+    timeout_s: float,
+    engine: HoldingEngine | None = None,
+    cache: KvCacheView | None = None,
+    block_size: int = 4,
+) -> KvHandoff:
+    """On the stand-in engine unless `engine` is given (`cache` then is its view)."""
     reads: list[tuple[list[int], list[int]]] = []
-    agent = SimpleNamespace(
+    agent: Any = SimpleNamespace(
         timeout_s=timeout_s,
         info=lambda: POOL,
         pool=SimpleNamespace(block_bytes=0),
@@ -24,12 +38,84 @@ def make_handoff(timeout_s: float) -> KvHandoff:
         reads=reads,
         close=lambda: None,
     )
-    reclaims: list[float] = []
-    engine = SimpleNamespace(
-        release_kv=lambda handle: None,
-        reclaim_kv_blocks=lambda: reclaims.append(time.monotonic()),
-        reclaims=reclaims,
+    if engine is None:
+        reclaims: list[float] = []
+        released: list[str] = []
+        engine = SimpleNamespace(
+            release_kv=released.append,
+            released=released,
+            reclaim_kv_blocks=lambda: reclaims.append(time.monotonic()),
+            reclaims=reclaims,
+        )
+    runtime: Any = SimpleNamespace(instance_id=7)
+    view = cache or KvCacheView("test", 8, 0, None)
+    return KvHandoff(runtime, engine, agent, view, "ns.backend", block_size)
+
+
+class UnansweringPeers:
+    """Decode workers that never answer a claim (it waits until withdrawn); their reports
+    (`kv_ready`) are recorded in `reports` as (room, ok)."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[str, bool]] = []
+
+    async def claim(self, target: KvTarget, timeout_s: float) -> None:
+        await asyncio.Event().wait()
+
+    async def kv_ready(
+        self, target: KvTarget, ok: bool, token_ids: list[int], linger_s: float = 0.0
+    ) -> None:
+        self.reports.append((target.room, ok))
+
+    async def close(self) -> None:
+        pass
+
+
+def make_prefill_worker(
+    engine: AsyncEngine, cache: KvCacheView | None = None
+) -> tuple[LLMWorker, KvHandoff]:
+    """A prefill worker serving "tiny" on `engine` (its KV cache seen as `cache` if given), with
+    its handoff: start it (`handoff.start()`) on the test's loop, close it at the end."""
+    view = cache or engine.engine.kv_cache()
+    handoff = make_handoff(5.0, engine, view, engine.block_size)
+    handoff.peers = UnansweringPeers()  # type: ignore[assignment]
+    runtime: Any = SimpleNamespace(
+        instance_id=7, namespace=lambda name: SimpleNamespace(component=lambda name: None)
     )
-    runtime = SimpleNamespace(instance_id=7)
-    cache = KvCacheView("test", 8, 0, None)
-    return KvHandoff(runtime, engine, agent, cache, "ns.backend", 4)  # type: ignore[arg-type]
+    worker = LLMWorker(
+        runtime,
+        engine,
+        served_name="tiny",
+        namespace="t",
+        role="prefill",
+        handoff=handoff,
+    )
+    return worker, handoff
+
+
+def kv_target(block_size: int, num_blocks: int) -> KvTarget:
+    """Decode-first: blocks 0... of a decode worker (`UnansweringPeers`'s) for a prompt."""
+    return KvTarget(
+        decode_instance_id=1,
+        claim_endpoint="ns.decode.kv_claim",
+        notify_endpoint="ns.decode.kv_ready",
+        room="room",
+        block_ids=list(range(num_blocks)),
+        first_block=0,
+        block_size=block_size,
+        pool=POOL,
+    )
+
+
+def before_held_output(engine: LLMEngine, act: Callable[[], object]) -> None:
+    """Call `act` (on the step thread) after each step that moved a request to held, before
+    `AsyncEngine` delivers that step's outputs (it does once the step returned)."""
+    step = engine.step
+
+    def step_then_act() -> list[EngineOutput]:
+        outputs = step()
+        if any(out.kv_blocks is not None for out in outputs):
+            act()
+        return outputs
+
+    engine.step = step_then_act  # type: ignore[method-assign]

@@ -8,7 +8,9 @@ until one carries a finish reason. Leaving the iterator early, or `abort(request
 the request, which frees its blocks before the next step.
 
 Disaggregation: a held request's stream ends with the output that names its blocks
-(`kv_blocks`); `release_kv` frees them. A request with a `kv_source` is loaded by the
+(`kv_blocks`); `release_kv` frees them, or, if the stream is left before that output is read
+(it may be on its way: the engine holds the request, its stream entry is gone), the abort it
+sends does (nobody else knows of the blocks). A request with a `kv_source` is loaded by the
 `kv_loader` (blocking; each on a thread of its own at once: a pool of `max_num_seqs` threads,
 as many as the requests that may be loading, since a decode-first load waits until the prefill
 worker wrote the KV, and its blocks are announced only once it started; it must end every call,
@@ -16,6 +18,10 @@ by return or exception, within its own timeout). It returns the tokens sampled a
 that the request did not come with (decode-first: the first token); an exception makes the
 request compute its prompt here (after the tokens of a `KvLoadFailed`; in other blocks while its
 `writes_end` is not set, which `reclaim_kv_blocks` then frees once it is).
+
+Invariants:
+- a held request's blocks are freed once: by the first of `release_kv` and its abort.
+- a stream left before it read its last output aborts its request, held or not.
 """
 
 from __future__ import annotations
@@ -176,7 +182,8 @@ class AsyncEngine:
                 self._inbox.put(_Abort(request_id, outputs))
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; its blocks are freed before the next step. Idempotent."""
+        """Stop a request; its blocks are freed before the next step (a held one's too: call it
+        only if nobody reads them). Idempotent."""
         self._inbox.put(_Abort(request_id))
 
     def release_kv(self, request_id: str) -> None:

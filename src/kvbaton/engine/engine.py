@@ -200,7 +200,8 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> EngineOutput | None:
-        """Stop a request and free its blocks now; its final output, or None if unknown."""
+        """Stop a request and free its blocks now (a held one's too: see `Scheduler.abort`);
+        its final output, or None if unknown."""
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
@@ -232,7 +233,8 @@ class LLMEngine:
         return self._output(self._forget(seq), seq.output_token_ids[seq.num_emitted_tokens :])
 
     def release_kv(self, request_id: str) -> bool:
-        """Free a held request's blocks (its KV was read, or nobody came for it)."""
+        """Free a held request's blocks (its KV was read, or nobody came for it); False if none
+        is held under the id (released or aborted before)."""
         return self.scheduler.release(request_id)
 
     def reclaim_kv_blocks(self) -> int:

@@ -14,10 +14,14 @@ Disaggregation: a waiting sequence with a `kv_source` is admitted by allocating 
 part of its prompt that the prefix cache lacks, then waits in `loading` (its blocks neither
 scheduled nor preemptible, nor registered in the prefix cache) until `finish_load`; a sequence
 with `hold_kv` that samples its first token without stopping moves to `held`, keeping its
-blocks until `release`. Both count against `max_num_seqs`. A failed load whose blocks a writer
-may still write (`writes_end` not set) leaves them quarantined, out of every table and of the
-free list, until `reclaim` finds its `writes_end` set; the sequence computes its prompt in
-other blocks.
+blocks until `release` or `abort`. Both count against `max_num_seqs`. A failed load whose
+blocks a writer may still write (`writes_end` not set) leaves them quarantined, out of every
+table and of the free list, until `reclaim` finds its `writes_end` set; the sequence computes
+its prompt in other blocks.
+
+Invariants:
+- a held sequence's blocks and slot are freed exactly once: by the first of `release` and
+  `abort`; the other then frees nothing.
 """
 
 from __future__ import annotations
@@ -108,8 +112,11 @@ class Scheduler:
         return len(self.running) + len(self.loading) + len(self.held)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Finish a waiting, running or loading request. A loading one keeps its blocks (a
-        transfer may be writing them) until `finish_load`."""
+        """Finish a waiting, running, loading or held request; None if there is none (or it was
+        aborted already).
+        - A loading one keeps its blocks (a transfer may be writing them) until `finish_load`.
+        - A held one frees its blocks and slot now: nobody read where its KV waits (its output
+          went unread), or nobody wants it any more; a later `release` frees nothing."""
         seq = self.loading.get(request_id)
         if seq is not None:
             if seq.is_finished:
@@ -123,7 +130,10 @@ class Scheduler:
                     queue.remove(seq)
                     self._finish(seq, "abort")
                     return seq
-        return None
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self._finish(seq, "abort")
+        return seq
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens

@@ -1,0 +1,76 @@
+"""A prefill worker's held KV comes back whatever ends its request: cancelled between the
+engine's move of the request to held and the worker's read of that output (the engine's stream
+for it is gone by then, and no hold timer runs yet), in either transfer order. Its blocks and
+its `max_num_seqs` slot are then free, once: a late `kv_release`, or a hold timer, frees nothing
+more. On the mocker and on the built-in engine (`serving_engine`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvbaton.engine import AsyncEngine, SamplingParams
+from kvbaton.protocols.llm import PreprocessedRequest
+from kvbaton.runtime import Context
+from kvbaton.workers.kv_handoff import KvHandoff
+from tests.workers.fakes import before_held_output, kv_target, make_prefill_worker
+
+pytestmark = pytest.mark.unit
+
+PROMPT = list(range(10, 30))  # 20 tokens: 3 blocks of 8
+HANDLE = "req#0"  # the worker's engine id for Context("req"), its first request
+
+
+def prefill_request(engine: AsyncEngine, order: str) -> PreprocessedRequest:
+    target = None
+    if order == "decode-first":
+        target = kv_target(engine.block_size, -(-len(PROMPT) // engine.block_size))
+    return PreprocessedRequest(
+        model="tiny",
+        token_ids=PROMPT,
+        sampling=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+        kv_target=target,
+    )
+
+
+async def assert_all_free(engine: AsyncEngine) -> None:
+    """Once the messages sent so far are applied: no request holds a block or a slot."""
+    await engine.kv_dump()  # (applied in order: after every message sent before it)
+    scheduler = engine.engine.scheduler
+    blocks = scheduler.blocks
+    taken = (scheduler.num_active, blocks.num_blocks - blocks.num_free_blocks)
+    assert taken == (0, 0), f"requests active, blocks taken: {taken} (held: {list(scheduler.held)})"
+
+
+async def assert_released_once(engine: AsyncEngine, handoff: KvHandoff) -> None:
+    """No hold timer runs for the request; a late release or timer frees nothing more."""
+    assert HANDLE not in handoff._held
+    assert await handoff.kv_release({"handle": HANDLE}, Context("late")) == {"released": False}
+    handoff._expire(HANDLE)
+    engine.release_kv(HANDLE)
+    await assert_all_free(engine)
+
+
+@pytest.mark.parametrize("order", ["prefill-first", "decode-first"])
+async def test_a_request_cancelled_before_its_held_output_is_read_frees_its_kv(
+    serving_engine: AsyncEngine, order: str
+) -> None:
+    engine = serving_engine
+    worker, handoff = make_prefill_worker(engine)
+    handoff.start()
+    try:
+        answer = asyncio.ensure_future(
+            anext(worker.generate(prefill_request(engine, order), Context("req")))
+        )
+        loop = asyncio.get_running_loop()
+        # The cancel reaches the loop before the held output does (both in call order).
+        before_held_output(engine.engine, lambda: loop.call_soon_threadsafe(answer.cancel))
+        with pytest.raises(asyncio.CancelledError):
+            await answer
+        await assert_all_free(engine)
+        await assert_released_once(engine, handoff)
+        if order == "decode-first":  # the decode worker is told that no KV comes
+            assert handoff.peers.reports == [("room", False)]  # type: ignore[attr-defined]
+    finally:
+        await handoff.close()
