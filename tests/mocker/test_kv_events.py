@@ -137,3 +137,17 @@ async def test_a_worker_that_leaves_is_taken_out(setup: Setup) -> None:
     await wait_until(lambda: setup.matches(prompt) == {}, what="the worker's removal")
     assert setup.worker_id not in setup.indexer.workers
     assert setup.worker_id not in setup.subscriber.loads
+
+
+async def test_a_follower_whose_cancel_was_lost_ends_once_its_worker_left(
+    mocker_model: Path,
+) -> None:
+    """A cancel can be lost (Python 3.11's wait_for swallows one that lands as the awaited call
+    ends): the task left over must end, not re-sync with a worker that is gone, forever."""
+    async with kv_setup(mocker_model) as setup:
+        await setup.subscriber.start()
+        await wait_until(lambda: setup.worker_id in setup.subscriber._workers, what="a follower")
+        # As if its cancel had been lost: it is no longer the worker's follower.
+        leftover = setup.subscriber._workers.pop(setup.worker_id)
+        await setup.worker_rt.shutdown()
+        await wait_until(leftover.done, timeout=10, what="the leftover follower's end")

@@ -99,7 +99,9 @@ class KvEventSubscriber:
                     await events.wait_for_change()
 
     async def _sync(self, worker: int) -> None:
-        while True:
+        """Follow `worker` while it is the one this task follows: a cancel can be lost (one that
+        lands as an await inside ends), and a task left over must not re-sync forever."""
+        while self._workers.get(worker) is asyncio.current_task():
             try:
                 await self._sync_once(worker)
                 log.info("kv events of worker %x ended; re-syncing", worker)
@@ -111,9 +113,10 @@ class KvEventSubscriber:
         assert self._events is not None and self._dumps is not None
         stream = self._events.direct(None, worker)
         try:
-            first: KvEventBatch = await asyncio.wait_for(anext(stream), SYNC_TIMEOUT_S)
-            dump_stream = self._dumps.direct(None, worker, timeout=SYNC_TIMEOUT_S)
-            dump: KvDump = await asyncio.wait_for(anext(dump_stream), SYNC_TIMEOUT_S)
+            async with asyncio.timeout(SYNC_TIMEOUT_S):  # (not wait_for: see above)
+                first: KvEventBatch = await anext(stream)
+                dump_stream = self._dumps.direct(None, worker, timeout=SYNC_TIMEOUT_S)
+                dump: KvDump = await anext(dump_stream)
             self.indexer.clear(worker)
             self.indexer.store(worker, dump.block_hashes)
             self.dumps += 1
