@@ -1,12 +1,15 @@
 """A prefill worker's held KV comes back whatever ends its request: cancelled between the
 engine's move of the request to held and the worker's read of that output (the engine's stream
-for it is gone by then, and no hold timer runs yet), in either transfer order. Its blocks and
-its `max_num_seqs` slot are then free, once: a late `kv_release`, or a hold timer, frees nothing
+for it is gone by then, and no hold timer runs yet), in either transfer order, or while the
+blocks are staged out to a mirrored cache (or that copy fails). Its blocks and its
+`max_num_seqs` slot are then free, once: a late `kv_release`, or a hold timer, frees nothing
 more. On the mocker and on the built-in engine (`serving_engine`)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 
 import pytest
 
@@ -14,6 +17,7 @@ from kvbaton.engine import AsyncEngine, SamplingParams
 from kvbaton.protocols.llm import PreprocessedRequest
 from kvbaton.runtime import Context
 from kvbaton.workers.kv_handoff import KvHandoff
+from tests.helpers import wait_until
 from tests.workers.fakes import before_held_output, kv_target, make_prefill_worker
 
 pytestmark = pytest.mark.unit
@@ -73,4 +77,45 @@ async def test_a_request_cancelled_before_its_held_output_is_read_frees_its_kv(
         if order == "decode-first":  # the decode worker is told that no KV comes
             assert handoff.peers.reports == [("room", False)]  # type: ignore[attr-defined]
     finally:
+        await handoff.close()
+
+
+@pytest.mark.parametrize("end", ["cancelled", "copy failed"])
+async def test_a_hold_cut_short_while_its_blocks_are_staged_out_frees_them_once_staged(
+    serving_engine: AsyncEngine, end: str
+) -> None:
+    engine = serving_engine
+    staging, staged = threading.Event(), threading.Event()
+
+    def stage_out(block_ids: list[int], layers: tuple[int, int] | None = None) -> None:
+        staging.set()
+        assert staged.wait(10)
+        if end == "copy failed":
+            raise OSError("copy failed")
+
+    mirrored = dataclasses.replace(engine.engine.kv_cache(), mirrored=True, stage_out=stage_out)
+    worker, handoff = make_prefill_worker(engine, mirrored)
+    handoff.start()
+    try:
+        answer = asyncio.ensure_future(
+            anext(worker.generate(prefill_request(engine, "prefill-first"), Context("req")))
+        )
+        await wait_until(staging.is_set, 10, "the held blocks staged out")
+        if end == "cancelled":
+            answer.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await answer
+        await engine.kv_dump()
+        assert list(engine.engine.scheduler.held) == [HANDLE]  # not freed while being copied
+        staged.set()
+        if end == "copy failed":
+            with pytest.raises(OSError, match="copy failed"):
+                await answer
+        await wait_until(
+            lambda: engine.stats().kv_blocks_used == 0, 5, "held blocks freed once staged out"
+        )
+        await assert_all_free(engine)
+        await assert_released_once(engine, handoff)
+    finally:
+        staged.set()
         await handoff.close()

@@ -10,22 +10,26 @@ write), writes the prompt's KV into its blocks (layer by layer as it computes th
 worker waits for that in its room: for a claim at most `timeout_s`, then, claimed, for the
 report or the claim's end (`KvRooms`, in kv_room.py).
 
-Invariants: held blocks are released exactly once, by a `kv_release` call or, if none comes,
-after `hold_timeout_s`; a decode worker sends one release per request it was given params for
-(after its read, or when the request ends without one), and keeps what it read only if the
-answer says the blocks were held until then (else it prefills the prompt itself), and keeps the
-blocks of a read that failed out of use while it may still land (`KvTransferAgent.linger_s`,
-NIXL); a room ends exactly once, and a claimed one only by its writer's report, the end of its
-writer's claim (the writer left, or its process or connection went) or the long timeout, never
-by the router's abandon; its blocks are neither freed nor computed into here while a write may
-still land in them (`KvRoom.writes_end`: the engine keeps a loading request's blocks until its
-load ends, and then, if writes may still land, quarantines them while the request goes on in
-other blocks); a room that ended refuses a claim; a prefill worker writes only into a room it
-claimed, starts no write later than the wait the decode worker promised (counted from before it
-sent the claim, so even when no word of the room's end reaches it), and reports (`kv_ready`) on
-every decode-first request its engine took, once no write runs or starts (saying how long one
-that failed may still land), before it lets go of the claim (one its engine refused never
-claims: the router abandons it)."""
+Invariants:
+- held blocks are released exactly once, by a `kv_release` call or, if none comes, after
+  `hold_timeout_s`; a request that ends while its blocks are staged out (before its answer is
+  made) holds nothing: they are released once the copy ended.
+- a decode worker sends one release per request it was given params for (after its read, or
+  when the request ends without one), keeps what it read only if the answer says the blocks
+  were held until then (else it prefills the prompt itself), and keeps the blocks of a read
+  that failed out of use while it may still land (`KvTransferAgent.linger_s`, NIXL).
+- a room ends exactly once, and a claimed one only by its writer's report, the end of its
+  writer's claim (the writer left, or its process or connection went) or the long timeout,
+  never by the router's abandon; a room that ended refuses a claim.
+- a room's blocks are neither freed nor computed into here while a write may still land in
+  them (`KvRoom.writes_end`: the engine keeps a loading request's blocks until its load ends,
+  and then, if writes may still land, quarantines them while the request goes on in other
+  blocks).
+- a prefill worker writes only into a room it claimed, starts no write later than the wait the
+  decode worker promised (counted from before it sent the claim, so even when no word of the
+  room's end reaches it), and reports (`kv_ready`) on every decode-first request its engine
+  took, once no write runs or starts (saying how long one that failed may still land), before
+  it lets go of the claim (one its engine refused never claims: the router abandons it)."""
 
 from __future__ import annotations
 
@@ -131,10 +135,17 @@ class KvHandoff:
 
     # -- prefill side --------------------------------------------------------------------------
     async def hold(self, handle: str, out: EngineOutput, prompt_len: int) -> EngineOutput:
-        """The answer for a held request: its first token and where its KV waits."""
+        """The answer for a held request: its first token and where its KV waits.
+        - If the blocks cannot be staged out (cancelled meanwhile, or the copy failed), they
+          are released once the copy no longer reads them, and no hold starts."""
         assert out.kv_blocks is not None
         if self.cache.mirrored:
-            await asyncio.to_thread(self.cache.stage_out, out.kv_blocks)
+            staged = asyncio.ensure_future(asyncio.to_thread(self.cache.stage_out, out.kv_blocks))
+            try:
+                await asyncio.shield(staged)
+            except BaseException:
+                staged.add_done_callback(lambda _: self.engine.release_kv(handle))
+                raise
         self._held[handle] = asyncio.get_running_loop().call_later(
             self.hold_timeout_s, self._expire, handle
         )
