@@ -3,18 +3,21 @@ engine's move of the request to held and the worker's read of that output (the e
 for it is gone by then, and no hold timer runs yet), in either transfer order, or while the
 blocks are staged out to a mirrored cache (or that copy fails). Its blocks and its
 `max_num_seqs` slot are then free, once: a late `kv_release`, or a hold timer, frees nothing
-more. On the mocker and on the built-in engine (`serving_engine`)."""
+more. On the mocker and on the built-in engine (`serving_engine`). A decode-first push frees
+its blocks once its writes stopped, even if cancelled while it waits for that."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import threading
+from types import SimpleNamespace
+from unittest.mock import AsyncMock
 
 import pytest
 
 from kvbaton.engine import AsyncEngine, SamplingParams
-from kvbaton.protocols.llm import PreprocessedRequest
+from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest
 from kvbaton.runtime import Context
 from kvbaton.workers.kv_handoff import KvHandoff
 from tests.helpers import wait_until
@@ -119,3 +122,33 @@ async def test_a_hold_cut_short_while_its_blocks_are_staged_out_frees_them_once_
     finally:
         staged.set()
         await handoff.close()
+
+
+async def test_a_push_cancelled_while_its_writes_stop_frees_the_blocks_once_stopped(
+    handoff: KvHandoff,
+) -> None:
+    """Decode-first: the blocks a push wrote from are freed once no write reads them, even if
+    the request is cancelled while the push waits for its writes to stop."""
+    stopping, stopped = threading.Event(), threading.Event()
+
+    def stop() -> None:
+        stopping.set()
+        assert stopped.wait(10)
+
+    pusher = SimpleNamespace(finish=lambda blocks: None, stop=stop)
+    claim = SimpleNamespace(accepted=AsyncMock(return_value=True), report=AsyncMock())
+    out = EngineOutput(request_id="r", token_ids=[42], kv_blocks=[1, 2])
+    pushing = asyncio.ensure_future(
+        handoff.push("h", out, kv_target(4, 2), claim, pusher)  # type: ignore[arg-type]
+    )
+    try:
+        await wait_until(stopping.is_set, 10, "the push's writes stopping")
+        pushing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pushing
+        released = handoff.engine.released  # type: ignore[attr-defined]
+        assert released == []  # not while a write may still read them
+        stopped.set()
+        await wait_until(lambda: released == ["h"], 5, "the pushed blocks released")
+    finally:
+        stopped.set()

@@ -14,6 +14,8 @@ Invariants:
 - held blocks are released exactly once, by a `kv_release` call or, if none comes, after
   `hold_timeout_s`; a request that ends while its blocks are staged out (before its answer is
   made) holds nothing: they are released once the copy ended.
+- a decode-first request's blocks are released once its push ended and no write reads them,
+  however the request ends.
 - a decode worker sends one release per request it was given params for (after its read, or
   when the request ends without one), keeps what it read only if the answer says the blocks
   were held until then (else it prefills the prompt itself), and keeps the blocks of a read
@@ -144,7 +146,7 @@ class KvHandoff:
             try:
                 await asyncio.shield(staged)
             except BaseException:
-                staged.add_done_callback(lambda _: self.engine.release_kv(handle))
+                self._release_once_done(handle, staged)
                 raise
         self._held[handle] = asyncio.get_running_loop().call_later(
             self.hold_timeout_s, self._expire, handle
@@ -167,6 +169,10 @@ class KvHandoff:
             logprobs=out.logprobs,
             disaggregated_params=params,
         )
+
+    def _release_once_done(self, handle: str, reading: asyncio.Future[Any]) -> None:
+        """Free the engine's blocks of `handle` once `reading` (what reads them) is done."""
+        reading.add_done_callback(lambda _: self.engine.release_kv(handle))
 
     def release(self, handle: str) -> bool:
         timer = self._held.pop(handle, None)
@@ -298,7 +304,9 @@ class KvHandoff:
     ) -> EngineOutput:
         """Prefill side: write a held request's KV into the target's blocks once `claim`ed
         (what `pusher` did not write as the prompt was computed), free our blocks, report to
-        the decode worker; the answer for the PrefillRouter."""
+        the decode worker; the answer for the PrefillRouter.
+        - Our blocks are freed once no write reads them, however the push ends (cancelled
+          too, even while it waits for its writes to stop)."""
         ok = False
         if out.kv_blocks is not None:
             try:
@@ -312,9 +320,10 @@ class KvHandoff:
                 ok = True
             except Exception as exc:
                 log.warning("request %s: KV write to %s failed: %s", handle, target.room, exc)
-            finally:
-                await self.stop_push(pusher)  # no write reads our blocks once freed
-                self.engine.release_kv(handle)
+            finally:  # no write reads our blocks once freed, even if cancelled meanwhile
+                stopped = asyncio.ensure_future(self.stop_push(pusher))
+                self._release_once_done(handle, stopped)
+                await asyncio.shield(stopped)
         else:  # it stopped at its first token: no KV is wanted
             await self.stop_push(pusher)
         await claim.report(ok, out.token_ids)
