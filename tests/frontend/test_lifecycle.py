@@ -101,7 +101,9 @@ def _finished_line(served: Deployment, request_id: str) -> str | None:
 async def test_dead_worker_gives_503_and_mid_stream_death_an_error_event(
     chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path
 ) -> None:
-    frontend = await asyncio.to_thread(start_frontend, tmp_path / "discovery", "t")
+    frontend = await asyncio.to_thread(
+        start_frontend, tmp_path / "discovery", "t", "--worker-wait-timeout", "0"
+    )
     try:
         worker = spawn_worker(
             "--model", str(chat_model), "--dtype", "float32", engine="torch", lease_ttl=30.0
@@ -121,7 +123,8 @@ async def test_dead_worker_gives_503_and_mid_stream_death_an_error_event(
                     if worker.poll() is None:
                         worker.send_signal(signal.SIGKILL)
                         await asyncio.to_thread(worker.wait)
-            # The card lives on with the lease (30 s), but the instance is gone: 503, at once.
+            # The card lives on with the lease (30 s), but the instance is gone: 503, at once
+            # (waiting for a worker to come back is off).
             r = await http.post("/v1/completions", json={"model": chat_model.name, "prompt": "Hi"})
             assert r.status_code == 503, r.text
             assert r.json()["error"]["code"] == "no_workers"

@@ -13,6 +13,7 @@ FRONTEND_FLAGS = (
     "migration_limit",
     "first_output_timeout",
     "stream_idle_timeout",
+    "worker_wait_timeout",
     "busy_kv_usage",
     "busy_prefill_tokens",
     "canary_period",
@@ -45,6 +46,15 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
         default=defaults.idle_s,
         metavar="SECONDS",
         help=f"the same, between two outputs of a stream (default {defaults.idle_s:g})",
+    )
+    group.add_argument(
+        "--worker-wait-timeout",
+        type=float,
+        default=defaults.worker_wait_s,
+        metavar="SECONDS",
+        help="when a model's last worker goes (a crash that `serve` restarts), its requests wait "
+        f"this long for one to come back before a 503 (0: at once; default "
+        f"{defaults.worker_wait_s:g})",
     )
     busy = BusyThresholds()
     group.add_argument(
@@ -106,4 +116,5 @@ def migration_settings(args: argparse.Namespace) -> MigrationSettings:
         limit=args.migration_limit,
         first_output_s=args.first_output_timeout,
         idle_s=args.stream_idle_timeout,
+        worker_wait_s=args.worker_wait_timeout,
     )

@@ -63,9 +63,14 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
-def no_workers(model: str) -> OpenAIError:
+def no_workers(model: str, role: str = "worker", waited_s: float = 0.0) -> OpenAIError:
+    """`waited_s`: how long the request waited for one to come back."""
+    waited = f" (none came back within {waited_s:g} s)" if waited_s else ""
     return OpenAIError(
-        503, f"no worker of model `{model}` is available", code="no_workers", type="server_error"
+        503,
+        f"no {role} of model `{model}` is available{waited}",
+        code="no_workers",
+        type="server_error",
     )
 
 

@@ -1,8 +1,10 @@
 """The models a frontend serves, followed from the workers' model cards in discovery.
 
 Invariants: a model is listed from the moment its tokenizer is loaded and at least one of its
-cards lives, until its last card vanishes (the worker stopped or died: the card dies with the
-worker's lease). A request goes to a live instance that registered a card of its model; the
+cards lives, until `worker_wait_s` after its last card vanished (the worker stopped or died: the
+card dies with the worker's lease) with none back. A request goes to a live instance that
+registered a card of its model; while there is none, it waits for one up to `worker_wait_s`
+(a worker that `serve` restarts), then fails with a 503; the
 tokenizer comes from the worker's directory when this machine can read it, else from the
 worker's `tokenizer_files` endpoint.
 
@@ -19,13 +21,14 @@ import dataclasses
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvbaton.frontend.canary import Canary
-from kvbaton.frontend.errors import OpenAIError, bad_request
+from kvbaton.frontend.errors import OpenAIError, bad_request, no_workers
 from kvbaton.frontend.migration import WorkerSilentError, migrating
 from kvbaton.frontend.openai_types import NvExt
 from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
@@ -165,7 +168,9 @@ class ServedModel:
                 self.client.direct(request, target, request_id=request_id), route, served_by
             )
         else:
-            candidates = self.instance_ids()
+            candidates = await wait_for_live(
+                self.instance_ids, self.client, self.migration.worker_wait_s, self.name
+            )
             if self.canary is not None:
                 candidates = self.canary.healthy(candidates)
             if migrated:
@@ -175,7 +180,7 @@ class ServedModel:
                 what = f"worker of model `{self.name}`"
                 candidates = admit(self.loads, self.thresholds, candidates, what)
             route = self.router.route(hints, candidates)
-            prefill = self._prefill_workers(request, route, not migrated)
+            prefill = await self._prefill_workers(request, route, not migrated)
             if route.ranking:
                 first = route.ranking[0]
                 tried.append(first)
@@ -211,18 +216,30 @@ class ServedModel:
         finally:
             prefilled()
 
-    def _prefill_workers(self, request: PreprocessedRequest, route: Route, shed: bool) -> list[int]:
+    async def _prefill_workers(
+        self, request: PreprocessedRequest, route: Route, shed: bool
+    ) -> list[int]:
         """The prefill workers to disaggregate on (those not busy, if `shed`: 503 if all are);
-        none to prefill on the decode worker: no prefill worker lives (503 with
-        `enforce_disagg`), or the part of the prompt that the decode worker ranked first lacks
-        is short (`max_local_prefill_tokens`)."""
+        none to prefill on the decode worker: no prefill worker lives (with `enforce_disagg`,
+        one is waited for as long as for a worker, then 503), or the part of the prompt that
+        the decode worker ranked first lacks is short (`max_local_prefill_tokens`)."""
         live = self.prefill.live()
+        if not live and self.settings.enforce_disagg and self.prefill.router is not None:
+            try:
+                live = await wait_for_live(
+                    self.prefill.live,
+                    self.prefill.router.client,
+                    self.migration.worker_wait_s,
+                    self.name,
+                    "prefill worker",
+                )
+            except BaseException:
+                route.done()
+                raise
         if not live:
             if self.settings.enforce_disagg:
                 route.done()
-                raise OpenAIError(
-                    503, f"no prefill worker of model `{self.name}` is available", code="no_workers"
-                )
+                raise no_workers(self.name, "prefill worker")
             return []
         limit = self.settings.max_local_prefill_tokens
         if limit > 0 and route.ranking:
@@ -241,6 +258,26 @@ class ServedModel:
 
 def _nothing() -> None:
     pass
+
+
+async def wait_for_live(
+    live: Callable[[], list[int]],
+    client: Client,
+    wait_s: float,
+    model: str,
+    role: str = "worker",
+) -> list[int]:
+    """`live()` once it names a worker: while it names none, waits for `client`'s instances to
+    change, at most `wait_s` in all; then the 503 (`no_workers`)."""
+    deadline = time.monotonic() + wait_s
+    while not (ids := live()):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise no_workers(model, role, wait_s)
+        with contextlib.suppress(TimeoutError):  # a card may come after its instance: recheck
+            async with asyncio.timeout(min(remaining, 1.0)):
+                await client.wait_for_change()
+    return ids
 
 
 class ModelManager:
@@ -268,7 +305,7 @@ class ModelManager:
         self._pending: dict[str, dict[int, ModelCard]] = {}  # cards of models still loading
         self._watch: PrefixWatch | None = None
         self._follow: asyncio.Task[None] | None = None
-        self._closing: set[asyncio.Task[None]] = set()  # routers of models that went
+        self._forgetting: set[asyncio.Task[None]] = set()  # models with no card left
         self._prefill: dict[str, PrefillPool] = {}  # by model name
         self._prefill_loading: dict[str, asyncio.Task[None]] = {}
         self._files_dir = Path(tempfile.mkdtemp(prefix="kvbaton-frontend-"))
@@ -282,11 +319,16 @@ class ModelManager:
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.close()
-        tasks = [self._follow, *self._loading.values(), *self._prefill_loading.values()]
+        tasks = [
+            self._follow,
+            *self._loading.values(),
+            *self._prefill_loading.values(),
+            *self._forgetting,
+        ]
         for task in tasks:
             if task is not None:
                 task.cancel()
-        await asyncio.gather(*(t for t in tasks if t), *self._closing, return_exceptions=True)
+        await asyncio.gather(*(t for t in tasks if t), return_exceptions=True)
         for model in self.models.values():
             await _close_model(model)
         for pool in self._prefill.values():
@@ -317,11 +359,7 @@ class ModelManager:
             if model is not None:
                 model.cards.pop(instance_id, None)
                 if not model.cards:
-                    log.info("model %s: no worker left; no longer served", name)
-                    del self.models[name]
-                    closing = asyncio.create_task(_close_model(model))
-                    self._closing.add(closing)
-                    closing.add_done_callback(self._closing.discard)
+                    self._forget_later(model)
             return
         assert value is not None
         try:
@@ -341,6 +379,23 @@ class ModelManager:
         self._pending.setdefault(name, {})[instance_id] = card
         if name not in self._loading:
             self._loading[name] = asyncio.create_task(self._load(name, card))
+
+    def _forget_later(self, model: ServedModel) -> None:
+        """Stop serving `model` once `worker_wait_s` passed with no card of it back."""
+        wait_s = self.migration.worker_wait_s
+        log.info("model %s: no worker left; waiting %g s for one to come back", model.name, wait_s)
+
+        async def forget() -> None:
+            await asyncio.sleep(wait_s)
+            if model.cards or self.models.get(model.name) is not model:
+                return
+            log.info("model %s: no worker came back; no longer served", model.name)
+            del self.models[model.name]
+            await _close_model(model)
+
+        task = asyncio.create_task(forget())
+        self._forgetting.add(task)
+        task.add_done_callback(self._forgetting.discard)
 
     async def _load(self, name: str, card: ModelCard) -> None:
         router: Router | None = None

@@ -8,17 +8,25 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class MigrationSettings:
-    """`limit`: migrations per request, at most (0: none). Timeouts in seconds, > 0."""
+    """`limit`: migrations per request, at most (0: none). Timeouts in seconds, > 0.
+
+    - `worker_wait_s`: a model whose last worker went stays served this long: a request for it
+      (a new one, or one migrating) waits for a worker to come back, then fails with a 503
+      (0: at once). The wait counts within `first_output_s`.
+    """
 
     limit: int = 3
     first_output_s: float = 120.0
     idle_s: float = 60.0
+    worker_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.limit < 0:
             raise ValueError(f"the migration limit must be >= 0 (got {self.limit})")
         if not (self.first_output_s > 0 and self.idle_s > 0):
             raise ValueError("the first-output and idle timeouts must be > 0")
+        if self.worker_wait_s < 0:
+            raise ValueError(f"the worker wait must be >= 0 (got {self.worker_wait_s:g})")
 
 
 @dataclass(frozen=True)
