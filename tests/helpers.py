@@ -25,6 +25,18 @@ async def wait_until(
     return time.monotonic() - t0
 
 
+def wait_until_sync(
+    predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition"
+) -> float:
+    """`wait_until` for a thread with no event loop."""
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"{what} not met within {timeout}s")
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
 async def collect(stream: AsyncIterable[T], limit: int | None = None) -> list[T]:
     """The stream's items; with `limit`, only the first `limit` (the rest are not read)."""
     items: list[T] = []

@@ -1,6 +1,7 @@
 """Workers and clients coming and going around a real frontend: a client that leaves mid-stream
-frees its blocks at the worker, a dead worker gives 503, a worker that dies mid-stream gives an
-error event, `kvbaton serve` stops everything on SIGINT."""
+frees its blocks at the worker, a dead worker gives 503 (no wait for one to come back), a worker
+that dies mid-stream gives an error event, `kvbaton serve` stops everything on SIGINT and
+restarts a worker that died."""
 
 from __future__ import annotations
 
@@ -177,19 +178,36 @@ async def test_serve_on_a_discovery_of_its_own_names_it_and_removes_it(chat_mode
     assert not await asyncio.to_thread(os.path.exists, own.removeprefix("file://"))
 
 
-async def test_serve_stops_everything_when_a_worker_dies(chat_model: Path, tmp_path: Path) -> None:
+async def test_serve_restarts_a_worker_that_dies(chat_model: Path, tmp_path: Path) -> None:
     deployment = await asyncio.to_thread(start_serve, chat_model, tmp_path / "discovery")
     try:
         async with DistributedRuntime(deployment.discovery) as runtime:
             client = await runtime.endpoint("kvbaton.backend.generate").client()
             await client.wait_for_instances(30)
             (instance,) = client.instances()
+            os.kill(instance.pid, signal.SIGKILL)  # the worker, a child of `serve`
+            await wait_until(
+                lambda: any(i.pid != instance.pid for i in client.instances()),
+                timeout=STARTUP_S,
+                what="a new worker",
+            )
             await client.close()
-        os.kill(instance.pid, signal.SIGKILL)  # the worker, a child of `serve`
-        code = await asyncio.to_thread(deployment.proc.wait, 30)
-        assert code != 0
-        async with httpx.AsyncClient() as http:
-            with pytest.raises(httpx.ConnectError):  # the frontend went with it
-                await http.get(f"{deployment.url}/live")
+        assert deployment.proc.poll() is None  # serve lives on, and so does its frontend
+        async with httpx.AsyncClient(base_url=deployment.url, timeout=STARTUP_S) as http:
+            body = {"model": deployment.model, "prompt": "Hi", "max_tokens": 2}
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+        status = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "kvbaton", "status", "--discovery", deployment.discovery],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=clean_env(),
+        )
+        rows = [line.split() for line in status.stdout.splitlines()]
+        (row,) = [r for r in rows if r and r[0] == "worker-0"]
+        state, pid, restarts = row[1:4]
+        assert (state, restarts, " ".join(row[4:])) == ("ready", "1", "signal SIGKILL"), row
+        assert int(pid) not in (instance.pid, deployment.proc.pid)
     finally:
         await asyncio.to_thread(stop_serve, deployment.proc)

@@ -2,26 +2,31 @@
 process, found through file discovery in a private temporary directory (unless `--discovery`
 names one).
 
-The supervisor pulls the default model if needed, starts the components, streams their logs
-with a prefix, prints where to connect once the frontend serves the model, forwards SIGINT and
-SIGTERM, and stops them all when one exits."""
+- It pulls the default model if needed, then supervises the children (supervisor.py): a child
+  that exits unasked is started again in its slot, with backoff; one that cannot start stops
+  the deployment with its last log lines and exit code 1.
+- A worker is ready once discovery lists its process under the namespace; the frontend, once
+  it answers /live where it said it listens.
+- It says where to connect once the frontend serves the model (its /health is 200).
+- SIGINT and SIGTERM stop every child gracefully (each drains); it then exits 0.
+- Its slots are kept where `kvbaton status` reads them (serve_state.py).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from typing import IO
+from functools import partial
 
 from kvbaton.cli.frontend_flags import (
     API_KEY_ENV,
@@ -31,6 +36,9 @@ from kvbaton.cli.frontend_flags import (
     migration_settings,
 )
 from kvbaton.cli.routing import ROUTER_FLAGS, router_settings
+from kvbaton.cli.serve_state import state_path
+from kvbaton.cli.status import list_instances
+from kvbaton.cli.supervisor import ChildSpec, Supervisor
 from kvbaton.cli.worker import WORKER_FLAGS, check_engine_flags
 from kvbaton.llm.model_files import KNOWN_MODELS, pull, served_name
 from kvbaton.runtime.settings import RuntimeSettings
@@ -39,6 +47,7 @@ log = logging.getLogger("kvbaton.serve")
 
 STOP_TIMEOUT_S = 15.0
 READY_TIMEOUT_S = 600.0  # a cold model load on a busy machine
+REGISTERED_POLL_S = 0.5
 _URL = re.compile(r"OpenAI API at (http://\S+)/v1")
 
 
@@ -78,24 +87,6 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         workers = [(f"prefill-{i}", worker("prefill")) for i in range(args.prefill_workers)]
         workers += [(f"decode-{i}", worker("decode")) for i in range(args.decode_workers)]
     return [("frontend", frontend), *workers]
-
-
-def _pump(name: str, stream: IO[bytes], found_url: list[str]) -> None:
-    """Copy a child's output to ours, each line prefixed with the child's name."""
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
-        if not found_url and (m := _URL.search(line)):
-            found_url.append(m.group(1))
-        sys.stderr.write(f"[{name}] {line}\n")
-        sys.stderr.flush()
-
-
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def _pull_if_needed(args: argparse.Namespace) -> None:
@@ -143,52 +134,96 @@ def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
 
 def _supervise(args: argparse.Namespace, env: dict[str, str], private: bool) -> int:
     """`private`: the discovery is this deployment's own (named once it is ready)."""
-    found_url: list[str] = []
-    children: list[subprocess.Popen[bytes]] = []
-    for name, cmd in _commands(args):
-        child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        children.append(child)
-        threading.Thread(target=_pump, args=(name, child.stdout, found_url), daemon=True).start()
-    stopping = False
-
-    def stop(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    discovery = env["KVBATON_DISCOVERY"]
+    commands = dict(_commands(args))
+    frontend = _Frontend(commands.pop("frontend"))
+    registered = _RegisteredPids(discovery, args.namespace)
+    specs = [ChildSpec("frontend", frontend.command, frontend.ready, frontend.on_line)]
+    specs += [ChildSpec(name, partial(list, cmd), registered.has) for name, cmd in commands.items()]
     model = args.served_model_name or served_name(args.model)
-    started = time.monotonic()
-    ready = False
-    code = 0
-    while all(c.poll() is None for c in children) and not stopping:
-        if not ready and found_url and _ready(found_url[0]):
-            ready = True
-            print(f"kvbaton serve: model {model} ready at {found_url[0]}/v1", flush=True)
-            if private:
-                discovery = env["KVBATON_DISCOVERY"]
-                print(
-                    f"kvbaton serve: its instances: kvbaton status --discovery {discovery}",
-                    flush=True,
-                )
-        if not ready and time.monotonic() - started > READY_TIMEOUT_S:
-            log.error("not ready after %.0fs; stopping", READY_TIMEOUT_S)
-            code = 1
-            stop(signal.SIGTERM, None)
-        time.sleep(0.2)
-    if not stopping:
-        code = next(c.returncode for c in children if c.returncode is not None) or 1
-        log.error("a component exited (code %s); stopping the others", code)
-        stop(signal.SIGTERM, None)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for child in children:
-        try:
-            child.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.error("component %d did not stop in %.0fs; killing it", child.pid, STOP_TIMEOUT_S)
-            child.kill()
-            child.wait()
-    return code
+
+    def announce() -> bool:
+        """The deployment serves once the frontend serves the model: say where, once."""
+        if not _serves(frontend.url):
+            return False
+        print(f"kvbaton serve: model {model} ready at {frontend.url}/v1", flush=True)
+        if private:
+            print(
+                f"kvbaton serve: its instances: kvbaton status --discovery {discovery}",
+                flush=True,
+            )
+        return True
+
+    supervisor = Supervisor(
+        specs,
+        env,
+        ready_timeout_s=READY_TIMEOUT_S,
+        stop_timeout_s=STOP_TIMEOUT_S,
+        state_file=state_path(os.getpid()),
+        state_extra={"discovery": discovery, "namespace": args.namespace},
+        announce=announce,
+    )
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda _signum, _frame: supervisor.stop())
+    return supervisor.run()
+
+
+class _Frontend:
+    """The frontend's slot: ready once the child started last said where it listens and
+    answers there; a restart listens on the port the first one bound (`--http-port 0`: any)."""
+
+    def __init__(self, command: list[str]) -> None:
+        self._command = command
+        self.url = ""
+        self._said = False  # the child started last said where it listens
+
+    def command(self) -> list[str]:
+        self._said = False
+        if not self.url:
+            return self._command
+        port = self.url.rsplit(":", 1)[1]
+        at = self._command.index("--http-port")
+        return [*self._command[: at + 1], port, *self._command[at + 2 :]]
+
+    def on_line(self, line: str) -> None:
+        if not self._said and (m := _URL.search(line)):
+            self.url = m.group(1)
+            self._said = True
+
+    def ready(self, _pid: int) -> bool:
+        return self._said and _answers(f"{self.url}/live")
+
+
+class _RegisteredPids:
+    """Which processes discovery lists under the namespace, asked at most every
+    `REGISTERED_POLL_S`."""
+
+    def __init__(self, discovery: str, namespace: str) -> None:
+        self._settings = RuntimeSettings(discovery=discovery)
+        self._namespace = namespace
+        self._pids: set[int] = set()
+        self._at = -REGISTERED_POLL_S
+
+    def has(self, pid: int) -> bool:
+        if pid not in self._pids and time.monotonic() - self._at >= REGISTERED_POLL_S:
+            self._at = time.monotonic()
+            try:
+                instances = asyncio.run(list_instances(self._settings, self._namespace))
+            except Exception as exc:  # discovery unreachable for now: not ready yet
+                log.debug("listing instances failed: %s", exc)
+                return False
+            self._pids = {i.pid for i in instances}
+        return pid in self._pids
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _serves(url: str) -> bool:
+    """The frontend at `url` serves a model (its /health says 200)."""
+    return _answers(f"{url}/health")

@@ -1,4 +1,5 @@
-"""`kvbaton status`: the instances discovery knows, as a table."""
+"""`kvbaton status`: the instances discovery knows, as a table; then the slots of each live
+`kvbaton serve` on the same discovery (their states, PIDs and restarts)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+from kvbaton.cli.serve_state import read_states
 from kvbaton.protocols.discovery import Instance
 from kvbaton.runtime.discovery import open_discovery
 from kvbaton.runtime.names import SERVICES_ROOT
 from kvbaton.runtime.settings import RuntimeSettings
 
 COLUMNS = ("NAMESPACE", "COMPONENT", "ENDPOINT", "INSTANCE", "ADDRESS", "PID", "AGE")
+SLOT_COLUMNS = ("SLOT", "STATE", "PID", "RESTARTS", "LAST EXIT")
 
 
 def _age(seconds: float) -> str:
@@ -23,11 +26,11 @@ def _age(seconds: float) -> str:
     return f"{seconds // 3600}h"
 
 
-def format_table(rows: Sequence[tuple[str, ...]]) -> str:
-    widths = [max(len(r[i]) for r in [COLUMNS, *rows]) for i in range(len(COLUMNS))]
+def format_table(columns: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        for r in [COLUMNS, *rows]
+        for r in [columns, *rows]
     )
 
 
@@ -63,5 +66,12 @@ def status(settings: RuntimeSettings, namespace: str | None) -> int:
         for i in instances
     ]
     print(f"discovery: {settings.discovery}")
-    print(format_table(rows) if rows else "no instances")
+    print(format_table(COLUMNS, rows) if rows else "no instances")
+    for state in read_states(settings.discovery):
+        slots = [
+            (s["name"], s["state"], str(s["pid"] or "-"), str(s["restarts"]), s["last_exit"] or "-")
+            for s in state["slots"]
+        ]
+        print(f"\nkvbaton serve (pid {state['pid']}), namespace {state['namespace']}:")
+        print(format_table(SLOT_COLUMNS, slots))
     return 0

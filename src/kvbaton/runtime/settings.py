@@ -12,14 +12,18 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
+def runtime_dir() -> Path:
+    """A per-user directory for this machine's kvbaton state: $XDG_RUNTIME_DIR/kvbaton, else
+    kvbaton-UID under the temp dir (not created here)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.access(base, os.W_OK):
+        return Path(base) / "kvbaton"
+    return Path(tempfile.gettempdir()) / f"kvbaton-{os.getuid()}"
+
+
 def default_discovery_url() -> str:
-    """A per-user directory: $XDG_RUNTIME_DIR/kvbaton/discovery, else under the temp dir."""
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime_dir and os.access(runtime_dir, os.W_OK):
-        base = Path(runtime_dir) / "kvbaton"
-    else:
-        base = Path(tempfile.gettempdir()) / f"kvbaton-{os.getuid()}"
-    return f"file://{base / 'discovery'}"
+    """runtime_dir()/discovery."""
+    return f"file://{runtime_dir() / 'discovery'}"
 
 
 REQUEST_PLANES = ("tcp", "http", "nats")

@@ -1,0 +1,47 @@
+"""Where `kvbaton serve` keeps its slots for `kvbaton status`: one JSON file per serve process
+(supervisor.py writes it), under the per-user runtime directory.
+
+- A file names its serve's PID and discovery; status shows those of its own discovery whose
+  serve still lives (a file left by a killed serve is passed over).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from kvbaton.runtime.settings import runtime_dir
+
+
+def state_path(pid: int) -> Path:
+    """The state file of the serve process `pid` (its directory is created)."""
+    directory = runtime_dir() / "serve"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / f"serve-{pid}.json"
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_states(discovery: str) -> list[dict[str, Any]]:
+    """The states of the live serve processes on `discovery`."""
+    states = []
+    for path in sorted((runtime_dir() / "serve").glob("serve-*.json")):
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # removed or replaced while read
+        if state.get("discovery") == discovery and _alive(int(state.get("pid", 0))):
+            states.append(state)
+    return states
