@@ -49,6 +49,7 @@ from kvbaton.router import (
 from kvbaton.router.disagg import Disaggregated, follow
 from kvbaton.runtime import Client, DistributedRuntime
 from kvbaton.runtime.discovery.base import PrefixWatch
+from kvbaton.runtime.errors import ConnectError, NoInstancesError, StreamBrokenError
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +122,48 @@ class ServedModel:
                 self.canary.suspect(tried[-1], str(exc))
 
         return migrating(
-            lambda req, migrated: self._attempt(req, request_id, served_by, nvext, migrated, tried),
+            lambda req, migrated: self._taken(req, request_id, served_by, nvext, migrated, tried),
             request,
             request_id,
             self.migration,
             pinned=nvext is not None and nvext.instance_id() is not None,
             on_lost=lost,
         )
+
+    async def _taken(
+        self,
+        request: PreprocessedRequest,
+        request_id: str,
+        served_by: list[int],
+        nvext: NvExt | None,
+        migrated: bool,
+        tried: list[int],
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """`_attempt`'s outputs. An attempt that no worker took, because each one it was sent
+        to was gone (killed: discovery lists it until its lease ends) or refused it, is made
+        again once the workers change (at most a second later), for up to `worker_wait_s`;
+        after outputs (a prefill worker's first token, then no decode worker), it is a lost
+        stream (StreamBrokenError): the request migrates."""
+        deadline = time.monotonic() + self.migration.worker_wait_s
+        while True:
+            outputs = self._attempt(request, request_id, served_by, nvext, migrated, tried)
+            produced = False
+            try:
+                async with contextlib.aclosing(outputs):
+                    async for out in outputs:
+                        produced = True
+                        yield out
+                return
+            except (NoInstancesError, ConnectError) as exc:
+                if produced:
+                    raise StreamBrokenError(f"no worker took the rest of it: {exc}") from exc
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise
+                log.info("request %s: no worker took it (%s); trying again", request_id, exc)
+            with contextlib.suppress(TimeoutError):  # at most one try a second
+                async with asyncio.timeout(min(remaining, 1.0)):
+                    await self.client.wait_for_change()
 
     async def _attempt(
         self,
@@ -356,10 +392,8 @@ class ModelManager:
             if name in self._prefill:
                 self._prefill[name].cards.pop(instance_id, None)
             model = self.models.get(name)
-            if model is not None:
-                model.cards.pop(instance_id, None)
-                if not model.cards:
-                    self._forget_later(model)
+            if model is not None and model.cards.pop(instance_id, None) and not model.cards:
+                self._forget_later(model)
             return
         assert value is not None
         try:
