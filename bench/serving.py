@@ -24,6 +24,7 @@ from kvbaton.llm.model_files import KNOWN_MODELS, pull
 
 STARTUP_S = 180.0  # a frontend's start, or its workers' registration, at most
 _LISTENING = re.compile(r"OpenAI API at (http://\S+)/v1")
+_READY = re.compile(r"ready at (http://\S+)/v1")  # kvbaton serve's
 
 
 def log(message: str) -> None:
@@ -73,11 +74,19 @@ class Frontend:
 
 def start_frontend(discovery: str, namespace: str, *extra: str) -> Frontend:
     """`kvbaton frontend` on a free port; returns once it listens."""
+    command = ["frontend", "--namespace", namespace, "--http-port", "0", "--discovery", discovery]
+    return _start([*command, *extra], _LISTENING)
+
+
+def start_serve(discovery: str, *flags: str) -> Frontend:
+    """`kvbaton serve` on a free port; returns once it says its model is ready (`url`: its
+    frontend's)."""
+    return _start(["serve", "--http-port", "0", "--discovery", discovery, *flags], _READY)
+
+
+def _start(command: list[str], ready_line: re.Pattern[str]) -> Frontend:
     proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "kvbaton", "frontend", "--namespace", namespace),
-            *("--http-port", "0", "--discovery", discovery, *extra),
-        ],
+        [sys.executable, "-m", "kvbaton", *command],
         env=clean_env(),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -91,7 +100,7 @@ def start_frontend(discovery: str, namespace: str, *extra: str) -> Frontend:
         for raw in iter(proc.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
             frontend.lines = [*frontend.lines[-50:], line]
-            if not ready.is_set() and (m := _LISTENING.search(line)):
+            if not ready.is_set() and (m := ready_line.search(line)):
                 frontend.url = m.group(1)
                 ready.set()
 
@@ -100,7 +109,7 @@ def start_frontend(discovery: str, namespace: str, *extra: str) -> Frontend:
     while not ready.wait(0.2):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop(proc)  # type: ignore[arg-type]
-            raise RuntimeError("kvbaton frontend did not start:\n" + "\n".join(frontend.lines))
+            raise RuntimeError(f"kvbaton {command[0]} did not start:\n" + "\n".join(frontend.lines))
     return frontend
 
 

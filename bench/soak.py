@@ -1,7 +1,9 @@
-"""Soak benchmark: a frontend and mocker workers kept at 70% of their capacity for a long while.
-Does any process's memory grow, does latency drift?
+"""Soak benchmark: `kvbaton serve` with mocker workers kept at 70% of its capacity for a long
+while. Does any process's memory grow, does latency drift; with `--chaos`, does it lose requests
+while a random worker is killed every minute?
 
     python bench/soak.py [--minutes 20] [--load 0.7] [--workers 2] [--speedup-ratio 0.2]
+                         [--chaos [--chaos-every-s 60]]
 
 1. Capacity, measured first: the deployment is driven closed-loop (`--concurrency` clients, each
    sending its next request when the previous one ends) for `--calibrate-s`; capacity = the
@@ -9,15 +11,17 @@ Does any process's memory grow, does latency drift?
 2. The soak: Poisson arrivals (seeded) at `--load` x capacity for `--minutes`. Each request is a
    streaming `/v1/completions` of `--isl` random prompt token ids (distinct: no prefix hits) and
    `--osl` output tokens. Every `--window-s`: the p50/p99 TTFT and end-to-end latency of the
-   requests that ended in the window, the failures, and the resident memory (VmRSS) of the
-   frontend and each worker.
+   requests that ended in the window, the failures, and the resident memory (VmRSS) of serve's
+   frontend, each worker (the process in its slot then) and serve itself.
+3. `--chaos`: every `--chaos-every-s` of the soak, a worker chosen at random (seeded) is killed
+   with SIGKILL; serve starts a new one in its slot, and its requests migrate.
 
 Printed: one row per window; then the drift (p99 of the last window over the first, which is the
 baseline measured in the same run) and each process's memory growth from the end of the first
-window to the end of the run, with its slope per hour. Workers: `kvbaton worker --engine mocker`
-on the tokenizer and config of `--model` (smollm2 by default, pulled if missing), aggregated,
-timings divided by `--speedup-ratio` (below 1: slower) and at most `--max-num-seqs` requests
-running at once, so that the workers, not the 2 cores, saturate first.
+window to the end of the run, with its slope per hour. The deployment: `kvbaton serve --engine
+mocker` on the tokenizer and config of `--model` (smollm2 by default, pulled if missing),
+aggregated, timings divided by `--speedup-ratio` (below 1: slower) and at most `--max-num-seqs`
+requests running at once, so that the workers, not the 2 cores, saturate first.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
-import subprocess
-import sys
+import signal
 import tempfile
 import time
 from dataclasses import dataclass
@@ -35,15 +39,15 @@ from pathlib import Path
 
 import httpx
 
+from kvbaton.cli.serve_state import read_states
 from kvbaton.llm.model_files import resolve_model
 from serving import (
     STARTUP_S,
-    clean_env,
     log,
     pct,
     run_benchmark,
     sse_chunks,
-    start_frontend,
+    start_serve,
     stop,
     wait_for_workers,
 )
@@ -60,10 +64,40 @@ class Done:
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    """NaN for a process gone (a worker killed, not yet started again)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return float("nan")
+    for line in status.splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+@dataclass
+class Deployment:
+    """serve's processes: its own, and the one in each of its slots now."""
+
+    serve_pid: int
+    discovery: str
+
+    def pids(self) -> dict[str, int]:
+        (state,) = read_states(self.discovery)
+        slots = {s["name"]: int(s["pid"]) for s in state["slots"] if s["pid"]}
+        return {**slots, "serve": self.serve_pid}
+
+
+async def chaos(args: argparse.Namespace, deployment: Deployment, kills: list[float]) -> None:
+    """Every `--chaos-every-s`, SIGKILL a worker of serve's chosen at random (seeded)."""
+    rng = random.Random(args.seed + 1)
+    while True:
+        await asyncio.sleep(args.chaos_every_s)
+        workers = {n: p for n, p in deployment.pids().items() if n.startswith("worker-")}
+        name = rng.choice(sorted(workers))
+        os.kill(workers[name], signal.SIGKILL)
+        kills.append(time.monotonic())
+        log(f"  chaos: killed {name} (pid {workers[name]})")
 
 
 async def one(http: httpx.AsyncClient, model: str, prompt: list[int], osl: int) -> Done:
@@ -118,9 +152,11 @@ async def soak(
     model: str,
     vocab: int,
     rate: float,
-    pids: dict[str, int],
+    deployment: Deployment,
 ) -> list[dict[str, float]]:
     rng = random.Random(args.seed)
+    kills: list[float] = []
+    chaotic = asyncio.create_task(chaos(args, deployment, kills)) if args.chaos else None
     finished: list[Done] = []
     tasks: set[asyncio.Task[None]] = set()
     windows: list[dict[str, float]] = []
@@ -136,12 +172,15 @@ async def soak(
         at += rng.expovariate(rate)
         while next_window <= min(at, end):  # close the windows that end before this arrival
             await asyncio.sleep(max(0.0, next_window - time.monotonic()))
-            windows.append(window(finished, next_window - args.window_s, next_window, pids))
-            w = windows[-1]
+            pids = deployment.pids()
+            w = window(finished, kills, next_window - args.window_s, next_window, pids)
+            windows.append(w)
             log(
                 f"  {len(windows) * args.window_s / 60:5.1f} min: {w['requests']:.0f} requests, "
-                f"{w['failed']:.0f} failed, TTFT p99 {w['ttft_p99']:.0f} ms, latency p99 "
-                f"{w['lat_p99']:.0f} ms, RSS " + ", ".join(f"{n} {w[n]:.0f}" for n in pids) + " MiB"
+                f"{w['failed']:.0f} failed, {w['kills']:.0f} kills, TTFT p99 {w['ttft_p99']:.0f} "
+                f"ms, latency p99 {w['lat_p99']:.0f} ms, RSS "
+                + ", ".join(f"{n} {w[n]:.0f}" for n in pids)
+                + " MiB"
             )
             next_window += args.window_s
         if at >= end:
@@ -150,18 +189,21 @@ async def soak(
         task = asyncio.create_task(send(prompts(args, vocab, rng)))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+    if chaotic is not None:
+        chaotic.cancel()
     await asyncio.gather(*tasks)
     return windows
 
 
 def window(
-    finished: list[Done], start: float, end: float, pids: dict[str, int]
+    finished: list[Done], kills: list[float], start: float, end: float, pids: dict[str, int]
 ) -> dict[str, float]:
     these = [d for d in finished if start <= d.ended < end]
     ok = [d for d in these if d.ok]
     row = {
         "requests": float(len(these)),
         "failed": float(len(these) - len(ok)),
+        "kills": float(sum(start <= k < end for k in kills)),
         "ttft_p50": pct([d.ttft * 1e3 for d in ok], 0.5),
         "ttft_p99": pct([d.ttft * 1e3 for d in ok], 0.99),
         "lat_p50": pct([d.latency * 1e3 for d in ok], 0.5),
@@ -178,24 +220,28 @@ def report(
     windows: list[dict[str, float]],
     names: list[str],
 ) -> None:
+    chaos = f"; a worker killed every {args.chaos_every_s:g} s" if args.chaos else ""
     print(
-        f"\nmocker workers x{args.workers} (speedup {args.speedup_ratio:g}), {args.isl}-token "
+        f"\nkvbaton serve, mocker workers x{args.workers} (speedup {args.speedup_ratio:g}), "
+        f"{args.isl}-token "
         f"prompts, {args.osl} output tokens. Capacity (closed loop, {args.concurrency} clients, "
         f"{args.calibrate_s:g}s): {capacity:.2f} req/s; soak at {args.load:.0%}: "
-        f"{rate:.2f} req/s for {args.minutes:g} min (seed {args.seed}). Times in ms, RSS in "
-        "MiB.\n"
+        f"{rate:.2f} req/s for {args.minutes:g} min (seed {args.seed}){chaos}. Times in ms, "
+        "RSS in MiB.\n"
     )
     print(
         "| minute | requests | failed | TTFT p50 | TTFT p99 | latency p50 | latency p99 | "
         + " | ".join(names)
-        + " |"
+        + " | kills |"
     )
-    print("|---:" * (7 + len(names)) + "|")
+    print("|---:" * (8 + len(names)) + "|")
     for i, w in enumerate(windows):
         print(
             f"| {(i + 1) * args.window_s / 60:.1f} | {w['requests']:.0f} | {w['failed']:.0f} "
             f"| {w['ttft_p50']:.0f} | {w['ttft_p99']:.0f} | {w['lat_p50']:.0f} "
-            f"| {w['lat_p99']:.0f} | " + " | ".join(f"{w[n]:.0f}" for n in names) + " |"
+            f"| {w['lat_p99']:.0f} | "
+            + " | ".join(f"{w.get(n, float('nan')):.0f}" for n in names)
+            + f" | {w['kills']:.0f} |"
         )
     first, last = windows[0], windows[-1]
     hours = (len(windows) - 1) * args.window_s / 3600
@@ -204,6 +250,7 @@ def report(
         f"\ndrift (last window over the first): TTFT p99 x{ttft_drift:.2f}, "
         f"latency p99 x{last['lat_p99'] / first['lat_p99']:.2f}; failed "
         f"{sum(w['failed'] for w in windows):.0f} of {sum(w['requests'] for w in windows):.0f}"
+        f"; workers killed {sum(w['kills'] for w in windows):.0f}"
     )
     growth = ", ".join(
         f"{n} {last[n] - first[n]:+.1f} MiB ({(last[n] - first[n]) / hours:+.1f} MiB/h)"
@@ -214,56 +261,35 @@ def report(
     print(f"memory growth after the first window: {growth}")
 
 
-def start_workers(
-    args: argparse.Namespace, model_dir: Path, discovery: str, logs: Path
-) -> list[subprocess.Popen[bytes]]:
-    workers = []
-    for i in range(args.workers):
-        with open(logs / f"worker-{i}.log", "wb") as log_file:
-            workers.append(
-                subprocess.Popen(
-                    [
-                        *(sys.executable, "-m", "kvbaton", "worker", "--engine", "mocker"),
-                        *("--model", str(model_dir), "--namespace", NAMESPACE),
-                        *("--discovery", discovery, "--log-level", "WARNING"),
-                        *("--speedup-ratio", str(args.speedup_ratio)),
-                        *("--max-num-seqs", str(args.max_num_seqs)),
-                    ],
-                    env=clean_env(),
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    return workers
-
-
 async def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     with tempfile.TemporaryDirectory(prefix="kvbaton-soak-") as tmp:
         discovery = f"file://{tmp}/discovery"
-        workers: list[subprocess.Popen[bytes]] = []
-        frontend = None
+        serve = None
         try:
-            workers += start_workers(args, model_dir, discovery, Path(tmp))
-            no_shedding = ("--busy-kv-usage", "0", "--busy-prefill-tokens", "0")
-            frontend = await asyncio.to_thread(start_frontend, discovery, NAMESPACE, *no_shedding)
-            model = await wait_for_workers(frontend.url, 0, args.workers, STARTUP_S)
-            pids = {"frontend": frontend.proc.pid}
-            pids |= {f"worker-{i}": w.pid for i, w in enumerate(workers)}
+            flags = [
+                *("--engine", "mocker", "--model", str(model_dir), "--namespace", NAMESPACE),
+                *("--workers", str(args.workers), "--log-level", "WARNING"),
+                *("--speedup-ratio", str(args.speedup_ratio)),
+                *("--max-num-seqs", str(args.max_num_seqs)),
+                *("--busy-kv-usage", "0", "--busy-prefill-tokens", "0"),  # no shedding
+            ]
+            serve = await asyncio.to_thread(start_serve, discovery, *flags)
+            model = await wait_for_workers(serve.url, 0, args.workers, STARTUP_S)
+            deployment = Deployment(serve.proc.pid, discovery)
+            names = list(deployment.pids())
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-            async with httpx.AsyncClient(base_url=frontend.url, timeout=600, limits=limits) as http:
+            async with httpx.AsyncClient(base_url=serve.url, timeout=600, limits=limits) as http:
                 log(f"calibrating: {args.concurrency} clients, closed loop, {args.calibrate_s:g}s")
                 capacity = await calibrate(http, args, model, vocab)
                 rate = capacity * args.load
                 log(f"capacity {capacity:.2f} req/s; soaking at {rate:.2f} req/s")
-                windows = await soak(http, args, model, vocab, rate, pids)
-            report(args, capacity, rate, windows, list(pids))
+                windows = await soak(http, args, model, vocab, rate, deployment)
+            report(args, capacity, rate, windows, names)
         finally:
-            if frontend is not None:
-                stop(frontend.proc)  # type: ignore[arg-type]
-            for w in workers:
-                stop(w)  # type: ignore[arg-type]
+            if serve is not None:
+                stop(serve.proc)  # type: ignore[arg-type]
     return 0
 
 
@@ -283,9 +309,13 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="smollm2", help="whose tokenizer and config")
+    parser.add_argument("--chaos", action="store_true", help="kill a random worker, repeatedly")
+    parser.add_argument("--chaos-every-s", type=float, default=60.0)
     args = parser.parse_args()
     if not 0 < args.load <= 1 or args.workers < 1 or args.window_s <= 0:
         parser.error("--load must be in (0, 1], --workers >= 1, --window-s > 0")
+    if args.chaos_every_s <= 0:
+        parser.error("--chaos-every-s must be > 0")
     run_benchmark(run, args)
 
 
