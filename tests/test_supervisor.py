@@ -156,3 +156,12 @@ def test_a_stop_ends_every_child_and_removes_the_state_file(
     assert not state.exists()
     assert all(s.process and s.process.returncode == -15 for s in supervisor.slots)
     assert all(s.state is SlotState.STOPPED for s in supervisor.slots)
+
+
+def test_a_deployment_never_announced_stops_after_the_ready_timeout(folder: Path) -> None:
+    supervisor = Supervisor(
+        [spec(folder, "serve")], {}, ready_timeout_s=0.5, announce=lambda: False
+    )
+    assert supervisor.run() == 1
+    assert supervisor.failure == "not serving after 0.5 s"
+    assert supervisor.slots[0].process and supervisor.slots[0].process.returncode == -15

@@ -12,6 +12,7 @@ Invariants:
 - A slot whose first child exits before it is ready, or whose children fail `max_failed_starts`
   starts in a row without becoming ready (or stay unready `ready_timeout_s`), stops the
   deployment: `run` returns 1 after logging the slot, its exit and its child's last log lines.
+  So does a deployment not announced (`announce`) within `ready_timeout_s` of its start.
 - SIGINT or SIGTERM stops every child with SIGTERM (each drains), kills one still alive after
   `stop_timeout_s`; `run` then returns 0.
 - Only the supervisor's own children are ever signalled, by PID.
@@ -177,11 +178,14 @@ class Supervisor:
             for slot in self.slots:
                 self._start(slot)
             announced = False
+            started = time.monotonic()
             while not self._stop_asked.wait(TICK_S):
                 for slot in self.slots:
                     self._tick(slot)
                 if not announced and all(s.state is SlotState.READY for s in self.slots):
                     announced = self.announce()
+                if not announced and time.monotonic() - started > self.ready_timeout_s:
+                    raise DeploymentFailed(f"not serving after {self.ready_timeout_s:g} s")
                 self._write_state()
         except DeploymentFailed as exc:
             self.failure = str(exc)
