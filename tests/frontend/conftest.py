@@ -123,6 +123,18 @@ def _start(
     return deployment
 
 
+def kvbaton_status(discovery: str) -> str:
+    """What `kvbaton status --discovery DISCOVERY` prints."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvbaton", "status", "--discovery", discovery],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+        check=True,
+    ).stdout
+
+
 def wait_for_health(url: str, model: str, instances: int) -> None:
     """Until the frontend at `url` lists `instances` live instances of `model`."""
     deadline = time.monotonic() + READY_S

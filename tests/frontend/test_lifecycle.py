@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from kvbaton.runtime import DistributedRuntime
 from tests.conftest import WorkerFactory
 from tests.frontend.conftest import (
     Deployment,
-    clean_env,
+    kvbaton_status,
     start_frontend,
     start_serve,
     stop_serve,
@@ -144,15 +142,8 @@ async def test_serve_with_two_workers_stops_them_all_on_sigint(
     finally:
         assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
     assert "did not stop" not in deployment.log_text()  # each one stopped on its own
-    status = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "kvbaton", "status", "--discovery", deployment.discovery],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=clean_env(),
-    )
-    assert status.stdout.splitlines()[1] == "no instances"
+    status = await asyncio.to_thread(kvbaton_status, deployment.discovery)
+    assert status.splitlines()[1] == "no instances"
 
 
 async def test_serve_on_a_discovery_of_its_own_names_it_and_removes_it(chat_model: Path) -> None:
@@ -163,16 +154,9 @@ async def test_serve_on_a_discovery_of_its_own_names_it_and_removes_it(chat_mode
     try:
         assert own.startswith("file://") and "kvbaton-serve-" in own, own
         await asyncio.to_thread(wait_for_health, deployment.url, deployment.model, 1)
-        status = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "kvbaton", "status", "--discovery", own],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=clean_env(),
-        )
-        rows = [line.split()[:3] for line in status.stdout.splitlines()[2:]]
-        assert ["kvbaton", "backend", "generate"] in rows, status.stdout
+        status = await asyncio.to_thread(kvbaton_status, own)
+        rows = [line.split()[:3] for line in status.splitlines()[2:]]
+        assert ["kvbaton", "backend", "generate"] in rows, status
     finally:
         assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
     assert not await asyncio.to_thread(os.path.exists, own.removeprefix("file://"))
@@ -196,15 +180,8 @@ async def test_serve_restarts_a_worker_that_dies(chat_model: Path, tmp_path: Pat
         async with httpx.AsyncClient(base_url=deployment.url, timeout=STARTUP_S) as http:
             body = {"model": deployment.model, "prompt": "Hi", "max_tokens": 2}
             assert (await http.post("/v1/completions", json=body)).status_code == 200
-        status = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "kvbaton", "status", "--discovery", deployment.discovery],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=clean_env(),
-        )
-        rows = [line.split() for line in status.stdout.splitlines()]
+        status = await asyncio.to_thread(kvbaton_status, deployment.discovery)
+        rows = [line.split() for line in status.splitlines()]
         (row,) = [r for r in rows if r and r[0] == "worker-0"]
         state, pid, restarts = row[1:4]
         assert (state, restarts, " ".join(row[4:])) == ("ready", "1", "signal SIGKILL"), row
