@@ -78,16 +78,19 @@ def start_frontend(discovery: str, namespace: str, *extra: str) -> Frontend:
     return _start([*command, *extra], _LISTENING)
 
 
-def start_serve(discovery: str, *flags: str) -> Frontend:
+def start_serve(discovery: str, *flags: str, env: dict[str, str] | None = None) -> Frontend:
     """`kvbaton serve` on a free port; returns once it says its model is ready (`url`: its
-    frontend's)."""
-    return _start(["serve", "--http-port", "0", "--discovery", discovery, *flags], _READY)
+    frontend's). `env`: variables added to its environment."""
+    command = ["serve", "--http-port", "0", "--discovery", discovery, *flags]
+    return _start(command, _READY, env)
 
 
-def _start(command: list[str], ready_line: re.Pattern[str]) -> Frontend:
+def _start(
+    command: list[str], ready_line: re.Pattern[str], env: dict[str, str] | None = None
+) -> Frontend:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvbaton", *command],
-        env=clean_env(),
+        env={**clean_env(), **(env or {})},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

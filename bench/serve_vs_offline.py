@@ -1,0 +1,463 @@
+"""Decode speed through `kvbaton serve` beside the offline engine, in one run (issue 27).
+
+    kvbaton pull && python bench/serve_vs_offline.py [--repeats 2] [--requests 3]
+    python bench/serve_vs_offline.py --serve-args "" --serve-args "--num-threads 1" \\
+        --serve-args "OMP_WAIT_POLICY=PASSIVE" --serve-args "@worker=1 @frontend=0"
+
+Systems, each at concurrency 1 and 16 (closed loop: C streams, each sending its next request
+when its previous one ends; `--requests` requests per stream), on the same prompts (32 random
+token ids, new ones for each repeat and concurrency), every request making exactly
+`--output-tokens` tokens (64; greedy, ignore_eos):
+- offline: `kvbaton.engine.LLM` in this process (its engine stepped directly, to time each
+  token), torch's default threads unless `--offline-threads`;
+- serve: `kvbaton serve` started fresh for each repeat with its defaults plus one
+  `--serve-args` variant, streamed `/v1/completions` from this process (httpx). A variant is
+  shell words: leading `NAME=VALUE` words go into serve's environment (so into every child's),
+  `@frontend=CPUS` / `@worker=CPUS` (CPUS as taskset's list: `0`, `0-1`, `0,1`) pin every
+  thread of that child once it serves (the benchmark does it, with `sched_setaffinity`), the
+  rest are serve flags. `""` is serve's defaults.
+
+Figures per (system, concurrency): output tok/s (all output tokens over the wall time from the
+first request sent to the last token), per-stream decode tok/s (median over requests of
+(tokens - 1) / (last token - first token): TTFT excluded), TTFT p50, and what ran meanwhile:
+the load average, each process's CPU (cores: CPU seconds / wall) and the CPU that processes
+other than this benchmark's used (`others`, from /proc/stat: the noise to look at). Each serve
+figure is shown beside the offline one of the same repeat, with the ratio; the order of the
+systems rotates from repeat to repeat. Every process the benchmark starts is stopped by its PID.
+
+A shared machine: two threads on two cores lose far more than the CPU others take (a thread
+taken off its core stalls its team at the next barrier), so before each measurement the
+benchmark waits (up to `--quiet-wait` s) for a second in which other processes use at most
+`--max-others` cores, and measures again (up to `--retries` times) when they used more during
+it; the last one is kept, marked `(noisy)` if it still was, with its count in `tries`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import re
+import shlex
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvbaton.engine import LLM, SamplingParams
+from kvbaton.llm.model_files import served_name
+from serving import (
+    STARTUP_S,
+    Frontend,
+    log,
+    pct,
+    run_benchmark,
+    sse_chunks,
+    start_serve,
+    stop,
+    wait_for_workers,
+)
+
+PROMPT_LEN = 32
+CONCURRENCY = (1, 16)
+_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+_PIN_WORD = re.compile(r"@(frontend|worker)=([0-9,-]+)$")
+
+
+# -- variants ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    env: dict[str, str]
+    flags: list[str]
+    pins: dict[str, set[int]]  # role -> CPUs
+
+    @property
+    def workers(self) -> int:
+        if "--workers" not in self.flags:
+            return 1
+        return int(self.flags[self.flags.index("--workers") + 1])
+
+
+def cpu_list(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def parse_variant(spec: str) -> Variant:
+    words = shlex.split(spec)
+    env: dict[str, str] = {}
+    while words and _ENV_WORD.match(words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    pins = {m[1]: cpu_list(m[2]) for w in words if (m := _PIN_WORD.match(w))}
+    flags = [w for w in words if not _PIN_WORD.match(w)]
+    label = f"serve {spec.strip()}" if spec.strip() else "serve (defaults)"
+    return Variant(label, env, flags, pins)
+
+
+# -- what else runs ----------------------------------------------------------------------------
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def busy_seconds() -> float:
+    """CPU seconds all processes used since boot (user, nice, system, irq, softirq)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / TICK
+
+
+def process_seconds(pid: int) -> float:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(stat[11]) + int(stat[12])) / TICK
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return [c for child in children for c in (child, *descendants(child))]
+
+
+def role_of(pid: int) -> str | None:
+    try:
+        words = [w.decode() for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    except OSError:
+        return None
+    if "frontend" in words:
+        return "frontend"
+    if "worker" in words:
+        return "worker"
+    return None
+
+
+def cpu_snapshot(serve_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far: all processes (`all`), this process (`client`), serve's own process
+    and its children by role."""
+    out = {"all": busy_seconds(), "client": process_seconds(os.getpid())}
+    if serve_pid is not None:
+        out["serve"] = process_seconds(serve_pid)
+        for pid in descendants(serve_pid):
+            if role := role_of(pid):
+                out[role] = out.get(role, 0.0) + process_seconds(pid)
+    return out
+
+
+def pin(serve_pid: int, role: str, cpus: set[int]) -> int:
+    """Every thread of serve's `role` children on `cpus`; the number of threads pinned."""
+    pinned = 0
+    for pid in descendants(serve_pid):
+        if role_of(pid) != role:
+            continue
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), cpus)
+                pinned += 1
+    return pinned
+
+
+# -- one measurement ---------------------------------------------------------------------------
+@dataclass
+class Request:
+    sent: float = 0.0
+    first: float = 0.0
+    last: float = 0.0
+    tokens: int = 0
+
+
+@dataclass
+class Figures:
+    tok_s: float
+    stream_tok_s: float
+    ttft_p50: float
+    load: str
+    cores: dict[str, float] = field(default_factory=dict)
+    tries: int = 1  # measurements made (the last one kept)
+    max_others: float = 1.0
+
+    @property
+    def noisy(self) -> bool:
+        return self.cores["others"] > self.max_others
+
+
+async def wait_quiet(args: argparse.Namespace, serve_pid: int | None) -> None:
+    """Until other processes used under --max-others cores over a second (at most
+    --quiet-wait seconds; a progress line every 10 s)."""
+    started = next_log = time.monotonic()
+    while time.monotonic() - started < args.quiet_wait:
+        cpu0 = cpu_snapshot(serve_pid)
+        await asyncio.sleep(1.0)
+        cpu1 = cpu_snapshot(serve_pid)
+        others = (cpu1["all"] - cpu0["all"]) - sum(
+            cpu1[k] - cpu0.get(k, 0.0) for k in cpu1 if k != "all"
+        )
+        if others <= args.max_others:
+            return
+        if time.monotonic() >= next_log:
+            waited = time.monotonic() - started
+            log(f"  others use {others:.2f} cores (load {loadavg()}): waiting ({waited:.0f}s)")
+            next_log += 10.0
+    log(f"  still busy after {args.quiet_wait:.0f}s: measuring anyway")
+
+
+def accept(args: argparse.Namespace, f: Figures, c: int, attempt: int) -> bool:
+    """Log a measurement; False to measure again (others used over --max-others cores)."""
+    f.tries, f.max_others = attempt + 1, args.max_others
+    note = f" (others {f.cores['others']:.2f} cores)"
+    log(f"  c={c}: {f.tok_s:.1f} tok/s, per stream {f.stream_tok_s:.1f}{note}")
+    if f.noisy and attempt < args.retries:
+        log("  noisy: measuring again")
+        return False
+    return True
+
+
+def figures(
+    requests: list[Request], start: float, load: str, cpu0: dict[str, float], cpu1: dict[str, float]
+) -> Figures:
+    end = max(r.last for r in requests)
+    wall = end - start
+    cores = {k: (cpu1[k] - cpu0.get(k, 0.0)) / wall for k in cpu1}
+    ours = sum(v for k, v in cores.items() if k != "all")
+    cores["others"] = max(0.0, cores.pop("all") - ours)
+    return Figures(
+        tok_s=sum(r.tokens for r in requests) / wall,
+        stream_tok_s=statistics.median(
+            (r.tokens - 1) / (r.last - r.first) for r in requests if r.last > r.first
+        ),
+        ttft_p50=pct([r.first - r.sent for r in requests], 0.5),
+        load=f"{load} -> {loadavg()}",
+        cores=cores,
+    )
+
+
+def prompts(seed: str, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(200, 40000) for _ in range(PROMPT_LEN)] for _ in range(count)]
+
+
+def offline_run(llm: LLM, batch: list[list[int]], concurrency: int, tokens: int) -> list[Request]:
+    """Closed loop on the engine: `concurrency` requests in flight, the next added as one ends."""
+    params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0, ignore_eos=True)
+    engine = llm.engine
+    requests: dict[str, Request] = {}
+    todo = list(enumerate(batch))
+
+    def add() -> None:
+        i, prompt = todo.pop(0)
+        rid = f"bench-{time.monotonic_ns()}-{i}"
+        requests[rid] = Request(sent=time.perf_counter())
+        engine.add_request(rid, prompt, params)
+
+    for _ in range(min(concurrency, len(todo))):
+        add()
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            r = requests[out.request_id]
+            if out.token_ids:
+                r.first = r.first or now
+                r.last = now
+                r.tokens += len(out.token_ids)
+            if out.finish_reason is not None and todo:
+                add()
+    return list(requests.values())
+
+
+async def serve_run(
+    url: str, model: str, batch: list[list[int]], concurrency: int, tokens: int
+) -> list[Request]:
+    """Closed loop over HTTP: `concurrency` streams, each sending its next request as one ends."""
+    todo = list(batch)
+    done: list[Request] = []
+    limits = httpx.Limits(max_connections=concurrency + 1)
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+
+        async def stream() -> None:
+            while todo:
+                prompt = todo.pop(0)
+                body: dict[str, Any] = {
+                    "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                }  # fmt: skip
+                r = Request(sent=time.perf_counter())
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                    if response.status_code != 200:
+                        error = await response.aread()
+                        raise RuntimeError(f"HTTP {response.status_code}: {error!r}")
+                    async for now, chunk in sse_chunks(response):
+                        if chunk["choices"] and chunk["choices"][0].get("text"):
+                            r.first = r.first or now
+                            r.last = now
+                        if chunk.get("usage"):
+                            r.tokens = chunk["usage"]["completion_tokens"]
+                if r.tokens != tokens:
+                    raise RuntimeError(f"{r.tokens} output tokens, not {tokens}")
+                done.append(r)
+
+        await asyncio.gather(*(stream() for _ in range(concurrency)))
+    return done
+
+
+# -- a deployment ------------------------------------------------------------------------------
+def start_variant(args: argparse.Namespace, variant: Variant, discovery: str) -> Frontend:
+    flags = ["--model", args.model, "--log-level", "WARNING", *variant.flags]
+    return start_serve(discovery, *flags, env=variant.env)
+
+
+# -- the run -----------------------------------------------------------------------------------
+async def measure_serve(
+    args: argparse.Namespace, variant: Variant, rep: int, model: str
+) -> dict[int, Figures]:
+    log(f"[repeat {rep + 1}] {variant.label}: starting (load {loadavg()})")
+    with tempfile.TemporaryDirectory(prefix="kvbaton-bench-") as tmp:
+        discovery = f"file://{tmp}/discovery"
+        serve = await asyncio.to_thread(start_variant, args, variant, discovery)
+        try:
+            return await measure_deployment(args, variant, rep, model, serve)
+        finally:
+            stop(serve.proc)  # type: ignore[arg-type]
+            log(f"  stopped serve (pid {serve.proc.pid}, exit {serve.proc.returncode})")
+
+
+async def measure_deployment(
+    args: argparse.Namespace, variant: Variant, rep: int, model: str, serve: Frontend
+) -> dict[int, Figures]:
+    await wait_for_workers(serve.url, 0, variant.workers, STARTUP_S)
+    for role, cpus in variant.pins.items():
+        log(f"  pinned {pin(serve.proc.pid, role, cpus)} threads of the {role} to {cpus}")
+    for c in CONCURRENCY:  # warm-up: the batch shapes of the run, a few tokens each
+        await serve_run(serve.url, model, prompts(f"warm-{rep}-{c}", c), c, 8)
+    out = {}
+    for c in CONCURRENCY:
+        batch = prompts(f"{args.seed}-{rep}-{c}", c * args.requests)
+        for attempt in range(args.retries + 1):
+            await wait_quiet(args, serve.proc.pid)
+            load, cpu0 = loadavg(), cpu_snapshot(serve.proc.pid)
+            start = time.perf_counter()
+            requests = await serve_run(serve.url, model, batch, c, args.output_tokens)
+            out[c] = figures(requests, start, load, cpu0, cpu_snapshot(serve.proc.pid))
+            if accept(args, out[c], c, attempt):
+                break
+    return out
+
+
+async def measure_offline(args: argparse.Namespace, llm: LLM, rep: int) -> dict[int, Figures]:
+    log(f"[repeat {rep + 1}] offline: (load {loadavg()})")
+    out = {}
+    for c in CONCURRENCY:
+        batch = prompts(f"{args.seed}-{rep}-{c}", c * args.requests)
+        for attempt in range(args.retries + 1):
+            await wait_quiet(args, None)
+            load, cpu0 = loadavg(), cpu_snapshot(None)
+            start = time.perf_counter()
+            requests = offline_run(llm, batch, c, args.output_tokens)
+            out[c] = figures(requests, start, load, cpu0, cpu_snapshot(None))
+            if accept(args, out[c], c, attempt):
+                break
+    return out
+
+
+def cores_text(f: Figures) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in f.cores.items() if k != "serve")
+
+
+def report(runs: list[dict[str, dict[int, Figures]]], variants: list[Variant]) -> None:
+    print("\n| repeat | system | c | out tok/s | per-stream tok/s | ratio (out) | ratio (stream) "
+          "| TTFT p50 ms | load 1/5/15 before -> after | cores used | tries |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    for rep, run in enumerate(runs):
+        for label in ["offline", *(v.label for v in variants)]:
+            for c in CONCURRENCY:
+                f, base = run[label][c], run["offline"][c]
+                ratio = "" if label == "offline" else f"{f.tok_s / base.tok_s:.2f}"
+                sratio = "" if label == "offline" else f"{f.stream_tok_s / base.stream_tok_s:.2f}"
+                print(
+                    f"| {rep + 1} | {label} | {c} | {f.tok_s:.1f} | {f.stream_tok_s:.1f} | "
+                    f"{ratio} | {sratio} | {f.ttft_p50 * 1e3:.0f} | {f.load} | {cores_text(f)}"
+                    f"{' (noisy)' if f.noisy else ''} | {f.tries} |"
+                )
+    print("\nserve / offline, output tok/s (median over repeats, [each repeat]):")
+    for v in variants:
+        for c in CONCURRENCY:
+            ratios = [run[v.label][c].tok_s / run["offline"][c].tok_s for run in runs]
+            each = ", ".join(f"{r:.2f}" for r in ratios)
+            print(f"  {v.label}, c={c}: {statistics.median(ratios):.2f} [{each}]")
+
+
+async def run(args: argparse.Namespace) -> int:
+    variants = [parse_variant(spec) for spec in (args.serve_args or [""])]
+    model = served_name(args.model)
+    log(f"loading the offline engine ({args.model}, load {loadavg()})")
+    llm = LLM(args.model, **({"num_threads": args.offline_threads} if args.offline_threads else {}))
+    import torch
+
+    log(f"offline engine: torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for c in CONCURRENCY:
+        offline_run(llm, prompts(f"warm-{c}", c), c, 8)
+    runs: list[dict[str, dict[int, Figures]]] = []
+    systems = ["offline", *range(len(variants))]
+    for rep in range(args.repeats):
+        run_figures: dict[str, dict[int, Figures]] = {}
+        shift = rep % len(systems)
+        for system in systems[shift:] + systems[:shift]:
+            if system == "offline":
+                run_figures["offline"] = await measure_offline(args, llm, rep)
+            else:
+                v = variants[int(system)]
+                run_figures[v.label] = await measure_serve(args, v, rep, model)
+        runs.append(run_figures)
+    print(
+        f"serve vs offline: {args.model}, {PROMPT_LEN}-token prompts x {args.output_tokens} "
+        f"output tokens, {args.requests} requests per stream, {os.cpu_count()} CPUs, "
+        f"{args.repeats} repeats"
+    )
+    report(runs, variants)
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--requests", type=int, default=3, help="requests per stream")
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--serve-args",
+        action="append",
+        help="a serve variant (repeatable; default: serve's defaults): see above",
+    )
+    parser.add_argument("--offline-threads", type=int, help="(default: torch's)")
+    parser.add_argument(
+        "--max-others",
+        type=float,
+        default=0.2,
+        help="cores other processes may use during a measurement, else it is measured again",
+    )
+    parser.add_argument("--retries", type=int, default=3, help="measurements again, at most")
+    parser.add_argument(
+        "--quiet-wait", type=float, default=120.0, help="seconds to wait for a quiet machine"
+    )
+    run_benchmark(run, parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
