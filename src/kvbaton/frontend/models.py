@@ -392,7 +392,8 @@ class ModelManager:
             if name in self._prefill:
                 self._prefill[name].cards.pop(instance_id, None)
             model = self.models.get(name)
-            if model is not None and model.cards.pop(instance_id, None) and not model.cards:
+            gone = model.cards.pop(instance_id, None) if model is not None else None
+            if model is not None and gone is not None and not model.cards:
                 self._forget_later(model)
             return
         assert value is not None
