@@ -13,10 +13,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from kvbaton.cli.serve_state import read_states
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
 from tests.tiny_models import build_chat_model
@@ -121,6 +123,14 @@ def _start(
             stop_serve(proc)
             raise RuntimeError(f"kvbaton {command[0]} did not start:\n" + deployment.log_text())
     return deployment
+
+
+def serve_slot(deployment: Deployment, slot: str) -> dict[str, Any]:
+    """A slot of the deployment's `kvbaton serve` as its state file has it now: name, state,
+    pid, restarts, last_exit."""
+    (state,) = read_states(deployment.discovery)
+    (found,) = [s for s in state["slots"] if s["name"] == slot]
+    return dict(found)
 
 
 def kvbaton_status(discovery: str) -> str:

@@ -21,6 +21,7 @@ from tests.conftest import WorkerFactory
 from tests.frontend.conftest import (
     Deployment,
     kvbaton_status,
+    serve_slot,
     start_frontend,
     start_serve,
     stop_serve,
@@ -177,6 +178,11 @@ async def test_serve_restarts_a_worker_that_dies(chat_model: Path, tmp_path: Pat
             )
             await client.close()
         assert deployment.proc.poll() is None  # serve lives on, and so does its frontend
+        await wait_until(
+            lambda: serve_slot(deployment, "worker-0")["state"] == "ready",
+            timeout=STARTUP_S,
+            what="serve counting the new worker ready",
+        )
         async with httpx.AsyncClient(base_url=deployment.url, timeout=STARTUP_S) as http:
             body = {"model": deployment.model, "prompt": "Hi", "max_tokens": 2}
             assert (await http.post("/v1/completions", json=body)).status_code == 200

@@ -23,10 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvbaton.cli.serve_state import read_states
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
-from tests.frontend.conftest import Deployment, clean_env, start_serve, stop_serve
+from tests.frontend.conftest import Deployment, clean_env, serve_slot, start_serve, stop_serve
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -86,17 +85,6 @@ def prompt(i: int) -> list[int]:
     return [(i * 7 + j * 13) % 150 + 20 for j in range(40 + i % 30)]
 
 
-def slot_pid(deployment: Deployment, slot: str) -> int:
-    (state,) = read_states(deployment.discovery)
-    (pid,) = [s["pid"] for s in state["slots"] if s["name"] == slot]
-    return int(pid)
-
-
-def slot_restarts(deployment: Deployment, slot: str) -> int:
-    (state,) = read_states(deployment.discovery)
-    return int(next(s["restarts"] for s in state["slots"] if s["name"] == slot))
-
-
 async def answering(runtime: DistributedRuntime, component: str, pid: int) -> bool:
     """The process `pid` is registered under `component` and answers its load_metrics."""
     client = await runtime.endpoint(f"kvbaton.{component}.load_metrics").client(
@@ -142,7 +130,7 @@ async def test_a_worker_killed_under_load_loses_no_token_and_is_back_within_15_s
         httpx.AsyncClient(base_url=deployment.url, timeout=120) as http,
         DistributedRuntime(deployment.discovery) as runtime,
     ):
-        victim = slot_pid(deployment, slot)
+        victim = int(serve_slot(deployment, slot)["pid"])
         victim_instance = await instance_of(runtime, component, victim)
         events = [asyncio.Event() for _ in range(STREAMS)]
         streams = [
@@ -160,16 +148,18 @@ async def test_a_worker_killed_under_load_loses_no_token_and_is_back_within_15_s
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
         await wait_until(
-            lambda: slot_pid(deployment, slot) != victim, timeout=RESTART_S, what="a new process"
+            lambda: int(serve_slot(deployment, slot)["pid"]) != victim,
+            timeout=RESTART_S,
+            what="a new process",
         )
-        new = slot_pid(deployment, slot)
+        new = int(serve_slot(deployment, slot)["pid"])
         while not await answering(runtime, component, new):
             assert time.monotonic() - killed_at < RESTART_S, f"{slot} not back in {RESTART_S} s"
             await asyncio.sleep(0.1)
         arriving.cancel()
         results = await asyncio.gather(*streams)
         assert deployment.proc.poll() is None
-        assert slot_restarts(deployment, slot) == 1
+        assert serve_slot(deployment, slot)["restarts"] == 1
     assert len(results) > STREAMS  # some arrived while the victim was away
     for result in results:
         assert (result.completion_tokens, result.finish_reason) == (TOKENS, "length"), result
@@ -195,22 +185,23 @@ async def test_a_worker_that_crashes_right_after_it_is_ready_is_restarted_each_t
         DistributedRuntime(deployment.discovery) as runtime,
     ):
         for crash in range(1, 4):
-            victim = slot_pid(deployment, "worker-0")
+            victim = int(serve_slot(deployment, "worker-0")["pid"])
             await wait_until(
-                lambda v=victim: slot_state(deployment, "worker-0") == ("ready", v),
+                lambda v=victim: ready_as(deployment, "worker-0", v),
                 timeout=RESTART_S,
                 what=f"worker-0 ready ({crash})",
             )
             os.kill(victim, signal.SIGKILL)  # as soon as serve counts it ready
             await wait_until(
-                lambda v=victim: slot_pid(deployment, "worker-0") != v,
+                lambda v=victim: int(serve_slot(deployment, "worker-0")["pid"]) != v,
                 timeout=RESTART_S * crash,  # the backoff doubles: 1, 2, 4 s
                 what=f"restart {crash}",
             )
-            assert slot_restarts(deployment, "worker-0") == crash
-        new = slot_pid(deployment, "worker-0")
+            assert serve_slot(deployment, "worker-0")["restarts"] == crash
+        new = int(serve_slot(deployment, "worker-0")["pid"])
         await wait_until(
-            lambda: slot_state(deployment, "worker-0") == ("ready", new), timeout=RESTART_S * 4
+            lambda: ready_as(deployment, "worker-0", new),
+            timeout=RESTART_S * 4,
         )
         assert await answering(runtime, "backend", new)
 
@@ -224,7 +215,7 @@ async def test_a_killed_frontend_is_back_and_answering_within_15_s(
     ):
         body = {"model": deployment.model, "prompt": "Hi", "max_tokens": 3}
         assert (await http.post("/v1/completions", json=body)).status_code == 200
-        os.kill(slot_pid(deployment, "frontend"), signal.SIGKILL)
+        os.kill(int(serve_slot(deployment, "frontend")["pid"]), signal.SIGKILL)
         killed_at = time.monotonic()
 
         async def answers() -> bool:
@@ -235,7 +226,7 @@ async def test_a_killed_frontend_is_back_and_answering_within_15_s(
         while not await answers():  # at the same address
             assert time.monotonic() - killed_at < RESTART_S, "the frontend is not back"
             await asyncio.sleep(0.1)
-        assert slot_restarts(deployment, "frontend") == 1
+        assert serve_slot(deployment, "frontend")["restarts"] == 1
 
 
 async def test_a_worker_that_never_becomes_ready_stops_serve_with_its_last_lines(
@@ -263,7 +254,7 @@ async def test_a_worker_that_never_becomes_ready_stops_serve_with_its_last_lines
     assert "ready at" not in done.stderr
 
 
-def slot_state(deployment: Deployment, slot: str) -> tuple[str, int]:
-    (state,) = read_states(deployment.discovery)
-    (found,) = [s for s in state["slots"] if s["name"] == slot]
-    return found["state"], int(found["pid"])
+def ready_as(deployment: Deployment, slot: str, pid: int) -> bool:
+    """serve counts `slot` ready, with process `pid` in it."""
+    found = serve_slot(deployment, slot)
+    return bool(found["state"] == "ready" and found["pid"] == pid)
