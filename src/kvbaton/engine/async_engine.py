@@ -121,8 +121,20 @@ class AsyncEngine:
         on_kv_event: Callable[[KvEvent], None] | None = None,
         cache_buffer: Callable[[int], memoryview] | None = None,
     ) -> AsyncEngine:
-        """Load the model off the event loop, then start the step thread."""
-        engine = await asyncio.to_thread(LLMEngine, config, on_kv_event, None, cache_buffer)
+        """Load the model off the event loop, then start the step thread.
+
+        - The model loads on a thread of its own that has ended before the step thread starts:
+          each thread that runs torch's parallel regions keeps a GNU OpenMP pool, and with two
+          pools there are more OpenMP threads than cores, so libgomp stops spinning between
+          regions. On 2 cores, serve then decoded at about half the offline engine's speed
+          (bench/serve_vs_offline.py; docs/benchmarks.md).
+        """
+        loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvbaton-load")
+        try:
+            load = loader.submit(LLMEngine, config, on_kv_event, None, cache_buffer)
+            engine = await asyncio.wrap_future(load)
+        finally:
+            await asyncio.to_thread(loader.shutdown)  # its thread, and its OpenMP pool, end
         return cls(engine)
 
     async def add_request(
