@@ -28,6 +28,7 @@ import urllib.error
 import urllib.request
 from functools import partial
 
+from kvbaton.cli.core_share import core_share
 from kvbaton.cli.frontend_flags import (
     API_KEY_ENV,
     FRONTEND_FLAGS,
@@ -104,8 +105,8 @@ def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
     check_engine_flags(args)
     _pull_if_needed(args)
     processes = args.workers if args.mode == "agg" else args.prefill_workers + args.decode_workers
-    if args.num_threads is None and args.engine == "torch" and processes > 1:
-        args.num_threads = max(1, (os.cpu_count() or 1) // processes)
+    cores = len(os.sched_getaffinity(0))
+    args.num_threads = core_share(args.engine, processes, cores, args.num_threads).worker_threads
     private_dir = None
     discovery = settings.discovery
     if not (args.discovery or os.environ.get("KVBATON_DISCOVERY")):

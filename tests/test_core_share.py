@@ -1,0 +1,52 @@
+"""serve's share of the cores for each worker (kvbaton.cli.core_share)."""
+
+import dataclasses
+
+import pytest
+
+from kvbaton.cli.core_share import CoreShare, core_share
+
+pytestmark = pytest.mark.unit
+
+
+def test_one_torch_worker_keeps_torchs_default_of_every_core() -> None:
+    assert core_share("torch", workers=1, cores=2, num_threads=None) == CoreShare()
+    assert core_share("torch", workers=1, cores=64, num_threads=None).worker_threads is None
+
+
+@pytest.mark.parametrize(
+    ("workers", "cores", "threads"),
+    [(2, 2, 1), (2, 8, 4), (3, 8, 2), (4, 2, 1), (16, 2, 1)],
+)
+def test_torch_workers_split_the_cores_at_least_one_thread_each(
+    workers: int, cores: int, threads: int
+) -> None:
+    assert core_share("torch", workers, cores, None) == CoreShare(worker_threads=threads)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 8])
+def test_an_explicit_num_threads_is_kept(workers: int) -> None:
+    assert core_share("torch", workers, 2, 3) == CoreShare(worker_threads=3)
+    assert core_share("mocker", workers, 2, 3) == CoreShare(worker_threads=3)
+
+
+@pytest.mark.parametrize("engine", ["mocker", "fixed", "echo"])
+def test_engines_without_torch_threads_get_nothing(engine: str) -> None:
+    assert core_share(engine, 4, 2, None) == CoreShare()
+
+
+@pytest.mark.parametrize(
+    ("workers", "cores", "num_threads", "named"),
+    [(0, 2, None, "workers"), (1, 0, None, "cores"), (1, 2, 0, "--num-threads")],
+)
+def test_nonsense_is_refused_naming_what(
+    workers: int, cores: int, num_threads: int | None, named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        core_share("torch", workers, cores, num_threads)
+
+
+def test_the_share_is_frozen() -> None:
+    share = core_share("torch", 2, 2, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        share.worker_threads = 2  # type: ignore[misc]
