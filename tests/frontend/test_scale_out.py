@@ -14,7 +14,6 @@ import asyncio
 import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -28,7 +27,7 @@ import pytest
 from kvbaton.protocols.kv import KvDump
 from kvbaton.runtime import DistributedRuntime
 from tests.conftest import WorkerFactory
-from tests.frontend.conftest import Deployment, clean_env, start_frontend, stop_serve
+from tests.frontend.conftest import Deployment, kvbaton_status, start_frontend, stop_serve
 from tests.helpers import collect
 from tests.servers import EtcdServer, NatsServer, running
 
@@ -165,17 +164,6 @@ class Load:
         await asyncio.gather(*self._tasks)
 
 
-def status_table(cluster: Cluster) -> str:
-    return subprocess.run(
-        [sys.executable, "-m", "kvbaton", "status", "--discovery", cluster.discovery],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=clean_env(),
-        check=True,
-    ).stdout
-
-
 async def test_serving_on_etcd_and_nats_survives_kills_and_server_restarts(
     cluster: Cluster, frontend: Deployment, spawn_worker: WorkerFactory, chat_model: Path
 ) -> None:
@@ -194,7 +182,7 @@ async def test_serving_on_etcd_and_nats_survives_kills_and_server_restarts(
 
         # Requests succeed, through a prefill worker and a decode worker each.
         await asyncio.gather(*(chat(client, model, i) for i in range(16)))
-        table = await asyncio.to_thread(status_table, cluster)
+        table = await asyncio.to_thread(kvbaton_status, cluster.discovery)
         for iid in decode_ids | prefill_ids:
             assert iid in table, table
 
@@ -248,7 +236,7 @@ async def test_serving_on_etcd_and_nats_survives_kills_and_server_restarts(
             await until(
                 all_back, 15, f"every instance routed to after the {type(restart).__name__} restart"
             )
-            table = await asyncio.to_thread(status_table, cluster)
+            table = await asyncio.to_thread(kvbaton_status, cluster.discovery)
             for iid in {survivor} | prefill_ids:
                 assert iid in table, table
 
