@@ -20,10 +20,11 @@ token ids, new ones for each repeat and concurrency), every request making exact
 Figures per (system, concurrency): output tok/s (all output tokens over the wall time from the
 first request sent to the last token), per-stream decode tok/s (median over requests of
 (tokens - 1) / (last token - first token): TTFT excluded), TTFT p50, and what ran meanwhile:
-the load average, each process's CPU (cores: CPU seconds / wall) and the CPU that processes
-other than this benchmark's used (`others`, from /proc/stat: the noise to look at). Each serve
-figure is shown beside the offline one of the same repeat, with the ratio; the order of the
-systems rotates from repeat to repeat. Every process the benchmark starts is stopped by its PID.
+the load average, each process's CPU (cores: CPU seconds / wall), the CPU that processes
+other than this benchmark's used (`others`, from /proc/stat: the noise to look at) and the time
+the hypervisor ran other machines while this one had work (`steal`). Each serve figure is shown
+beside the offline one of the same repeat, with the ratio; the order of the systems rotates from
+repeat to repeat. Every process the benchmark starts is stopped by its PID.
 
 A shared machine: two threads on two cores lose far more than the CPU others take (a thread
 taken off its core stalls its team at the next barrier), so before each measurement the
@@ -113,10 +114,12 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def busy_seconds() -> float:
-    """CPU seconds all processes used since boot (user, nice, system, irq, softirq)."""
+def machine_seconds() -> dict[str, float]:
+    """CPU seconds since boot: all processes' (`all`: user, nice, system, irq, softirq), and
+    what the hypervisor gave other machines while this one wanted to run (`steal`)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / TICK
+    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
+    return {"all": busy / TICK, "steal": fields[7] / TICK}
 
 
 def process_seconds(pid: int) -> float:
@@ -148,9 +151,9 @@ def role_of(pid: int) -> str | None:
 
 
 def cpu_snapshot(serve_pid: int | None) -> dict[str, float]:
-    """CPU seconds so far: all processes (`all`), this process (`client`), serve's own process
-    and its children by role."""
-    out = {"all": busy_seconds(), "client": process_seconds(os.getpid())}
+    """CPU seconds so far: the machine's (`all`, `steal`), this process's (`client`), serve's own
+    process's and its children's by role."""
+    out = {**machine_seconds(), "client": process_seconds(os.getpid())}
     if serve_pid is not None:
         out["serve"] = process_seconds(serve_pid)
         for pid in descendants(serve_pid):
@@ -201,12 +204,9 @@ async def wait_quiet(args: argparse.Namespace, serve_pid: int | None) -> None:
     --quiet-wait seconds; a progress line every 10 s)."""
     started = next_log = time.monotonic()
     while time.monotonic() - started < args.quiet_wait:
-        cpu0 = cpu_snapshot(serve_pid)
+        cpu0, t0 = cpu_snapshot(serve_pid), time.perf_counter()
         await asyncio.sleep(1.0)
-        cpu1 = cpu_snapshot(serve_pid)
-        others = (cpu1["all"] - cpu0["all"]) - sum(
-            cpu1[k] - cpu0.get(k, 0.0) for k in cpu1 if k != "all"
-        )
+        others = cores_used(cpu0, cpu_snapshot(serve_pid), time.perf_counter() - t0)["others"]
         if others <= args.max_others:
             return
         if time.monotonic() >= next_log:
@@ -219,7 +219,7 @@ async def wait_quiet(args: argparse.Namespace, serve_pid: int | None) -> None:
 def accept(args: argparse.Namespace, f: Figures, c: int, attempt: int) -> bool:
     """Log a measurement; False to measure again (others used over --max-others cores)."""
     f.tries, f.max_others = attempt + 1, args.max_others
-    note = f" (others {f.cores['others']:.2f} cores)"
+    note = f" (others {f.cores['others']:.2f} cores, steal {f.cores['steal']:.2f})"
     log(f"  c={c}: {f.tok_s:.1f} tok/s, per stream {f.stream_tok_s:.1f}{note}")
     if f.noisy and attempt < args.retries:
         log("  noisy: measuring again")
@@ -227,14 +227,19 @@ def accept(args: argparse.Namespace, f: Figures, c: int, attempt: int) -> bool:
     return True
 
 
+def cores_used(cpu0: dict[str, float], cpu1: dict[str, float], wall: float) -> dict[str, float]:
+    """Cores (CPU seconds / wall) each process used between two snapshots, what other processes
+    used (`others`) and the hypervisor stole (`steal`)."""
+    cores = {k: (cpu1[k] - cpu0.get(k, 0.0)) / wall for k in cpu1}
+    ours = sum(v for k, v in cores.items() if k not in ("all", "steal"))
+    cores["others"] = max(0.0, cores.pop("all") - ours)
+    return cores
+
+
 def figures(
     requests: list[Request], start: float, load: str, cpu0: dict[str, float], cpu1: dict[str, float]
 ) -> Figures:
-    end = max(r.last for r in requests)
-    wall = end - start
-    cores = {k: (cpu1[k] - cpu0.get(k, 0.0)) / wall for k in cpu1}
-    ours = sum(v for k, v in cores.items() if k != "all")
-    cores["others"] = max(0.0, cores.pop("all") - ours)
+    wall = max(r.last for r in requests) - start
     return Figures(
         tok_s=sum(r.tokens for r in requests) / wall,
         stream_tok_s=statistics.median(
@@ -242,7 +247,7 @@ def figures(
         ),
         ttft_p50=pct([r.first - r.sent for r in requests], 0.5),
         load=f"{load} -> {loadavg()}",
-        cores=cores,
+        cores=cores_used(cpu0, cpu1, wall),
     )
 
 
