@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvbaton.engine import EngineConfig, LLMEngine, SamplingParams
+from kvbaton.engine.connector import EngineRequest
 from kvbaton.llm.model_files import resolve_model
 
 PROMPT_LEN = 32
@@ -102,7 +103,7 @@ def prompts(batch: int, length: int, seed: int) -> list[list[int]]:
 def ours_decode(engine: LLMEngine, batch: list[list[int]]) -> float:
     params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
     for i, p in enumerate(batch):
-        engine.add_request(f"d{time.monotonic_ns()}-{i}", p, params)
+        engine.add_request(EngineRequest(f"d{time.monotonic_ns()}-{i}", p, params))
     t0 = time.perf_counter()
     produced = 0
     while engine.has_unfinished():
@@ -116,7 +117,7 @@ def ours_prefill(engine: LLMEngine, batch: list[list[int]]) -> float:
     params = SamplingParams(max_tokens=1, temperature=0)
     t0 = time.perf_counter()
     for i, p in enumerate(batch):
-        engine.add_request(f"p{time.monotonic_ns()}-{i}", p, params)
+        engine.add_request(EngineRequest(f"p{time.monotonic_ns()}-{i}", p, params))
         while engine.has_unfinished():
             engine.step()
     return sum(map(len, batch)) / (time.perf_counter() - t0)

@@ -52,6 +52,7 @@ from typing import Any
 import httpx
 
 from kvbaton.engine import LLM, SamplingParams
+from kvbaton.engine.connector import EngineRequest
 from kvbaton.llm.model_files import served_name
 from serving import (
     STARTUP_S,
@@ -267,7 +268,7 @@ def offline_run(llm: LLM, batch: list[list[int]], concurrency: int, tokens: int)
         i, prompt = todo.pop(0)
         rid = f"bench-{time.monotonic_ns()}-{i}"
         requests[rid] = Request(sent=time.perf_counter())
-        engine.add_request(rid, prompt, params)
+        engine.add_request(EngineRequest(rid, prompt, params))
 
     for _ in range(min(concurrency, len(todo))):
         add()

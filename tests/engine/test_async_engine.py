@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvbaton.engine import AsyncEngine, EngineConfig, SamplingParams
-from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
+from kvbaton.engine.connector import EngineRequest, KvLoad, KvLoadFailed
 from tests.engine.conftest import TEST_DEVICE
 from tests.engine.test_model_vs_hf import hf_greedy, prompts
 from tests.helpers import wait_until
@@ -40,7 +40,7 @@ async def test_concurrent_requests_stream_their_own_tokens(
     async def one(i: int, prompt: list[int]) -> tuple[list[int], str | None]:
         tokens: list[int] = []
         reason = None
-        async for out in await engine.add_request(f"r{i}", prompt, params):
+        async for out in await engine.add_request(EngineRequest(f"r{i}", prompt, params)):
             tokens += out.token_ids
             reason = out.finish_reason
             if reason:
@@ -55,7 +55,7 @@ async def test_concurrent_requests_stream_their_own_tokens(
 
 async def test_leaving_early_aborts_and_frees_the_blocks(engine: AsyncEngine) -> None:
     stream = await engine.add_request(
-        "long", prompts()[5], SamplingParams(max_tokens=200, temperature=0)
+        EngineRequest("long", prompts()[5], SamplingParams(max_tokens=200, temperature=0))
     )
     async for _ in stream:
         break
@@ -69,9 +69,9 @@ async def test_leaving_early_aborts_and_frees_the_blocks(engine: AsyncEngine) ->
 
 async def test_bad_requests_fail_at_once(engine: AsyncEngine) -> None:
     with pytest.raises(ValueError, match="empty"):
-        await engine.add_request("bad", [], SamplingParams())
+        await engine.add_request(EngineRequest("bad", [], SamplingParams()))
     with pytest.raises(ValueError, match="max_tokens"):
-        await engine.add_request("bad", [5], SamplingParams(max_tokens=0))
+        await engine.add_request(EngineRequest("bad", [5], SamplingParams(max_tokens=0)))
 
 
 async def test_every_loading_request_starts_its_load_at_once(engine: AsyncEngine) -> None:
@@ -81,15 +81,15 @@ async def test_every_loading_request_starts_its_load_at_once(engine: AsyncEngine
     started: list[str] = []
     written = threading.Event()
 
-    def wait_in_room(load: KvLoad) -> list[int] | None:
-        started.append(load.request_id)
-        assert written.wait(10)
-        raise KvLoadFailed("not written here: prefill it")
+    class Room:
+        def load(self, load: KvLoad) -> list[int]:
+            started.append(load.request_id)
+            assert written.wait(10)
+            raise KvLoadFailed("not written here: prefill it")
 
-    engine.kv_loader = wait_in_room
     params = SamplingParams(max_tokens=2, temperature=0)
     streams = [
-        await engine.add_request(f"r{i}", [5 + i, 6, 7], params, kv_source=f"room-{i}")
+        await engine.add_request(EngineRequest(f"r{i}", [5 + i, 6, 7], params, kv_source=Room()))
         for i in range(12)  # three times as many as the engine had load threads
     ]
     try:

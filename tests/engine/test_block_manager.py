@@ -84,11 +84,12 @@ def test_allocation_fails_without_changing_anything() -> None:
     assert bm.num_free_blocks == 2 and s.block_table == []
 
 
-def test_salted_or_lora_blocks_never_match_plain_ones() -> None:
+def test_salted_blocks_never_match_plain_or_other_salts() -> None:
     bm, _ = manager()
     run(bm, seq(list(range(9)), "plain"))
     assert bm.match_prefix(seq(list(range(9)), "salted", cache_salt="s")) == []
-    assert bm.match_prefix(seq(list(range(9)), "lora", lora_name="x")) == []
+    run(bm, seq(list(range(9)), "salted-t", cache_salt="t"))
+    assert bm.match_prefix(seq(list(range(9)), "salted-s", cache_salt="s")) == []
 
 
 def test_clear_forgets_every_prefix() -> None:

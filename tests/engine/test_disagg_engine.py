@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvbaton.engine import LLMEngine, SamplingParams
+from kvbaton.engine.connector import EngineRequest, KvLoad
 from kvbaton.engine.model_runner import ModelRunner
-from kvbaton.engine.scheduler import KvLoad
 from tests.engine.test_model_vs_hf import engine, prompts, run
 
 pytestmark = pytest.mark.unit
@@ -29,7 +29,7 @@ def prefill(
     eng: LLMEngine, rid: str, prompt: list[int], params: SamplingParams | None = None
 ) -> tuple[list[int], list[int]]:
     """The held request's first token and blocks."""
-    eng.add_request(rid, prompt, params or greedy(), hold_kv=True)
+    eng.add_request(EngineRequest(rid, prompt, params or greedy(), hold_kv=True))
     while eng.has_unfinished():
         for out in eng.step():
             if out.request_id == rid:
@@ -58,7 +58,9 @@ def decode(
     params: SamplingParams | None = None,
 ) -> list[int]:
     """Tokens of the decode side, the prefill's first included."""
-    dst.add_request(rid, prompt, params or greedy(), kv_source=blocks, output_token_ids=first)
+    dst.add_request(
+        EngineRequest(rid, prompt, params or greedy(), kv_source=blocks, output_token_ids=first)
+    )
     tokens = list(first)
     while True:
         outs = dst.step()
@@ -114,7 +116,9 @@ def test_a_failed_load_a_writer_may_still_write_keeps_its_blocks_out_of_use(
     reference = run(engine(model_dir), [prompt], NEW)[0]
     p_eng, d_eng = engine(model_dir), engine(model_dir)
     first, blocks = prefill(p_eng, "r", prompt)
-    d_eng.add_request("r", prompt, greedy(), kv_source=blocks, output_token_ids=first)
+    d_eng.add_request(
+        EngineRequest("r", prompt, greedy(), kv_source=blocks, output_token_ids=first)
+    )
     d_eng.step()
     (load,) = d_eng.take_kv_loads()
     if aborted:
@@ -143,7 +147,7 @@ def test_a_request_that_stops_at_its_first_token_holds_nothing(
     tiny_models: dict[str, Path],
 ) -> None:
     p_eng = engine(tiny_models["llama-tied"])
-    p_eng.add_request("one", prompts()[3], greedy(1), hold_kv=True)
+    p_eng.add_request(EngineRequest("one", prompts()[3], greedy(1), hold_kv=True))
     outs = []
     while p_eng.has_unfinished():
         outs += p_eng.step()
@@ -157,7 +161,9 @@ def test_abort_while_loading_frees_blocks_once_the_load_ends(
     model_dir = tiny_models["llama-tied"]
     p_eng, d_eng = engine(model_dir), engine(model_dir)
     first, blocks = prefill(p_eng, "r", prompts()[5])
-    d_eng.add_request("r", prompts()[5], greedy(), kv_source=blocks, output_token_ids=first)
+    d_eng.add_request(
+        EngineRequest("r", prompts()[5], greedy(), kv_source=blocks, output_token_ids=first)
+    )
     d_eng.step()
     (load,) = d_eng.take_kv_loads()
     final = d_eng.abort_request("r")
@@ -173,9 +179,11 @@ def test_abort_while_loading_frees_blocks_once_the_load_ends(
 def test_given_output_tokens_are_checked(tiny_models: dict[str, Path]) -> None:
     eng = engine(tiny_models["llama-tied"])
     with pytest.raises(ValueError, match="fewer than max_tokens"):
-        eng.add_request("x", [1, 2], greedy(1), kv_source=[0], output_token_ids=[5])
+        eng.add_request(EngineRequest("x", [1, 2], greedy(1), kv_source=[0], output_token_ids=[5]))
     with pytest.raises(ValueError, match="valid"):
-        eng.add_request("y", [1, 2], greedy(), kv_source=[0], output_token_ids=[10**6])
+        eng.add_request(
+            EngineRequest("y", [1, 2], greedy(), kv_source=[0], output_token_ids=[10**6])
+        )
 
 
 def test_seeded_sampling_gives_the_same_tokens_disaggregated(tiny_models: dict[str, Path]) -> None:
@@ -184,7 +192,7 @@ def test_seeded_sampling_gives_the_same_tokens_disaggregated(tiny_models: dict[s
     params = SamplingParams(max_tokens=NEW, temperature=1.0, top_p=0.9, seed=7)
     prompt = prompts()[4]
     whole = engine(model_dir)
-    whole.add_request("w", prompt, params)
+    whole.add_request(EngineRequest("w", prompt, params))
     expected: list[int] = []
     while whole.has_unfinished():
         expected += [t for out in whole.step() for t in out.token_ids]
@@ -229,7 +237,9 @@ def test_a_cache_the_transfer_cannot_address_moves_through_its_host_mirror(
         assert staged[:, layer_bytes : 2 * layer_bytes].any()
         assert not staged[:, :layer_bytes].any() and not staged[:, 2 * layer_bytes :].any()
         view.stage_out(blocks)
-        d_eng.add_request("r", prompt, greedy(), kv_source=blocks, output_token_ids=first)
+        d_eng.add_request(
+            EngineRequest("r", prompt, greedy(), kv_source=blocks, output_token_ids=first)
+        )
         tokens = list(first)
         while d_eng.has_unfinished() or d_eng.scheduler.loading:
             outs = d_eng.step()

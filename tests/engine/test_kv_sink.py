@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvbaton.engine import SamplingParams
-from kvbaton.engine.sequence import PromptChunk
+from kvbaton.engine.connector import EngineRequest, PromptChunk
 from tests.engine.test_model_vs_hf import engine
 
 pytestmark = pytest.mark.unit
@@ -55,10 +55,16 @@ def test_the_sink_sees_each_layer_as_it_is_written(tiny_models: dict[str, Path])
     layers = runner.cache.shape[1]
     sink, decoding = Recorder(runner.cache), Recorder(runner.cache)
     prompt = [(5 * i) % 90 + 4 for i in range(37)]  # 3 chunks of at most 16 tokens, 5 blocks
-    eng.add_request("streamed", prompt, SamplingParams(max_tokens=3), hold_kv=True, kv_sink=sink)
+    eng.add_request(
+        EngineRequest("streamed", prompt, SamplingParams(max_tokens=3), hold_kv=True, kv_sink=sink)
+    )
     # Runs on to decode: told of its prompt only.
-    eng.add_request("decoding", prompt[3:9], SamplingParams(max_tokens=6), kv_sink=decoding)
-    eng.add_request("other", prompt[:20], SamplingParams(max_tokens=3))  # no sink: not told
+    eng.add_request(
+        EngineRequest("decoding", prompt[3:9], SamplingParams(max_tokens=6), kv_sink=decoding)
+    )
+    eng.add_request(
+        EngineRequest("other", prompt[:20], SamplingParams(max_tokens=3))
+    )  # no sink: not told
     blocks = None
     while eng.has_unfinished():
         for out in eng.step():

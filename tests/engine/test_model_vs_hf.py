@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvbaton.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from kvbaton.engine.connector import EngineRequest
 from tests.engine.conftest import TEST_DEVICE
 
 pytestmark = pytest.mark.unit
@@ -63,7 +64,7 @@ def run(eng: LLMEngine, batch: list[list[int]], new_tokens: int = NEW_TOKENS) ->
     params = SamplingParams(max_tokens=new_tokens, temperature=0)
     outs: dict[str, list[int]] = {}
     for i, p in enumerate(batch):
-        eng.add_request(f"r{i}-{id(batch)}", p, params)
+        eng.add_request(EngineRequest(f"r{i}-{id(batch)}", p, params))
         outs[f"r{i}-{id(batch)}"] = []
     while eng.has_unfinished():
         for o in eng.step():
@@ -91,7 +92,9 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_models: dict[str, Path]) ->
     base = prompts()[4]  # 40 tokens: 5 full blocks of 8
     run(eng, [base])
     longer = [*base, 7, 8, 9, 10, 11]
-    eng.add_request("hit", longer, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+    eng.add_request(
+        EngineRequest("hit", longer, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+    )
     got: list[int] = []
     cached = 0
     while eng.has_unfinished():
@@ -122,12 +125,14 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(
 
     def sample(with_others: int) -> list[int]:
         rid = f"seeded-{with_others}"
-        eng.add_request(rid, prompts()[2], params)
+        eng.add_request(EngineRequest(rid, prompts()[2], params))
         for i in range(with_others):
             eng.add_request(
-                f"other-{with_others}-{i}",
-                prompts()[i % 6],
-                SamplingParams(max_tokens=8, temperature=1.0),
+                EngineRequest(
+                    f"other-{with_others}-{i}",
+                    prompts()[i % 6],
+                    SamplingParams(max_tokens=8, temperature=1.0),
+                ),
             )
         got: list[int] = []
         while eng.has_unfinished():
@@ -141,7 +146,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(
 
 def test_abort_frees_blocks_at_once(tiny_models: dict[str, Path]) -> None:
     eng = engine(tiny_models["llama-tied"])
-    eng.add_request("a", prompts()[5], SamplingParams(max_tokens=50, temperature=0))
+    eng.add_request(EngineRequest("a", prompts()[5], SamplingParams(max_tokens=50, temperature=0)))
     eng.step()
     assert eng.blocks.num_free_blocks < eng.blocks.num_blocks
     final = eng.abort_request("a")
@@ -154,18 +159,18 @@ def test_bad_requests_are_refused_clearly(tiny_models: dict[str, Path]) -> None:
     eng = engine(tiny_models["llama-tied"], max_model_len=64, num_kv_blocks=4)
     ok = SamplingParams(max_tokens=4)
     with pytest.raises(ValueError, match="empty"):
-        eng.add_request("x", [], ok)
+        eng.add_request(EngineRequest("x", [], ok))
     with pytest.raises(ValueError, match="token ids"):
-        eng.add_request("x", [1, 5000], ok)
+        eng.add_request(EngineRequest("x", [1, 5000], ok))
     with pytest.raises(ValueError, match="context"):
-        eng.add_request("x", [5] * 64, ok)
+        eng.add_request(EngineRequest("x", [5] * 64, ok))
     with pytest.raises(ValueError, match="KV blocks"):
-        eng.add_request("x", [5] * 30, SamplingParams(max_tokens=30))
+        eng.add_request(EngineRequest("x", [5] * 30, SamplingParams(max_tokens=30)))
     with pytest.raises(ValueError, match="temperature"):
-        eng.add_request("x", [5], SamplingParams(temperature=-1))
-    eng.add_request("dup", [5], ok)
+        eng.add_request(EngineRequest("x", [5], SamplingParams(temperature=-1)))
+    eng.add_request(EngineRequest("dup", [5], ok))
     with pytest.raises(ValueError, match="already"):
-        eng.add_request("dup", [5], ok)
+        eng.add_request(EngineRequest("dup", [5], ok))
 
 
 def test_offline_face_generates_and_chats(tiny_models: dict[str, Path]) -> None:
@@ -219,7 +224,9 @@ def test_a_failed_step_leaves_no_prefix_that_was_never_computed(
     """Blocks are registered when scheduled; if the forward pass then fails, none of them may
     be served as a prefix hit later."""
     eng = engine(tiny_models["llama-tied"])
-    eng.add_request("doomed", prompts()[4], SamplingParams(max_tokens=4, temperature=0))
+    eng.add_request(
+        EngineRequest("doomed", prompts()[4], SamplingParams(max_tokens=4, temperature=0))
+    )
 
     def broken(output: object) -> dict[str, int]:
         raise RuntimeError("device fell over")

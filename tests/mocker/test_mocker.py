@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvbaton.engine import LLMEngine
+from kvbaton.engine.connector import EngineRequest
 from kvbaton.mocker import MockerRunner, MockerTiming
 from kvbaton.mocker.runner import MOCKER_DEFAULTS, mocker_config
 from kvbaton.mocker.timing import parse_coefficients
@@ -57,7 +58,7 @@ class Mocker:
         outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
         finals: dict[str, EngineOutput] = {}
         for rid, tokens in prompts.items():
-            self.engine.add_request(rid, tokens, params)
+            self.engine.add_request(EngineRequest(rid, tokens, params))
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 outputs[out.request_id] += out.token_ids
@@ -115,7 +116,7 @@ def test_prefix_hits_events_and_blocks_come_back(mocker_model: Path) -> None:
 
 def test_load_counts_prefill_and_decode(mocker_model: Path) -> None:
     mocker = Mocker(mocker_model, max_num_batched_tokens=8)
-    mocker.engine.add_request("a", list(range(30, 50)), SamplingParams(max_tokens=4))
+    mocker.engine.add_request(EngineRequest("a", list(range(30, 50)), SamplingParams(max_tokens=4)))
     assert mocker.engine.stats().active_prefill_tokens == 20
     mocker.engine.step()  # 8 of its 20 prompt tokens
     assert mocker.engine.stats().active_prefill_tokens == 12
@@ -124,7 +125,7 @@ def test_load_counts_prefill_and_decode(mocker_model: Path) -> None:
     stats = mocker.engine.stats()
     assert stats.active_prefill_tokens == 0
     assert stats.active_decode_blocks == 5  # 20 computed tokens in blocks of 4
-    mocker.engine.add_request("b", list(range(30, 50)), SamplingParams(max_tokens=4))
+    mocker.engine.add_request(EngineRequest("b", list(range(30, 50)), SamplingParams(max_tokens=4)))
     # Waiting, it counts only what the prefix cache will not give it: a's 4 full blocks are
     # there, and the last token is always computed (a router that read 20 would send b's
     # like elsewhere, to a worker without its prefix).
@@ -148,7 +149,9 @@ def test_a_request_resent_with_its_outputs_in_its_prompt_goes_on_with_the_same_t
     assert other_seed["r"] != whole
     engine = Mocker(mocker_model).engine
     engine.add_request(
-        "d", prompt, SamplingParams(max_tokens=12, seed=7), output_token_ids=whole[:1]
+        EngineRequest(
+            "d", prompt, SamplingParams(max_tokens=12, seed=7), output_token_ids=whole[:1]
+        )
     )
     rest: list[int] = []
     while engine.has_unfinished():

@@ -38,7 +38,7 @@ def params(instance_id: int) -> DisaggregatedParams:
     pool = KvPoolInfo(layout="x", num_blocks=1, block_bytes=1, host="h")
     return DisaggregatedParams(
         prefill_instance_id=instance_id,
-        release_endpoint="ns.prefill.kv_release",
+        prefill_component="ns.prefill",
         handle="h",
         block_ids=[0],
         num_tokens=1,

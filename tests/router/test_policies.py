@@ -395,18 +395,18 @@ def test_kv_router_per_request_overlap_weight() -> None:
 
 
 def test_kv_router_extra_keys_never_match_other_blocks() -> None:
-    """Blocks stored without LoRA/salt do not serve a request with them, and back."""
-    lora = block_extra_keys(lora_name="adapter")
+    """Blocks stored without a salt, or with another, do not serve a request with one."""
+    salt0 = block_extra_keys(cache_salt="s0")
     salted = block_extra_keys(cache_salt="s1")
     r = kv_router()
     r.indexer.apply(A, stored(PROMPT, 8))
-    r.indexer.apply(B, stored(PROMPT, 8, lora))
-    with_lora = r.route(RouteRequest(token_ids=PROMPT, extra_keys=lora), [A, B, C])
+    r.indexer.apply(B, stored(PROMPT, 8, salt0))
+    with_salt0 = r.route(RouteRequest(token_ids=PROMPT, extra_keys=salt0), [A, B, C])
     plain = r.route(REQ, [A, B, C])
     other = r.route(RouteRequest(token_ids=PROMPT, extra_keys=salted), [A, B, C])
-    assert isinstance(with_lora, KvRoute) and isinstance(plain, KvRoute)
+    assert isinstance(with_salt0, KvRoute) and isinstance(plain, KvRoute)
     assert isinstance(other, KvRoute)
-    assert with_lora.overlaps == {A: 0, B: 8, C: 0} and with_lora.ranking[0] == B
+    assert with_salt0.overlaps == {A: 0, B: 8, C: 0} and with_salt0.ranking[0] == B
     assert plain.overlaps == {A: 8, B: 0, C: 0} and plain.ranking[0] == A
     assert other.overlaps == {A: 0, B: 0, C: 0}
 

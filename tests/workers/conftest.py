@@ -1,7 +1,8 @@
-"""The `handoff` fixture: a started `KvHandoff` on stand-ins (fakes.py), whose transfer timeout
-(the wait for a claim) is 0.5 s; closed at the end. `serving_engine`: an `AsyncEngine` on a tiny
-random model, the mocker's and the built-in one's (a test using it runs on each), with 32 blocks
-of 8 tokens and `max_num_seqs` 2; shut down at the end."""
+"""The `decode_side` and `prefill_side` fixtures: a started `DecodeSide` and `PrefillSide` on
+stand-ins (fakes.py), whose transfer timeout (the wait for a claim) is 0.5 s; closed at the
+end. `serving_engine`: an `AsyncEngine` on a tiny random model, the mocker's and the built-in
+one's (a test using it runs on each), with 32 blocks of 8 tokens and `max_num_seqs` 2; shut
+down at the end."""
 
 from __future__ import annotations
 
@@ -10,17 +11,26 @@ from pathlib import Path
 
 import pytest
 
+from kvbaton.disagg.decode_side import DecodeSide
+from kvbaton.disagg.prefill_side import PrefillSide
 from kvbaton.engine import AsyncEngine, EngineConfig
 from kvbaton.mocker import MockerTiming, create_mocker_engine
-from kvbaton.workers.kv_handoff import KvHandoff
 from tests.engine.conftest import TEST_DEVICE
 from tests.tiny_models import build_chat_model
-from tests.workers.fakes import make_handoff
+from tests.workers.fakes import make_decode_side, make_prefill_side
 
 
 @pytest.fixture
-async def handoff() -> AsyncIterator[KvHandoff]:
-    made = make_handoff(timeout_s=0.5)
+async def decode_side() -> AsyncIterator[DecodeSide]:
+    made = make_decode_side(timeout_s=0.5)
+    made.start()
+    yield made
+    await made.close()
+
+
+@pytest.fixture
+async def prefill_side() -> AsyncIterator[PrefillSide]:
+    made = make_prefill_side(timeout_s=0.5)
     made.start()
     yield made
     await made.close()

@@ -1,5 +1,5 @@
-"""A `KvHandoff` on stand-ins: an agent that moves no bytes (its reads are recorded in
-`agent.reads`) and an engine that records the handles it is told to release
+"""A `DecodeSide` or a `PrefillSide` on stand-ins: an agent that moves no bytes (its reads are
+recorded in `agent.reads`) and an engine that records the handles it is told to release
 (`engine.released`) and when it is told to reclaim blocks (`engine.reclaims`, monotonic times);
 or, on a real engine, a prefill worker (`make_prefill_worker`) whose decode workers never answer
 a claim, and a hook between a request's move to held and its output's delivery
@@ -13,21 +13,23 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+from kvbaton.disagg.decode_side import DecodeSide
+from kvbaton.disagg.prefill_side import PrefillSide
 from kvbaton.engine import AsyncEngine, LLMEngine
-from kvbaton.engine.engine import KvCacheView
+from kvbaton.engine.connector import ConnectedEngine, KvCacheView
+from kvbaton.protocols.disagg import KvReady
 from kvbaton.protocols.llm import EngineOutput, KvPoolInfo, KvTarget
-from kvbaton.workers.kv_handoff import HoldingEngine, KvHandoff
 from kvbaton.workers.llm_worker import LLMWorker
 
 POOL = KvPoolInfo(layout="test", num_blocks=8, block_bytes=0, host="")
 
 
-def make_handoff(
+def _side_args(
     timeout_s: float,
-    engine: HoldingEngine | None = None,
+    engine: ConnectedEngine | None = None,
     cache: KvCacheView | None = None,
     block_size: int = 4,
-) -> KvHandoff:
+) -> tuple[Any, ...]:
     """On the stand-in engine unless `engine` is given (`cache` then is its view)."""
     reads: list[tuple[list[int], list[int]]] = []
     agent: Any = SimpleNamespace(
@@ -49,12 +51,33 @@ def make_handoff(
         )
     runtime: Any = SimpleNamespace(instance_id=7)
     view = cache or KvCacheView("test", 8, 0, None)
-    return KvHandoff(runtime, engine, agent, view, "ns.backend", block_size)
+    return (runtime, engine, agent, view, "ns.backend", block_size)
+
+
+def make_decode_side(
+    timeout_s: float,
+    engine: ConnectedEngine | None = None,
+    cache: KvCacheView | None = None,
+    block_size: int = 4,
+) -> DecodeSide:
+    """A decode (or agg) worker's side, on the stand-ins unless `engine` is given."""
+    return DecodeSide(*_side_args(timeout_s, engine, cache, block_size))
+
+
+def make_prefill_side(
+    timeout_s: float,
+    engine: ConnectedEngine | None = None,
+    cache: KvCacheView | None = None,
+    block_size: int = 4,
+    **kwargs: Any,
+) -> PrefillSide:
+    """A prefill worker's side, on the stand-ins unless `engine` is given."""
+    return PrefillSide(*_side_args(timeout_s, engine, cache, block_size), **kwargs)
 
 
 class UnansweringPeers:
     """Decode workers that never answer a claim (it waits until withdrawn); their reports
-    (`kv_ready`) are recorded in `reports` as (room, ok)."""
+    (`ready`) are recorded in `reports` as (room, ok)."""
 
     def __init__(self) -> None:
         self.reports: list[tuple[str, bool]] = []
@@ -62,10 +85,8 @@ class UnansweringPeers:
     async def claim(self, target: KvTarget, timeout_s: float) -> None:
         await asyncio.Event().wait()
 
-    async def kv_ready(
-        self, target: KvTarget, ok: bool, token_ids: list[int], linger_s: float = 0.0
-    ) -> None:
-        self.reports.append((target.room, ok))
+    async def ready(self, target: KvTarget, report: KvReady) -> None:
+        self.reports.append((target.room, report.ok))
 
     async def close(self) -> None:
         pass
@@ -73,12 +94,12 @@ class UnansweringPeers:
 
 def make_prefill_worker(
     engine: AsyncEngine, cache: KvCacheView | None = None
-) -> tuple[LLMWorker, KvHandoff]:
+) -> tuple[LLMWorker, PrefillSide]:
     """A prefill worker serving "tiny" on `engine` (its KV cache seen as `cache` if given), with
-    its handoff: start it (`handoff.start()`) on the test's loop, close it at the end."""
+    its side: start it (`side.start()`) on the test's loop, close it at the end."""
     view = cache or engine.engine.kv_cache()
-    handoff = make_handoff(5.0, engine, view, engine.block_size)
-    handoff.peers = UnansweringPeers()  # type: ignore[assignment]
+    side = make_prefill_side(5.0, engine, view, engine.block_size)
+    side.peers = UnansweringPeers()  # type: ignore[assignment]
     runtime: Any = SimpleNamespace(
         instance_id=7, namespace=lambda name: SimpleNamespace(component=lambda name: None)
     )
@@ -88,17 +109,16 @@ def make_prefill_worker(
         served_name="tiny",
         namespace="t",
         role="prefill",
-        handoff=handoff,
+        side=side,
     )
-    return worker, handoff
+    return worker, side
 
 
 def kv_target(block_size: int, num_blocks: int) -> KvTarget:
     """Decode-first: blocks 0... of a decode worker (`UnansweringPeers`'s) for a prompt."""
     return KvTarget(
         decode_instance_id=1,
-        claim_endpoint="ns.decode.kv_claim",
-        notify_endpoint="ns.decode.kv_ready",
+        decode_component="ns.decode",
         room="room",
         block_ids=list(range(num_blocks)),
         first_block=0,

@@ -16,10 +16,11 @@ from unittest.mock import AsyncMock
 
 import pytest
 
+from kvbaton.disagg.prefill_side import PrefillSide
 from kvbaton.engine import AsyncEngine, SamplingParams
+from kvbaton.protocols.disagg import KvRelease, KvReleased
 from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest
 from kvbaton.runtime import Context
-from kvbaton.workers.kv_handoff import KvHandoff
 from tests.helpers import wait_until
 from tests.workers.fakes import before_held_output, kv_target, make_prefill_worker
 
@@ -50,11 +51,12 @@ async def assert_all_free(engine: AsyncEngine) -> None:
     assert taken == (0, 0), f"requests active, blocks taken: {taken} (held: {list(scheduler.held)})"
 
 
-async def assert_released_once(engine: AsyncEngine, handoff: KvHandoff) -> None:
+async def assert_released_once(engine: AsyncEngine, side: PrefillSide) -> None:
     """No hold timer runs for the request; a late release or timer frees nothing more."""
-    assert HANDLE not in handoff._held
-    assert await handoff.kv_release({"handle": HANDLE}, Context("late")) == {"released": False}
-    handoff._expire(HANDLE)
+    assert HANDLE not in side._held
+    late = await side.kv_release(KvRelease(handle=HANDLE), Context("late"))
+    assert late == KvReleased(released=False)
+    side._expire(HANDLE)
     engine.release_kv(HANDLE)
     await assert_all_free(engine)
 
@@ -64,8 +66,8 @@ async def test_a_request_cancelled_before_its_held_output_is_read_frees_its_kv(
     serving_engine: AsyncEngine, order: str
 ) -> None:
     engine = serving_engine
-    worker, handoff = make_prefill_worker(engine)
-    handoff.start()
+    worker, side = make_prefill_worker(engine)
+    side.start()
     try:
         answer = asyncio.ensure_future(
             anext(worker.generate(prefill_request(engine, order), Context("req")))
@@ -76,11 +78,11 @@ async def test_a_request_cancelled_before_its_held_output_is_read_frees_its_kv(
         with pytest.raises(asyncio.CancelledError):
             await answer
         await assert_all_free(engine)
-        await assert_released_once(engine, handoff)
+        await assert_released_once(engine, side)
         if order == "decode-first":  # the decode worker is told that no KV comes
-            assert handoff.peers.reports == [("room", False)]  # type: ignore[attr-defined]
+            assert side.peers.reports == [("room", False)]  # type: ignore[attr-defined]
     finally:
-        await handoff.close()
+        await side.close()
 
 
 @pytest.mark.parametrize("end", ["cancelled", "copy failed"])
@@ -97,8 +99,8 @@ async def test_a_hold_cut_short_while_its_blocks_are_staged_out_frees_them_once_
             raise OSError("copy failed")
 
     mirrored = dataclasses.replace(engine.engine.kv_cache(), mirrored=True, stage_out=stage_out)
-    worker, handoff = make_prefill_worker(engine, mirrored)
-    handoff.start()
+    worker, side = make_prefill_worker(engine, mirrored)
+    side.start()
     try:
         answer = asyncio.ensure_future(
             anext(worker.generate(prefill_request(engine, "prefill-first"), Context("req")))
@@ -118,14 +120,14 @@ async def test_a_hold_cut_short_while_its_blocks_are_staged_out_frees_them_once_
             lambda: engine.stats().kv_blocks_used == 0, 5, "held blocks freed once staged out"
         )
         await assert_all_free(engine)
-        await assert_released_once(engine, handoff)
+        await assert_released_once(engine, side)
     finally:
         staged.set()
-        await handoff.close()
+        await side.close()
 
 
 async def test_a_push_cancelled_while_its_writes_stop_frees_the_blocks_once_stopped(
-    handoff: KvHandoff,
+    prefill_side: PrefillSide,
 ) -> None:
     """Decode-first: the blocks a push wrote from are freed once no write reads them, even if
     the request is cancelled while the push waits for its writes to stop."""
@@ -135,18 +137,18 @@ async def test_a_push_cancelled_while_its_writes_stop_frees_the_blocks_once_stop
         stopping.set()
         assert stopped.wait(10)
 
-    pusher = SimpleNamespace(finish=lambda blocks: None, stop=stop)
+    pusher = SimpleNamespace(target=kv_target(4, 2), finish=lambda blocks: None, stop=stop)
     claim = SimpleNamespace(accepted=AsyncMock(return_value=True), report=AsyncMock())
     out = EngineOutput(request_id="r", token_ids=[42], kv_blocks=[1, 2])
     pushing = asyncio.ensure_future(
-        handoff.push("h", out, kv_target(4, 2), claim, pusher)  # type: ignore[arg-type]
+        prefill_side._push("h", out, claim, pusher)  # type: ignore[arg-type]
     )
     try:
         await wait_until(stopping.is_set, 10, "the push's writes stopping")
         pushing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await pushing
-        released = handoff.engine.released  # type: ignore[attr-defined]
+        released = prefill_side.engine.released  # type: ignore[attr-defined]
         assert released == []  # not while a write may still read them
         stopped.set()
         await wait_until(lambda: released == ["h"], 5, "the pushed blocks released")

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
+from kvbaton.disagg.decode_side import DecodeSide, KvFetch
+from kvbaton.engine.connector import KvLoad, KvLoadFailed
 from kvbaton.protocols.llm import DisaggregatedParams
-from kvbaton.workers.kv_handoff import KvFetch, KvHandoff
 from tests.workers.fakes import POOL
 
 pytestmark = pytest.mark.unit
@@ -33,10 +33,10 @@ class FakePeers:
         pass
 
 
-def fetch() -> KvFetch:
+def fetch(side: DecodeSide) -> KvFetch:
     params = DisaggregatedParams(
         prefill_instance_id=3,
-        release_endpoint="ns.prefill.kv_release",
+        prefill_component="ns.prefill",
         handle="h",
         block_ids=[5, 6],
         num_tokens=8,
@@ -44,50 +44,51 @@ def fetch() -> KvFetch:
         first_token_ids=[42],
         pool=POOL,
     )
-    return KvFetch(params)
+    return KvFetch(params, side)
 
 
 @pytest.mark.parametrize("held", [True, False])
 async def test_a_read_counts_only_if_the_blocks_were_held_until_it_ended(
-    handoff: KvHandoff, held: bool
+    decode_side: DecodeSide, held: bool
 ) -> None:
     peers = FakePeers(held)
-    handoff.peers = peers  # type: ignore[assignment]
-    source = fetch()
-    load = asyncio.to_thread(handoff.load, KvLoad("r", source, 0, [1, 2]))
+    decode_side.peers = peers  # type: ignore[assignment]
+    source = fetch(decode_side)
+    load = asyncio.to_thread(source.load, KvLoad("r", source, 0, [1, 2]))
     if held:
-        assert await load is None
-        assert handoff.handoffs == 1
+        assert await load == []
+        assert decode_side.handoffs == 1
     else:
         with pytest.raises(KvLoadFailed, match="no longer held"):
             await load
-        assert handoff.handoffs == 0
-    assert handoff.agent.reads == [([5, 6], [1, 2])]  # type: ignore[attr-defined]
+        assert decode_side.handoffs == 0
+    assert decode_side.agent.reads == [([5, 6], [1, 2])]  # type: ignore[attr-defined]
     assert peers.released == ["h"]
-    assert not await handoff.release_remote(source)  # once
+    assert not await source.release()  # once
     assert peers.released == ["h"]
 
 
 @pytest.mark.parametrize("linger_s", [0.3, 0.0])
 async def test_a_read_that_timed_out_keeps_its_blocks_out_while_it_may_land(
-    handoff: KvHandoff, linger_s: float
+    decode_side: DecodeSide, linger_s: float
 ) -> None:
     def read(pool: object, src: list[int], dst: list[int]) -> str:
         raise TimeoutError("NIXL READ of 2 blocks: not done after 30s")
 
-    handoff.peers = FakePeers(held=True)  # type: ignore[assignment]
-    handoff.agent.read = read  # type: ignore[method-assign]
-    handoff.agent.linger_s = lambda pool, op: linger_s  # type: ignore[method-assign]
+    decode_side.peers = FakePeers(held=True)  # type: ignore[assignment]
+    decode_side.agent.read = read  # type: ignore[method-assign]
+    decode_side.agent.linger_s = lambda pool, op: linger_s  # type: ignore[method-assign]
     started = time.monotonic()
     with pytest.raises((KvLoadFailed, TimeoutError), match="not done after 30s") as failed:
-        await asyncio.to_thread(handoff.load, KvLoad("r", fetch(), 0, [1, 2]))
+        source = fetch(decode_side)
+        await asyncio.to_thread(source.load, KvLoad("r", source, 0, [1, 2]))
     if not linger_s:  # the read stopped when the call did: the blocks are free at once
         assert not isinstance(failed.value, KvLoadFailed)
         return
     assert isinstance(failed.value, KvLoadFailed)
     writes_end = failed.value.writes_end
     assert writes_end is not None and not writes_end.is_set()
-    reclaims = handoff.engine.reclaims  # type: ignore[attr-defined]
+    reclaims = decode_side.engine.reclaims  # type: ignore[attr-defined]
     assert await asyncio.to_thread(writes_end.wait, 5.0)
     await asyncio.sleep(0)
     assert time.monotonic() - started >= linger_s and len(reclaims) == 1

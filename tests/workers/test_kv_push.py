@@ -15,11 +15,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvbaton.engine.engine import KvCacheView
-from kvbaton.engine.sequence import PromptChunk
+from kvbaton.disagg.prefill_side import PrefillSide
+from kvbaton.disagg.push import LayerPush, PushState
+from kvbaton.engine.connector import KvCacheView, PromptChunk
 from kvbaton.protocols.llm import KvPoolInfo, KvTarget
-from kvbaton.workers.kv_handoff import KvHandoff
-from kvbaton.workers.kv_push import LayerPush
 from tests.helpers import wait_until
 from tests.workers.fakes import POOL
 
@@ -79,8 +78,7 @@ def target(block_ids: list[int], first_block: int = 0) -> KvTarget:
     pool = KvPoolInfo(layout="test", num_blocks=BLOCKS, block_bytes=LAYERS * LAYER_BYTES, host="")
     return KvTarget(
         decode_instance_id=1,
-        claim_endpoint="ns.backend.kv_claim",
-        notify_endpoint="ns.backend.kv_ready",
+        decode_component="ns.backend",
         room="room",
         block_ids=block_ids,
         first_block=first_block,
@@ -103,6 +101,12 @@ def held_push(writers: concurrent.futures.Executor) -> tuple[FakeAgent, LayerPus
     agent = FakeAgent()
     agent.gate.clear()
     return agent, push(agent, writers, DST)
+
+
+def quiesce(p: LayerPush, timeout_s: float) -> None:
+    """Until no write runs."""
+    with p._cond:
+        assert p._cond.wait_for(lambda: not p._writing, timeout_s), "a KV write still runs"
 
 
 def compute(p: LayerPush, chunk: PromptChunk) -> None:
@@ -312,9 +316,9 @@ def test_layers_wait_for_the_claim_and_a_refused_claim_writes_nothing(
             p.finish(PROMPT)  # the layers told before the claim, in one write
             assert agent.writes == [(PROMPT, DST, (0, LAYERS))]
         else:
-            with pytest.raises(ConnectionError, match="did not let us write"):
+            with pytest.raises(ConnectionError, match="no longer waits"):
                 p.finish(PROMPT)
-            assert not agent.writes
+            assert not agent.writes and p.state is PushState.STOPPED
 
 
 def test_a_claim_the_decode_worker_ends_stops_the_writes(
@@ -324,10 +328,10 @@ def test_a_claim_the_decode_worker_ends_stops_the_writes(
     p = push(agent, writers, DST)
     chunk = PromptChunk(0, 10, 0, PROMPT)
     p.layer_written(chunk, 0)
-    p._quiesce(5)
+    quiesce(p, 5)
     p.claimed(False)  # the decode worker stopped waiting
     p.layer_written(chunk, 1)
-    with pytest.raises(ConnectionError, match="did not let us write"):
+    with pytest.raises(ConnectionError, match="no longer waits"):
         p.finish(PROMPT)
     writers.shutdown(wait=True)
     assert [w[2] for w in agent.writes] == [(0, 1)]
@@ -343,7 +347,7 @@ def test_a_prompt_the_target_does_not_fit_is_refused(
 
 
 async def test_a_write_stalled_on_one_decode_worker_holds_up_no_other_push(
-    handoff: KvHandoff,
+    prefill_side: PrefillSide,
 ) -> None:
     """A hung decode worker keeps each write to it for up to the transfer timeout: pushes to
     another decode worker go on meanwhile, however many are stalled (one writer each)."""
@@ -358,12 +362,16 @@ async def test_a_write_stalled_on_one_decode_worker_holds_up_no_other_push(
         written.append(pool.host)
         return "fake"
 
-    handoff.agent.write = write  # type: ignore[attr-defined]
+    side = prefill_side
+    side.agent.write = write  # type: ignore[attr-defined]
 
     def push_to(host: str, handle: str) -> LayerPush:
-        made = handoff.layer_push(
+        made = LayerPush(
             handle,
             msgspec.structs.replace(target([2]), pool=msgspec.structs.replace(POOL, host=host)),
+            side.agent,
+            side.cache,
+            side._writers,
         )
         made.claimed(True)
         made.layer_written(PromptChunk(0, BLOCK, 0, [5]), 0)

@@ -1,6 +1,6 @@
-"""A claim is accepted with the decode worker's promised wait (`wait_s`, the writer's bound;
-300 s from one that names none) and whether its reports take a linger; a refusal, an
-acceptance with a bad wait (none, not finite) or no answer closes the stream and gives None."""
+"""A claim is accepted with the decode worker's promised wait (`wait_s`, the writer's bound); a
+refusal, an acceptance with a bad wait (none: decode workers from before `wait_s` are no longer
+served; not finite) or no answer closes the stream and gives None."""
 
 from __future__ import annotations
 
@@ -8,15 +8,20 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
-from kvbaton.llm.peer_calls import Accepted, PeerCalls
+from kvbaton.disagg.peers import Claimed, PeerCalls
+from kvbaton.protocols.disagg import KvClaim, KvClaimAnswer
 from kvbaton.protocols.llm import KvPoolInfo, KvTarget
+from kvbaton.runtime.request_plane.framing import payload_decoder
 
 pytestmark = pytest.mark.unit
 
 
 class FakeStream:
+    """The claim's answers as the client decodes them (`KvClaimAnswer`: one amiss raises)."""
+
     def __init__(self, answers: list[Any]) -> None:
         self.answers = answers
         self.closed = False
@@ -27,7 +32,8 @@ class FakeStream:
     async def __anext__(self) -> Any:
         if not self.answers:
             raise StopAsyncIteration
-        return self.answers.pop(0)
+        answer = msgspec.msgpack.encode(self.answers.pop(0))
+        return payload_decoder(KvClaimAnswer).decode(answer)
 
     async def aclose(self) -> None:
         self.closed = True
@@ -35,8 +41,7 @@ class FakeStream:
 
 TARGET = KvTarget(
     decode_instance_id=1,
-    claim_endpoint="ns.backend.kv_claim",
-    notify_endpoint="ns.backend.kv_ready",
+    decode_component="ns.backend",
     room="room",
     block_ids=[1],
     first_block=0,
@@ -46,34 +51,38 @@ TARGET = KvTarget(
 
 
 @pytest.mark.parametrize(
-    "answers, wait_s, takes_linger",
+    "answers, wait_s",
     [
-        ([{"accepted": True, "wait_s": 300.0, "linger": True}], 300.0, True),
-        ([{"accepted": True, "wait_s": 120}], 120.0, False),  # from before linger_s
-        ([{"accepted": True}], 300.0, False),  # from before wait_s
-        ([{"accepted": False}], None, False),
-        ([{"accepted": True, "wait_s": 0}], None, False),
-        ([{"accepted": True, "wait_s": float("nan")}], None, False),
-        ([{"accepted": True, "wait_s": float("inf")}], None, False),
-        ([{"accepted": True, "wait_s": True}], None, False),
-        ([], None, False),
+        ([{"accepted": True, "wait_s": 300.0}], 300.0),
+        ([{"accepted": True, "wait_s": 120}], 120.0),
+        # The old answer's `linger` flag (every decode worker takes a linger now) is ignored.
+        ([{"accepted": True, "wait_s": 300.0, "linger": True}], 300.0),
+        # From before wait_s: no longer accepted (there is no compatibility with it any more).
+        ([{"accepted": True}], None),
+        ([{"accepted": False}], None),
+        ([{"accepted": True, "wait_s": 0}], None),
+        ([{"accepted": True, "wait_s": float("nan")}], None),
+        ([{"accepted": True, "wait_s": float("inf")}], None),
+        ([{"accepted": True, "wait_s": True}], None),
+        ([], None),
     ],
 )
 async def test_a_claim_counts_only_with_the_wait_it_was_promised(
-    answers: list[Any], wait_s: float | None, takes_linger: bool
+    answers: list[Any], wait_s: float | None
 ) -> None:
     stream = FakeStream(list(answers))
-    requests: list[dict[str, Any]] = []
+    requests: list[KvClaim] = []
 
-    def direct(request: dict[str, Any], instance_id: int) -> FakeStream:
+    def direct(request: KvClaim, instance_id: int) -> FakeStream:
         requests.append(request)
         return stream
 
     peers = PeerCalls(SimpleNamespace())  # type: ignore[arg-type]
-    peers._clients[TARGET.claim_endpoint] = SimpleNamespace(direct=direct)  # type: ignore[assignment]
+    client: Any = SimpleNamespace(direct=direct)
+    peers._clients["ns.backend.kv_claim", KvClaimAnswer] = client
     claim = await peers.claim(TARGET, 2.5)
-    assert requests == [{"room": "room", "timeout_s": 2.5}]
+    assert requests == [KvClaim(room="room", timeout_s=2.5)]
     if wait_s is None:
         assert claim is None and stream.closed
     else:
-        assert claim == Accepted(stream, wait_s, takes_linger) and not stream.closed
+        assert claim == Claimed(stream, wait_s) and not stream.closed  # type: ignore[arg-type]

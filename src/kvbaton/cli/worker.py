@@ -10,8 +10,9 @@ from kvbaton.llm.model_files import served_name
 from kvbaton.runtime import DistributedRuntime
 
 if TYPE_CHECKING:  # the worker's modules are imported when it starts (none for echo)
+    from kvbaton.disagg.decode_side import DecodeSide
+    from kvbaton.disagg.prefill_side import PrefillSide
     from kvbaton.kv_transfer import KvPool
-    from kvbaton.workers.kv_handoff import KvHandoff
     from kvbaton.workers.kv_publisher import KvEventPublisher
     from kvbaton.workers.llm_worker import ServingEngine
 
@@ -39,7 +40,7 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> N
             component=component,
             kv_events=publisher,
             role=args.role,
-            handoff=await _handoff(args, runtime, engine, pool, component),
+            side=await _side(args, runtime, engine, pool, component),
         )
         await worker.serve()
     finally:
@@ -80,17 +81,19 @@ async def _engine(
     return await AsyncEngine.create(config, publisher.on_event, cache_buffer), publisher
 
 
-async def _handoff(
+async def _side(
     args: argparse.Namespace,
     runtime: DistributedRuntime,
     engine: ServingEngine,
     pool: KvPool,
     component: str,
-) -> KvHandoff | None:
-    """The KV transfer of an engine with a KV cache (the built-in one, the mocker)."""
+) -> PrefillSide | DecodeSide | None:
+    """The worker's side of disaggregation, for an engine with a KV cache (the built-in one,
+    the mocker)."""
+    from kvbaton.disagg.decode_side import DecodeSide
+    from kvbaton.disagg.prefill_side import PrefillSide
     from kvbaton.engine.async_engine import AsyncEngine
     from kvbaton.kv_transfer import KvTransferAgent
-    from kvbaton.workers.kv_handoff import KvHandoff
 
     if not isinstance(engine, AsyncEngine):
         if args.role != "agg":
@@ -101,19 +104,15 @@ async def _handoff(
     agent = KvTransferAgent(pool, args.kv_transfer, args.kv_transfer_timeout)
     if args.role != "agg":  # peers reach its pool (an agg worker only reads theirs)
         agent.start(runtime.settings.host, f"kvbaton-{await runtime.ensure_instance_id():x}")
-    handoff = KvHandoff(
-        runtime,
-        engine,
-        agent,
-        view,
-        f"{args.namespace}.{component}",
-        engine.block_size,
-        args.kv_hold_timeout,
-        args.kv_push,
-        engine.engine.config.max_num_seqs,
+    side = (runtime, engine, agent, view, f"{args.namespace}.{component}", engine.block_size)
+    if args.role != "prefill":
+        return DecodeSide(*side)
+    return PrefillSide(
+        *side,
+        hold_timeout_s=args.kv_hold_timeout,
+        push=args.kv_push,
+        max_pushes=engine.engine.config.max_num_seqs,
     )
-    engine.kv_loader = handoff.load
-    return handoff
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:

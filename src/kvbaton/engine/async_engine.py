@@ -7,16 +7,12 @@ the loop thread admits it before its next step; outputs stream to the caller's a
 until one carries a finish reason. Leaving the iterator early, or `abort(request_id)`, aborts
 the request, which frees its blocks before the next step.
 
-Disaggregation: a held request's stream ends with the output that names its blocks
-(`kv_blocks`); `release_kv` frees them, or, if the stream is left before that output is read
-(it may be on its way: the engine holds the request, its stream entry is gone), the abort it
-sends does (nobody else knows of the blocks). A request with a `kv_source` is loaded by the
-`kv_loader` (blocking; each on a thread of its own at once: a pool of `max_num_seqs` threads,
-as many as the requests that may be loading, since a decode-first load waits until the prefill
-worker wrote the KV, and its blocks are announced only once it started; it must end every call,
-by return or exception, within its own timeout). It returns the tokens sampled at the source
-that the request did not come with (decode-first: the first token); an exception makes the
-request compute its prompt here (after the tokens of a `KvLoadFailed`; in other blocks while its
+The KV connector (`connector.py`): a held request's stream ends with the output that names its
+blocks (`kv_blocks`); `release_kv` frees them, or, if the stream is left before that output is
+read, the abort it sends does. A request's `kv_source` loads on a thread of its own at once (a
+pool of `max_num_seqs` threads: a decode-first load waits until the prefill worker wrote the
+KV, which starts only once its blocks were announced); a load that failed makes the request
+compute its prompt here (after the tokens of a `KvLoadFailed`; in other blocks while its
 `writes_end` is not set, which `reclaim_kv_blocks` then frees once it is).
 
 Invariants:
@@ -38,26 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbaton.engine.config import EngineConfig
+from kvbaton.engine.connector import EngineRequest, KvLoad, KvLoadFailed
 from kvbaton.engine.engine import EngineStats, LLMEngine
-from kvbaton.engine.scheduler import KvLoad, KvLoadFailed
-from kvbaton.engine.sequence import KvSink
 from kvbaton.protocols.kv import KvDump, KvEvent
-from kvbaton.protocols.llm import EngineOutput, SamplingParams
+from kvbaton.protocols.llm import EngineOutput
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    lora_name: str | None
-    cache_salt: str | None
-    hold_kv: bool
-    kv_source: object
-    output_token_ids: list[int] | None
-    kv_sink: KvSink | None
 
 
 @dataclass
@@ -92,16 +74,13 @@ class _Abort:
     outputs: object = None  # the stream that asked; None: whatever runs under the id
 
 
-_Message = _Add | _Abort | _Call | _Loaded | _Release | _Reclaim
+_Message = EngineRequest | _Abort | _Call | _Loaded | _Release | _Reclaim
 IDLE_POLL_S = 0.5  # a step that ran nothing waits this long for a message, at most
 
 
 class AsyncEngine:
-    def __init__(
-        self, engine: LLMEngine, kv_loader: Callable[[KvLoad], list[int] | None] | None = None
-    ) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.kv_loader = kv_loader
         self._loads: concurrent.futures.ThreadPoolExecutor | None = None
         self._inbox: queue.SimpleQueue[_Message | None] = queue.SimpleQueue()
         self._streams: dict[
@@ -137,23 +116,12 @@ class AsyncEngine:
             await asyncio.to_thread(loader.shutdown)  # its thread, and its OpenMP pool, end
         return cls(engine)
 
-    async def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-        hold_kv: bool = False,
-        kv_source: object = None,
-        output_token_ids: list[int] | None = None,
-        kv_sink: KvSink | None = None,
-    ) -> AsyncGenerator[EngineOutput, None]:
+    async def add_request(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         """Outputs of one request, the last with a finish reason (or, held, its blocks). Raises
         ValueError at once for a request that could never run; closing the iterator early
-        aborts the request. See `LLMEngine.add_request` for the disaggregation arguments."""
-        self.engine.check_request(prompt_token_ids, params)
+        aborts the request."""
+        request_id = request.request_id
+        self.engine.check_request(request.prompt_token_ids, request.params)
         outputs: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
         with self._lock:  # shutdown takes it too: a request is either failed by it or refused
             if self._stopped:
@@ -161,19 +129,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-            self._inbox.put(
-                _Add(
-                    request_id,
-                    list(prompt_token_ids),
-                    params,
-                    lora_name,
-                    cache_salt,
-                    hold_kv,
-                    kv_source,
-                    output_token_ids,
-                    kv_sink,
-                )
-            )
+            self._inbox.put(request)
         return self._stream(request_id, outputs)
 
     async def _stream(
@@ -294,33 +250,20 @@ class AsyncEngine:
                 self._deliver(message.request_id, final)
             return
         try:
-            self.engine.add_request(
-                message.request_id,
-                message.prompt_token_ids,
-                message.params,
-                lora_name=message.lora_name,
-                cache_salt=message.cache_salt,
-                hold_kv=message.hold_kv,
-                kv_source=message.kv_source,
-                output_token_ids=message.output_token_ids,
-                kv_sink=message.kv_sink,
-            )
+            self.engine.add_request(message)
         except ValueError as exc:  # checked before queueing; the engine's state may differ
             self._deliver(message.request_id, exc)
 
     def _start_loads(self, loads: list[KvLoad]) -> None:
         for load in loads:
-            if self.kv_loader is None:  # (after the step: this may run within one)
-                self._inbox.put(_Loaded(load.request_id, False, None))
-                continue
             if self._loads is None:
                 self._loads = concurrent.futures.ThreadPoolExecutor(
                     self.engine.config.max_num_seqs, thread_name_prefix="kvbaton-kv-load"
                 )
-            future = self._loads.submit(self.kv_loader, load)
+            future = self._loads.submit(load.source.load, load)
             future.add_done_callback(functools.partial(self._loaded, load.request_id))
 
-    def _loaded(self, request_id: str, future: concurrent.futures.Future[list[int] | None]) -> None:
+    def _loaded(self, request_id: str, future: concurrent.futures.Future[list[int]]) -> None:
         if future.cancelled():
             self._inbox.put(_Loaded(request_id, False, None))
             return

@@ -206,7 +206,6 @@ class BlockManager:
                 parent_hash=parent,
                 token_ids=tokens,
                 block_size=bs,
-                lora_name=seq.lora_name,
             )
         )
 

@@ -14,8 +14,9 @@ from typing import Protocol
 
 from kvbaton.engine.block_manager import BlockManager
 from kvbaton.engine.config import EngineConfig
-from kvbaton.engine.scheduler import KvLoad, Scheduler, SchedulerOutput
-from kvbaton.engine.sequence import KvSink, Sequence
+from kvbaton.engine.connector import EngineRequest, KvCacheView, KvLoad
+from kvbaton.engine.scheduler import Scheduler, SchedulerOutput
+from kvbaton.engine.sequence import Sequence, SequenceStatus
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput, SamplingParams, Usage
@@ -37,31 +38,6 @@ class EngineStats:
     # Blocks held by running requests, a block shared by several once (what a router's own
     # count of the requests it sent measures too).
     active_decode_blocks: int = 0
-
-
-class Staging(Protocol):
-    def __call__(self, block_ids: list[int], layers: tuple[int, int] | None = None) -> None:
-        """Copy blocks (of each, layers [first, end) if given) between cache and mirror."""
-
-
-def _not_mirrored(block_ids: list[int], layers: tuple[int, int] | None = None) -> None:
-    pass
-
-
-@dataclass(frozen=True)
-class KvCacheView:
-    """The KV cache as a transfer layer sees it. Peers move blocks in `buffer`; where that is
-    a host mirror of the cache (a GPU's), `stage_out` copies blocks from the cache to it before
-    they are read or sent, and `stage_in` back after they were written or received."""
-
-    layout: str  # dtype and block shape
-    num_blocks: int
-    block_bytes: int  # a block, all layers, contiguous; 0: blocks with no bytes (mocker)
-    buffer: memoryview | None  # host memory of the blocks, if the engine was given some
-    mirrored: bool = False  # `buffer` mirrors the cache: stage blocks out and in
-    stage_out: Staging = _not_mirrored
-    stage_in: Staging = _not_mirrored
-    num_layers: int = 1  # a block's bytes are this many equal parts, one per layer, in order
 
 
 class StepRunner(Protocol):
@@ -155,28 +131,18 @@ class LLMEngine:
                 f"({self.blocks.num_blocks} of {self.config.block_size})"
             )
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-        hold_kv: bool = False,
-        kv_source: object = None,
-        output_token_ids: list[int] | None = None,
-        kv_sink: KvSink | None = None,
-    ) -> None:
-        """`hold_kv`: end after the first token, keeping the blocks until `release_kv` (unless
-        the request stops there). `kv_source`: the prompt's KV is read from there (the loader's
-        business) instead of computed, and `output_token_ids` were sampled there already.
-        `kv_sink`: told of each layer of the prompt's KV the model runner writes (a stand-in
-        runner writes none)."""
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue `request` (the KV connector's fields: `connector.py`; a stand-in runner tells
+        a `kv_sink` of no layer). ValueError if it could never run."""
+        request_id, prompt_token_ids, params = (
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+        )
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_request(prompt_token_ids, params)
-        known = list(output_token_ids or [])
+        known = list(request.output_token_ids)
         if len(known) >= params.max_tokens or any(t < 0 or t >= self.vocab_size for t in known):
             raise ValueError("the output tokens given must be valid and fewer than max_tokens")
         stop = set(params.stop_token_ids)
@@ -187,13 +153,12 @@ class LLMEngine:
             list(prompt_token_ids) + known,
             params,
             frozenset(stop),
-            lora_name=lora_name,
-            cache_salt=cache_salt,
+            cache_salt=request.cache_salt,
             num_prompt_tokens=len(prompt_token_ids),
             num_emitted_tokens=len(known),
-            hold_kv=hold_kv,
-            kv_source=kv_source,
-            kv_sink=kv_sink,
+            hold_kv=request.hold_kv,
+            kv_source=request.kv_source,
+            kv_sink=request.kv_sink,
         )
         seq.prefix_hint_tokens = len(self.blocks.match_prefix(seq)) * self.config.block_size
         self._requests[request_id] = seq
@@ -276,7 +241,7 @@ class LLMEngine:
         )
         seq.num_emitted_tokens += len(new)
         usage = None
-        held = seq.is_finished and seq.finish_reason is None
+        held = seq.status is SequenceStatus.HELD
         if seq.is_finished:
             usage = Usage(
                 prompt_tokens=seq.num_prompt_tokens,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbaton.engine.config import EngineConfig
+from kvbaton.engine.connector import EngineRequest
 from kvbaton.engine.engine import LLMEngine
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import SamplingParams, TokenLogprob
@@ -70,7 +71,7 @@ class LLM:
         for tokens, p in zip(token_lists, params, strict=True):
             rid = f"offline-{next(self._ids)}"
             outputs[rid] = RequestOutput(rid, tokens)
-            self.engine.add_request(rid, tokens, p)
+            self.engine.add_request(EngineRequest(rid, tokens, p))
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 result = outputs[out.request_id]

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from kvbaton.engine.config import EngineConfig
+from kvbaton.engine.connector import KvSink, PromptChunk
 from kvbaton.engine.host_allocator import retain_freed_memory
 from kvbaton.engine.model import (
     LlamaModel,
@@ -20,7 +21,6 @@ from kvbaton.engine.model import (
 )
 from kvbaton.engine.sampler import Sampler
 from kvbaton.engine.scheduler import ScheduledSeq, SchedulerOutput
-from kvbaton.engine.sequence import KvSink, PromptChunk
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KERNEL_NEEDS = {"fbgemm-fp16": "FBGEMM (x86)", "onednn-bf16": "oneDNN's bfloat16 GEMMs (AVX-512)"}

@@ -13,7 +13,7 @@ A step's life:
 Disaggregation: a waiting sequence with a `kv_source` is admitted by allocating blocks for the
 part of its prompt that the prefix cache lacks, then waits in `loading` (its blocks neither
 scheduled nor preemptible, nor registered in the prefix cache) until `finish_load`; a sequence
-with `hold_kv` that samples its first token without stopping moves to `held`, keeping its
+with `hold_kv` that samples its first token without stopping is HELD (in `held`), keeping its
 blocks until `release` or `abort`. Both count against `max_num_seqs`. A failed load whose
 blocks a writer may still write (`writes_end` not set) leaves them quarantined, out of every
 table and of the free list, until `reclaim` finds its `writes_end` set; the sequence computes
@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvbaton.engine.block_manager import BlockManager
+from kvbaton.engine.connector import KvLoad
 from kvbaton.engine.sequence import Sequence, SequenceStatus
 
 
@@ -39,33 +40,6 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed this step, from seq.num_computed_tokens on
     samples: bool  # the step reaches the last known token: sample the next one
-
-
-@dataclass(frozen=True)
-class KvLoad:
-    """Read the prompt's KV of blocks `first_block...` (positions in the prompt's block table at
-    the source) into `dst_blocks`, local blocks in the same order."""
-
-    request_id: str
-    source: object
-    first_block: int
-    dst_blocks: list[int]
-
-
-class KvLoadFailed(Exception):
-    """The prompt's KV did not arrive, but `token_ids` were sampled at the source (a request
-    that stopped at its first token needs no KV). `writes_end`: set once no write can land in
-    the load's blocks any more (None: none can)."""
-
-    def __init__(
-        self,
-        message: str,
-        token_ids: list[int] | None = None,
-        writes_end: threading.Event | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.token_ids = token_ids or []
-        self.writes_end = writes_end
 
 
 @dataclass(frozen=True)
@@ -181,6 +155,7 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def _admit_load(self, seq: Sequence, hits: list[int]) -> bool:
+        assert seq.kv_source is not None
         remote = seq.num_prompt_tokens - len(hits) * self.blocks.block_size
         if not self.blocks.allocate(seq, remote, hits, register=False):
             return False
@@ -251,7 +226,7 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
         """Apply a step's results; returns the sequences that finished in it (held ones among
-        them, with no finish reason)."""
+        them)."""
         finished = []
         for item in output.scheduled:
             seq = item.seq
@@ -267,7 +242,7 @@ class Scheduler:
                 finished.append(seq)
             elif seq.hold_kv:
                 self.running.remove(seq)
-                seq.status = SequenceStatus.FINISHED
+                seq.status = SequenceStatus.HELD
                 self.held[seq.request_id] = seq
                 finished.append(seq)
         return finished

@@ -6,20 +6,18 @@ A step computes some of the rest; when a step brings `num_computed_tokens` up to
 model's output at the last position is sampled and appended. Prefix-cache hits (and, later, KV
 received from a prefill worker) are tokens that became computed without a forward pass.
 
-Disaggregation adds two lives: a prefill worker's sequence with `hold_kv` ends after its first
-token with its blocks still held (for a decode worker to read, until released); a decode
-worker's sequence with `kv_source` arrives with its prompt and first token, and waits in
-LOADING while its prompt's KV is read from the prefill worker into its blocks. A sequence with a
-`kv_sink` is told of each layer of its prompt's KV as a step writes it into the cache (the
-decode-first order streams it to the decode worker as it is computed).
+The KV connector (`connector.py`) adds two lives: a sequence with `hold_kv` is HELD after its
+first token, its blocks kept for a peer to read until released; one with a `kv_source` waits in
+LOADING while its prompt's KV is loaded into its blocks.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from kvbaton.engine.connector import KvSink, KvSource
 from kvbaton.llm.hashing import block_extra_keys, hash_blocks
 from kvbaton.protocols.llm import SamplingParams, TokenLogprob
 
@@ -27,28 +25,9 @@ from kvbaton.protocols.llm import SamplingParams, TokenLogprob
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    LOADING = "loading"  # blocks allocated, the prompt's KV being read from a prefill worker
+    LOADING = "loading"  # blocks allocated, the prompt's KV being loaded (`kv_source`)
+    HELD = "held"  # ended after its first token, its blocks kept (`hold_kv`)
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class PromptChunk:
-    """Prompt tokens [start, end) computed in one step, in blocks `block_ids`: the sequence's
-    blocks `first_block...` at that step (the blocks that hold those tokens)."""
-
-    start: int
-    end: int
-    first_block: int
-    block_ids: list[int]
-
-
-class KvSink(Protocol):
-    def layer_written(self, chunk: PromptChunk, layer: int) -> None:
-        """Called on the engine's thread once a step wrote layer `layer`'s K and V of `chunk`
-        into the cache, before the next layer's (layers in order, every layer of a chunk; a
-        chunk may be computed again after a preemption, in other blocks). Must not block; the
-        blocks stay the sequence's until its step ends, no longer."""
-        ...
 
 
 @dataclass(eq=False)
@@ -57,7 +36,6 @@ class Sequence:
     token_ids: list[int]
     params: SamplingParams
     stop_token_ids: frozenset[int] = frozenset()  # EOS and the request's stop ids
-    lora_name: str | None = None
     cache_salt: str | None = None
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
@@ -71,7 +49,7 @@ class Sequence:
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     num_emitted_tokens: int = 0  # output tokens already handed to the caller
     hold_kv: bool = False  # end after the first token, blocks held for a decode worker
-    kv_source: object = None  # where the prompt's KV is (opaque here; given to the loader)
+    kv_source: KvSource | None = None  # where the prompt's KV is loaded from
     kv_sink: KvSink | None = None  # told of each layer of the prompt's KV as it is written
 
     def __post_init__(self) -> None:
@@ -80,7 +58,7 @@ class Sequence:
 
     @property
     def extra_keys(self) -> tuple[Any, ...] | None:
-        return block_extra_keys(self.lora_name, self.cache_salt)
+        return block_extra_keys(self.cache_salt)
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +74,8 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        """Finished, or held (it runs no more either way)."""
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.HELD)
 
     def full_block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
         """Hashes of the first `num_blocks` full blocks (computed once, then extended)."""

@@ -46,7 +46,8 @@ from kvbaton.router import (
     RouterSettings,
     make_router,
 )
-from kvbaton.router.disagg import Disaggregated, follow
+from kvbaton.router.disagg import Disaggregated
+from kvbaton.router.policies import follow
 from kvbaton.runtime import Client, DistributedRuntime
 from kvbaton.runtime.discovery.base import PrefixWatch
 from kvbaton.runtime.errors import ConnectError, NoInstancesError, StreamBrokenError
@@ -182,7 +183,7 @@ class ServedModel:
         override = nvext.router_config_override if nvext else None
         hints = RouteRequest(
             request.token_ids,
-            block_extra_keys(request.lora_name, request.cache_salt),
+            block_extra_keys(request.cache_salt),
             override.overlap_score_weight if override else None,
             override.router_temperature if override else None,
         )

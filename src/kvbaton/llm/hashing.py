@@ -29,16 +29,9 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def block_extra_keys(
-    lora_name: str | None = None, cache_salt: str | None = None
-) -> tuple[Any, ...] | None:
-    """The extra keys of a request's blocks: blocks of another LoRA or salt never match."""
-    keys: tuple[Any, ...] = ()
-    if lora_name:
-        keys += ("lora", lora_name)
-    if cache_salt:
-        keys += ("salt", cache_salt)
-    return keys or None
+def block_extra_keys(cache_salt: str | None = None) -> tuple[Any, ...] | None:
+    """The extra keys of a request's blocks: blocks of another salt never match."""
+    return ("salt", cache_salt) if cache_salt else None
 
 
 def hash_blocks(

@@ -20,7 +20,6 @@ class BlockStored(msgspec.Struct, tag="stored", kw_only=True):
     parent_hash: int | None
     token_ids: list[int]  # len(block_hashes) * block_size tokens
     block_size: int
-    lora_name: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag="removed", kw_only=True):

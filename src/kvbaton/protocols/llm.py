@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -86,7 +88,7 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     The blocks stay held until released through `release_endpoint` (or a timeout)."""
 
     prefill_instance_id: int
-    release_endpoint: str  # "namespace.component.kv_release" on that instance
+    prefill_component: str  # "namespace.component": its `kv_release` endpoint
     handle: str  # names the held blocks in release calls
     block_ids: list[int]  # the prompt's blocks at the prefill worker, in prompt order
     num_tokens: int  # the prompt tokens whose KV they hold
@@ -94,22 +96,22 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_token_ids: list[int]  # sampled by the prefill worker
     pool: KvPoolInfo
     cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
+    engine_params: dict[str, Any] | None = None  # an engine's own (vLLM's kv_transfer_params)
 
 
 class KvTarget(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Decode-first: the blocks a decode worker allocated for a prompt, for a prefill worker to
-    claim through `claim_endpoint` (`kv_claim`), write the prompt's KV into (blocks
-    `first_block...` of the prompt; those before it the decode worker has cached), then report
-    on through `notify_endpoint` (`kv_ready`)."""
+    claim (`kv_claim`), write the prompt's KV into (blocks `first_block...` of the prompt; those
+    before it the decode worker has cached), then report on (`kv_ready`)."""
 
     decode_instance_id: int
-    claim_endpoint: str  # "namespace.component.kv_claim" on that instance
-    notify_endpoint: str  # "namespace.component.kv_ready" on that instance
+    decode_component: str  # "namespace.component": its `kv_claim` and `kv_ready` endpoints
     room: str  # names the waiting request there
     block_ids: list[int]
     first_block: int
     block_size: int
     pool: KvPoolInfo
+    engine_params: dict[str, Any] | None = None  # an engine's own (vLLM's kv_transfer_params)
 
 
 class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -145,7 +147,6 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str
     token_ids: list[int]
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    lora_name: str | None = None
     cache_salt: str | None = None
     # From the PrefillRouter: the prompt's KV waits at a prefill worker (step S6).
     disaggregated_params: DisaggregatedParams | None = None

@@ -1,4 +1,4 @@
-"""A request's path through the workers once routed (steps S3-S8 of DESIGN.md): whole on one
+"""A request's path through the workers once routed (docs/architecture.md): whole on one
 worker, or disaggregated in either transfer order.
 
 - prefill-first: the prefill worker computes the prompt's KV and answers with the first token
@@ -25,33 +25,13 @@ from dataclasses import dataclass
 import msgspec
 
 from kvbaton.protocols.llm import EngineOutput, KvTarget, PreprocessedRequest
-from kvbaton.router.policies import Route, RouteRequest
+from kvbaton.router.policies import Route, RouteRequest, follow
 from kvbaton.router.prefill_router import PrefillError, PrefillRouter
-from kvbaton.runtime import Client, ResponseStream
+from kvbaton.runtime import Client
 
 log = logging.getLogger(__name__)
 
 TRANSFER_ORDERS = ("prefill-first", "decode-first")
-
-
-async def follow(
-    stream: ResponseStream, route: Route, served_by: list[int]
-) -> AsyncGenerator[EngineOutput, None]:
-    """A worker's outputs, its route kept up to date; the route is done at the end."""
-    try:
-        await route.send(stream)
-        assert stream.instance_id is not None
-        taken = False
-        async for out in stream:
-            if not taken and (out.token_ids or out.finish_reason):
-                taken = True
-                route.served_by(stream.instance_id)  # a refusal may have passed it on
-                served_by.append(stream.instance_id)
-                route.first_token()
-            yield out
-    finally:
-        route.done()
-        await stream.aclose()
 
 
 @dataclass

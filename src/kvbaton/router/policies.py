@@ -14,10 +14,11 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvbaton.protocols.llm import EngineOutput
 from kvbaton.router.metrics import RouterMetrics
 
 if TYPE_CHECKING:
@@ -99,6 +100,27 @@ class Route:
             self._done = True
             if self.worker_id is not None:
                 self.router._release(self)
+
+
+async def follow(
+    stream: ResponseStream, route: Route, served_by: list[int]
+) -> AsyncGenerator[EngineOutput, None]:
+    """A worker's outputs, its route kept up to date (the worker that produced the first
+    token goes to `served_by`); the route is done at the end."""
+    try:
+        await route.send(stream)
+        assert stream.instance_id is not None
+        taken = False
+        async for out in stream:
+            if not taken and (out.token_ids or out.finish_reason):
+                taken = True
+                route.served_by(stream.instance_id)  # a refusal may have passed it on
+                served_by.append(stream.instance_id)
+                route.first_token()
+            yield out
+    finally:
+        route.done()
+        await stream.aclose()
 
 
 class Router:

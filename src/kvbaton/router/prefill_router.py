@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvbaton.llm.peer_calls import PeerCalls
+from kvbaton.disagg.peers import PeerCalls
 from kvbaton.protocols.llm import (
     DisaggregatedParams,
     EngineOutput,
     KvTarget,
     PreprocessedRequest,
 )
-from kvbaton.router.policies import Router, RouteRequest
+from kvbaton.router.policies import Router, RouteRequest, follow
 from kvbaton.runtime import Client, DistributedRuntime
 
 DEFAULT_PREFILL_TIMEOUT_S = 300.0
@@ -63,27 +63,15 @@ class PrefillRouter:
         stream = self.client.ordered(
             request, route.ranking, request_id=f"{request_id}-prefill", timeout=self.timeout_s
         )
+        answer: EngineOutput | None = None
         try:
-            await route.send(stream)  # its prompt counts there while computed
-            answer: EngineOutput | None = None
-            async for out in stream:  # one output: the first token and where its KV is
-                assert stream.instance_id is not None
-                if answer is None:
-                    route.served_by(stream.instance_id)  # a refusal may have passed it on
-                    route.first_token()
+            async for out in follow(stream, route, served_by):  # one: the first token
                 answer = out
-            if answer is None or not answer.token_ids:
-                raise PrefillError("the prefill worker's answer ended without the first token")
-            assert stream.instance_id is not None
-            served_by.append(stream.instance_id)
-            return answer
-        except PrefillError:
-            raise
         except Exception as exc:
             raise PrefillError(f"prefill failed: {exc}") from exc
-        finally:
-            route.done()
-            await stream.aclose()
+        if answer is None or not answer.token_ids:
+            raise PrefillError("the prefill worker's answer ended without the first token")
+        return answer
 
     async def release(self, params: DisaggregatedParams) -> None:
         """Free blocks that no decode worker will read."""

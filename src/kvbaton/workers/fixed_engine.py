@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from pathlib import Path
 
+from kvbaton.engine.connector import EngineRequest
 from kvbaton.engine.engine import EngineStats
-from kvbaton.engine.sequence import KvSink
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.protocols.kv import KvDump
-from kvbaton.protocols.llm import EngineOutput, SamplingParams, Usage
+from kvbaton.protocols.llm import EngineOutput, Usage
 
 
 class FixedTokensEngine:
@@ -24,23 +24,11 @@ class FixedTokensEngine:
         self.max_model_len = max_model_len
         self.block_size = 16
 
-    async def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-        hold_kv: bool = False,
-        kv_source: object = None,
-        output_token_ids: list[int] | None = None,
-        kv_sink: KvSink | None = None,
-    ) -> AsyncGenerator[EngineOutput, None]:
-        """Runs whole requests only (an "agg" worker): the disaggregation arguments are
-        ignored."""
-        params.validate()
-        return self._outputs(request_id, len(prompt_token_ids), params.max_tokens)
+    async def add_request(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        """Runs whole requests only (an "agg" worker): the KV connector's fields are ignored."""
+        request.params.validate()
+        max_tokens = request.params.max_tokens
+        return self._outputs(request.request_id, len(request.prompt_token_ids), max_tokens)
 
     async def _outputs(
         self, request_id: str, prompt_tokens: int, max_tokens: int
@@ -54,6 +42,9 @@ class FixedTokensEngine:
         )
 
     def release_kv(self, request_id: str) -> None:
+        return None
+
+    def reclaim_kv_blocks(self) -> None:
         return None
 
     def stats(self) -> EngineStats:

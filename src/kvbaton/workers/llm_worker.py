@@ -1,21 +1,19 @@
 """The LLM worker: one engine behind the endpoints `generate`, `clear_kv_blocks`, `load_metrics`
-and `tokenizer_files` (and `kv_events` and `kv_dump` when it publishes KV events, `kv_release`
-as a prefill worker, `kv_claim` and `kv_ready` as a worker that decodes), and a model card in
-discovery. On a NATS event plane its KV events and load go out on its subject instead of the
-`kv_events` endpoint (`kv_dump` stays an endpoint).
+and `tokenizer_files` (`kv_events` and `kv_dump` when it publishes KV events; its side's
+disaggregation endpoints), and a model card in discovery (docs/architecture.md).
 
-Roles: "agg" runs whole requests; "prefill" runs each request to its first token and answers
-with where its KV waits, or writes it where a decode worker waits for it (`kv_handoff.py`);
-"decode" (and "agg" given a KV handoff) also takes requests whose prompt KV a prefill worker
-computes, and reads it (prefill-first) or has it written into its blocks (decode-first).
-
-Invariants: a request's engine id is unique in this worker even when callers reuse a request
-id; a caller that goes away (cancel, disconnect, deadline) aborts its request in the engine, so
-its KV blocks are free before the engine's next step."""
+- Roles: "agg" runs whole requests; "prefill" runs each to its first token and hands its KV
+  on (`PrefillSide`); "decode", and "agg" given a `DecodeSide`, also take requests whose
+  prompt's KV a prefill worker computes.
+- A request's engine id is unique in this worker even when callers reuse a request id.
+- A caller that goes away (cancel, disconnect, deadline) aborts its request in the engine, so
+  its KV blocks are free before the engine's next step.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -24,22 +22,21 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvbaton.disagg.decode_side import DecodeSide
+from kvbaton.disagg.prefill_side import PrefillSide
+from kvbaton.engine.connector import ConnectedEngine, EngineRequest, outputs_of
 from kvbaton.engine.engine import EngineStats
-from kvbaton.engine.sequence import KvSink
 from kvbaton.llm.model_cards import model_card_key
+from kvbaton.protocols.disagg import KvAbandon, KvClaim, KvReady, KvRelease
 from kvbaton.protocols.kv import KvDump
 from kvbaton.protocols.llm import (
     EngineOutput,
     ModelCard,
     PreprocessedRequest,
-    SamplingParams,
     WorkerLoad,
 )
 from kvbaton.runtime import Context, DistributedRuntime
-from kvbaton.workers.kv_handoff import KvFetch, KvHandoff
 from kvbaton.workers.kv_publisher import KvEventPublisher
-from kvbaton.workers.kv_push import LayerPush, RoomClaim
-from kvbaton.workers.kv_room import KvRoom
 
 log = logging.getLogger(__name__)
 ENDING_WAIT_S = 30.0  # at shutdown, for requests' ends under way (each has its own timeouts)
@@ -58,7 +55,7 @@ TOKENIZER_FILES = (
 )
 
 
-class ServingEngine(Protocol):
+class ServingEngine(ConnectedEngine, Protocol):
     """What a worker needs of an engine (the built-in AsyncEngine, or a stand-in)."""
 
     @property
@@ -68,21 +65,6 @@ class ServingEngine(Protocol):
     @property
     def model_dir(self) -> Path: ...
 
-    async def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        lora_name: str | None = None,
-        cache_salt: str | None = None,
-        hold_kv: bool = False,
-        kv_source: object = None,
-        output_token_ids: list[int] | None = None,
-        kv_sink: KvSink | None = None,
-    ) -> AsyncGenerator[EngineOutput, None]: ...
-
-    def release_kv(self, request_id: str) -> None: ...
     def stats(self) -> EngineStats: ...
     async def clear_kv_blocks(self) -> int: ...
     async def kv_dump(self) -> KvDump: ...
@@ -100,176 +82,95 @@ class LLMWorker:
         component: str = "backend",
         kv_events: KvEventPublisher | None = None,
         role: str = "agg",
-        handoff: KvHandoff | None = None,
+        side: PrefillSide | DecodeSide | None = None,
     ) -> None:
-        """`kv_events`: the publisher the engine was given as its KV event callback;
-        `handoff`: the KV transfer of a prefill or decode worker (the engine's loader)."""
+        """`kv_events`: the publisher the engine was given as its KV event callback; `side`:
+        its side of disaggregation (a prefill worker's, or a decode or agg worker's)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}")
-        if role == "prefill" and handoff is None:
-            raise ValueError("a prefill worker needs a KV handoff")
+        if (role == "prefill") != isinstance(side, PrefillSide):
+            raise ValueError("a prefill worker, and only one, takes a prefill side")
         self.runtime = runtime
         self.engine = engine
         self.kv_events = kv_events
         self.role = role
-        self.handoff = handoff
+        self.side = side
         self.served_name = served_name
         self.namespace = namespace
         self.component = runtime.namespace(namespace).component(component)
         self._ids = itertools.count()
-        self._ending: set[asyncio.Future[None]] = set()  # requests' ends under way (shielded)
 
     async def generate(
         self, request: PreprocessedRequest, context: Context
     ) -> AsyncIterator[EngineOutput]:
+        """The role's handler: a prefill worker's, a decode worker's (for a request that comes
+        with its KV's whereabouts) or the aggregated one."""
+        engine_request = EngineRequest(
+            f"{context.id}#{next(self._ids)}",  # unique here even when callers reuse an id
+            request.token_ids,
+            request.sampling,
+            request.cache_salt,
+        )
+        handler = self._handler(request, engine_request)
+        started = time.monotonic()
+        generated, finish = 0, "cancelled"
+        try:
+            async with contextlib.aclosing(handler) as outputs:
+                async for out in outputs:
+                    generated += len(out.token_ids)
+                    finish = out.finish_reason or finish
+                    if out.disaggregated_params is not None or request.kv_target is not None:
+                        finish = "handed off"
+                    yield out
+                    if out.finish_reason is None and context.is_stopped():
+                        break
+        finally:
+            log.info(
+                "request %s: %d prompt tokens, %d generated, %s, %.3fs",
+                context.id,
+                len(request.token_ids),
+                generated,
+                finish,
+                time.monotonic() - started,
+            )
+
+    def _handler(
+        self, request: PreprocessedRequest, engine_request: EngineRequest
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """The request's handler; ValueError for a request this worker cannot take."""
         if request.model != self.served_name:
             raise ValueError(f"this worker serves {self.served_name!r}, not {request.model!r}")
-        if request.kv_target is not None and self.role != "prefill":
+        params, side = request.disaggregated_params, self.side
+        if isinstance(side, PrefillSide):
+            if request.bootstrap or params is not None:
+                raise ValueError("a prefill worker takes no bootstrap or disaggregated_params")
+            return side.outputs(engine_request, request.kv_target)
+        if request.kv_target is not None:
             raise ValueError("kv_target is for prefill workers")
-        if request.bootstrap and self.role == "prefill":
-            raise ValueError("a prefill worker takes no bootstrap request")
-        engine_id = f"{context.id}#{next(self._ids)}"
-        started = time.monotonic()
-        fetch = self._fetch(request)
-        room = None
-        if request.bootstrap and self.handoff is not None and self.role != "prefill":
-            room = self.handoff.rooms.open_room(engine_id)
-        pusher = claim = outputs = stream = None
-        if request.kv_target is not None and self.handoff is not None:
-            pusher = self.handoff.layer_push(engine_id, request.kv_target)
-        generated = 0
-        finish = "cancelled"
-        try:
-            outputs = await self.engine.add_request(
-                engine_id,
-                request.token_ids,
-                request.sampling,
-                lora_name=request.lora_name,
-                cache_salt=request.cache_salt,
-                hold_kv=self.role == "prefill",
-                kv_source=room or self._readable(fetch),
-                output_token_ids=fetch.params.first_token_ids if fetch else None,
-                kv_sink=pusher if self.handoff and self.handoff.push_layers else None,
-            )
-            if pusher is not None:
-                assert self.handoff is not None and request.kv_target is not None
-                claim = self.handoff.claim(request.kv_target, pusher)
-            stream = outputs if room is None else self._announced(room, outputs)
-            async for out in stream:
-                generated += len(out.token_ids)
-                if request.kv_target is not None:
-                    assert self.handoff is not None and claim and pusher
-                    out = await self.handoff.push(engine_id, out, request.kv_target, claim, pusher)
-                    finish = "pushed"
-                elif out.kv_blocks is not None:
-                    assert self.handoff is not None
-                    out = await self.handoff.hold(engine_id, out, len(request.token_ids))
-                    finish = "held"
-                yield out
-                if out.finish_reason is not None:
-                    finish = out.finish_reason
-                elif context.is_stopped():
-                    break
-        finally:
-            # Shielded: a second cancellation (the drain's) must not cut the peers' part short.
-            streams = [s for s in dict.fromkeys((stream, outputs)) if s is not None]
-            ending = asyncio.ensure_future(self._end(streams, room, fetch, pusher, claim))
-            self._ending.add(ending)
-            ending.add_done_callback(self._ending.discard)
-            try:
-                await asyncio.shield(ending)
-            finally:
-                log.info(
-                    "request %s: %d prompt tokens, %d generated, %s, %.3fs",
-                    context.id,
-                    len(request.token_ids),
-                    generated,
-                    finish,
-                    time.monotonic() - started,
-                )
-
-    async def _end(
-        self,
-        streams: list[AsyncGenerator[EngineOutput, None]],
-        room: KvRoom | None,
-        fetch: KvFetch | None,
-        pusher: LayerPush | None,
-        claim: RoomClaim | None,
-    ) -> None:
-        """Whatever ended the request: no more writes to a decode worker's blocks, then the
-        engine's request aborted (if unfinished: closing `streams`, outermost first), then the
-        peers told."""
-        if claim is not None:
-            claim.cancel()  # (answered, unless the request ended first)
-        if pusher is not None:  # before the abort frees the blocks it reads
-            assert self.handoff is not None
-            await self.handoff.stop_push(pusher)
-        for stream in streams:
-            try:
-                await stream.aclose()
-            except Exception:  # the peers must still be told
-                log.exception("closing the engine's outputs failed")
-        if claim is not None:  # (unless pushed) no more writes: the decode worker may go on
-            await claim.report(False, [])
-        if room is not None:
-            assert self.handoff is not None
-            self.handoff.rooms.close_room(room)
-        if fetch is not None and self.handoff is not None:
-            await self.handoff.release_remote(fetch)
-
-    async def _announced(
-        self, room: KvRoom, outputs: AsyncGenerator[EngineOutput, None]
-    ) -> AsyncGenerator[EngineOutput, None]:
-        """Decode-first: the engine's outputs, preceded by the room's `kv_target` once the engine
-        gave the request its blocks (never, if its prompt was all cached here)."""
-        assert self.handoff is not None
-        first = asyncio.ensure_future(anext(outputs))
-        try:
-            either: list[asyncio.Future[Any]] = [room.allocated, first]
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            if room.allocated.done() and not room.allocated.cancelled():
-                yield EngineOutput(
-                    request_id=room.name, token_ids=[], kv_target=self.handoff.rooms.target(room)
-                )
-            yield await first
-        finally:
-            if not first.done():
-                first.cancel()
-                await asyncio.wait([first])  # `outputs` runs no more: it can be closed
-        async for out in outputs:
-            yield out
-
-    def _fetch(self, request: PreprocessedRequest) -> KvFetch | None:
-        """The request's KV source, if it comes with one (checked against the prompt)."""
-        params = request.disaggregated_params
-        if params is None:
-            return None
-        if self.role == "prefill":
-            raise ValueError("a prefill worker takes no disaggregated_params")
-        if request.bootstrap or request.kv_target is not None:
-            raise ValueError("disaggregated_params come in the prefill-first order only")
-        if params.num_tokens != len(request.token_ids) or not params.first_token_ids:
-            raise ValueError("disaggregated_params do not match the request's prompt")
-        return KvFetch(params)
-
-    def _readable(self, fetch: KvFetch | None) -> KvFetch | None:
-        """`fetch` if this worker can read it; else the prompt is computed here."""
-        if fetch is None or (
-            self.handoff is not None and fetch.params.block_size == self.engine.block_size
-        ):
-            return fetch
-        log.info("KV of %s is not readable here; prefilling locally", fetch.params.handle)
-        return None
+        if params is not None:
+            if request.bootstrap:
+                raise ValueError("disaggregated_params come in the prefill-first order only")
+            if params.num_tokens != len(request.token_ids) or not params.first_token_ids:
+                raise ValueError("disaggregated_params do not match the request's prompt")
+        if side is None:  # prefilled here: the tokens sampled there still count
+            engine_request.output_token_ids = list(params.first_token_ids if params else [])
+            return outputs_of(self.engine, engine_request)
+        if params is not None:
+            return side.fetched(engine_request, params)
+        if request.bootstrap:
+            return side.bootstrapped(engine_request)
+        return outputs_of(self.engine, engine_request)
 
     def load(self) -> WorkerLoad:
         stats = dataclasses.asdict(self.engine.stats())
-        agent = self.handoff.agent if self.handoff else None
+        side = self.side
+        agent = side.agent if side else None
         return WorkerLoad(
             instance_id=self.runtime.instance_id or 0,
             kv_transfer_bytes=agent.bytes_moved if agent else 0,
             kv_transfer_seconds=agent.seconds if agent else 0.0,
-            kv_handoffs=self.handoff.handoffs if self.handoff else 0,
-            kv_handoff_wait_seconds=self.handoff.handoff_wait_s if self.handoff else 0.0,
+            kv_handoffs=side.handoffs if side else 0,
+            kv_handoff_wait_seconds=side.handoff_wait_s if side else 0.0,
             **stats,
         )
 
@@ -315,7 +216,7 @@ class LLMWorker:
             created=int(time.time()),
             kv_events=self.kv_events is not None,
             role=self.role,
-            kv_pool=self.handoff.agent.info() if self.handoff else None,
+            kv_pool=self.side.agent.info() if self.side else None,
         )
 
     async def serve(self) -> None:
@@ -336,15 +237,19 @@ class LLMWorker:
                 endpoint("clear_kv_blocks").serve_endpoint(self.clear_kv_blocks),
                 endpoint("tokenizer_files").serve_endpoint(self.tokenizer_files),
             ]
-            if self.handoff is not None:
-                self.handoff.start()
-                if self.role == "prefill":
-                    serving.append(endpoint("kv_release").serve_endpoint(self.handoff.kv_release))
-                else:
-                    serving += [
-                        endpoint("kv_claim").serve_endpoint(self.handoff.rooms.kv_claim),
-                        endpoint("kv_ready").serve_endpoint(self.handoff.rooms.kv_ready),
-                    ]
+            side = self.side
+            if side is not None:
+                side.start()
+            if isinstance(side, PrefillSide):
+                serving.append(
+                    endpoint("kv_release").serve_endpoint(side.kv_release, request_type=KvRelease)
+                )
+            elif side is not None:
+                serving += [
+                    endpoint("kv_claim").serve_endpoint(side.kv_claim, request_type=KvClaim),
+                    endpoint("kv_ready").serve_endpoint(side.kv_ready, request_type=KvReady),
+                    endpoint("kv_abandon").serve_endpoint(side.kv_abandon, request_type=KvAbandon),
+                ]
             if self.kv_events is not None:
                 assert kv_stream is not None
                 self.kv_events.start(self.load)
@@ -357,8 +262,8 @@ class LLMWorker:
         finally:
             # Requests in flight finish on the engine first (the runtime refuses new ones).
             await self.runtime.drained()
-            if self._ending:  # their reports need the handoff, their aborts the engine
-                await asyncio.wait(self._ending, timeout=ENDING_WAIT_S)
+            if self.side is not None and self.side.ending:  # reports, releases
+                await asyncio.wait(self.side.ending, timeout=ENDING_WAIT_S)
             await self.engine.shutdown()
-            if self.handoff is not None:
-                await self.handoff.close()
+            if self.side is not None:
+                await self.side.close()

@@ -1,41 +1,52 @@
-"""Decode-first, on the prefill worker: a prompt's KV written into the decode worker's blocks,
-layer by layer as the engine computes it when it is the engine's `KvSink` for the request, else
-(`--kv-push blocks`, or a runner that writes no layers) whole once the prompt is computed; and
-the claim on those blocks that lets it write (`RoomClaim`).
+"""Decode-first, on the prefill worker: a prompt's KV written into the decode worker's blocks
+(`LayerPush`, a state machine), under a claim on them (`RoomClaim`); docs/architecture.md,
+"The prefill worker's push".
 
-The engine tells the push of each layer of each prompt chunk once that layer's K and V are in
-the cache. Once the decode worker lets it write (`claimed`: it claimed the room), a writer (at
-most one at a time per push, on a shared thread pool) writes the layers told since its last
-write, of the chunk's blocks, into the target's blocks at the same positions in the prompt: a
-block's layers are contiguous, so a writer that falls behind the forward pass moves several
-layers of a block as one piece. `finish` then writes, whole, the blocks that were not streamed
-(found in the prefix cache here; every block if a chunk was computed again after a preemption,
-since a write may have read a block after its reuse) and reports whether all went.
-
-Invariants: nothing is written before the room is claimed, and no write starts once the
-decode worker ended the claim (`claimed(False)`); one push's writes run one at a time, in the
-order the layers were computed; once `finish` or `stop` returns, none of its writes runs or
-starts, and none lands after `linger_left()` more seconds (a write that failed may still
-complete meanwhile, over NIXL or TCP); no write starts after `write_until`; the engine's thread
-never waits on a write."""
+- As the engine's `KvSink`, a push writes each layer of each prompt chunk once computed, at
+  most one write at a time, in order; a writer that falls behind moves several layers of a
+  block as one piece. `finish` writes whole the blocks not streamed (prefix-cache hits; every
+  block after a preemption recomputed a chunk).
+- Nothing is written before the claim is accepted, after it ended, or after `write_until`.
+- Once `finish` or `stop` returns, no write runs or starts; none lands after `linger_left()`.
+- The engine's thread never waits on a write.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import enum
 import logging
 import threading
 import time
 from dataclasses import dataclass
 
-from kvbaton.engine.engine import KvCacheView
-from kvbaton.engine.sequence import PromptChunk
+from kvbaton.disagg.peers import PeerCalls
+from kvbaton.engine.connector import KvCacheView, PromptChunk
 from kvbaton.kv_transfer import KvTransferAgent
-from kvbaton.llm.peer_calls import PeerCalls
+from kvbaton.protocols.disagg import KvReady
 from kvbaton.protocols.llm import KvTarget
 from kvbaton.runtime import ResponseStream
 
 log = logging.getLogger(__name__)
+
+
+class PushState(enum.Enum):
+    CLAIMING = "claiming"  # the claim is on its way: layers queue, nothing is written
+    WRITING = "writing"  # claimed: layers are written as they are computed
+    FINISHING = "finishing"  # the prompt is computed: the blocks not streamed are written
+    SUCCESS = "success"  # every block was written
+    STOPPED = "stopped"  # refused, the claim ended, stopped, or a write failed
+
+
+P = PushState
+TRANSITIONS: dict[PushState, frozenset[PushState]] = {
+    P.CLAIMING: frozenset({P.WRITING, P.STOPPED}),
+    P.WRITING: frozenset({P.FINISHING, P.STOPPED}),
+    P.FINISHING: frozenset({P.SUCCESS, P.STOPPED}),
+    P.SUCCESS: frozenset(),
+    P.STOPPED: frozenset(),
+}
 
 
 @dataclass(frozen=True)
@@ -59,24 +70,32 @@ class LayerPush:
         self.agent = agent
         self.cache = cache
         self.writers = writers
-        self.num_layers = cache.num_layers
+        self.state = P.CLAIMING
+        self._error: BaseException | None = None  # why it stopped
         self._cond = threading.Condition()
         self._pending: list[_Layers] = []
-        self._claimed = False  # the decode worker let us write (`claimed`)
-        self._writing = False
-        self._stopped = False
-        self._error: BaseException | None = None
+        self._writing = False  # a write runs
         self._next_start: int | None = None
-        self._redo_all = False  # a chunk was computed again: write every block whole at the end
-        self._streamed: dict[int, int] = {}  # prompt block index -> block id written, all layers
+        self._redo_all = False  # a chunk was computed again: write every block at the end
+        self._streamed: dict[int, int] = {}  # prompt block index -> block id written whole
         self.writes = 0  # transfers made while the prompt was computed
         self._lingers_until = 0.0  # (monotonic) a write that failed may land until then
         self.write_until = float("inf")  # (monotonic) no write starts after (`RoomClaim`)
 
+    def _to(self, state: PushState, error: BaseException | None = None) -> None:
+        """The one transition function (holding the lock); a finished push stays so."""
+        if self.state in (P.SUCCESS, P.STOPPED):
+            return
+        assert state in TRANSITIONS[self.state], f"push {self.request_id}: {self.state} -> {state}"
+        self.state = state
+        self._error = self._error or error
+        if state is P.WRITING:
+            self._start_writer()
+
     # -- the engine's thread -------------------------------------------------------------------
     def layer_written(self, chunk: PromptChunk, layer: int) -> None:
         with self._cond:
-            if self._stopped or self._error is not None:
+            if self.state not in (P.CLAIMING, P.WRITING):
                 return
             if layer == 0:
                 if self._next_start is not None and chunk.start != self._next_start:
@@ -90,32 +109,29 @@ class LayerPush:
             self._start_writer()
 
     def _start_writer(self) -> None:
-        """(Holding the lock.) A writer for the pending layers, unless one runs or the decode
-        worker has not let us write yet."""
-        if self._claimed and self._pending and not self._writing:
+        """(Holding the lock.) A writer for the pending layers, unless one runs."""
+        if self.state is P.WRITING and self._pending and not self._writing:
             self._writing = True
             try:
                 self.writers.submit(self._drain)
             except RuntimeError as exc:  # the pool is shut down
                 self._writing = False
-                self._error = exc
+                self._to(P.STOPPED, exc)
 
     # -- the worker's event loop ----------------------------------------------------------------
     def claimed(self, ok: bool) -> None:
-        """The decode worker let us write (`ok`), or no longer waits: nothing more is written
-        (`finish` raises)."""
+        """The decode worker let us write (`ok`), or no longer waits."""
         with self._cond:
-            self._claimed = ok
             if ok:
-                self._start_writer()
-            else:
-                self._stopped = True
+                self._to(P.WRITING)
+            elif self.state is not P.FINISHING:  # (its last write checks `write_until`)
+                self._to(P.STOPPED, ConnectionError("the decode worker no longer waits"))
 
     # -- a writer thread -----------------------------------------------------------------------
     def _drain(self) -> None:
         while True:
             with self._cond:
-                if not self._pending or self._stopped or self._error is not None:
+                if not self._pending or self.state is not P.WRITING:
                     self._writing = False
                     self._cond.notify_all()
                     return
@@ -123,26 +139,23 @@ class LayerPush:
             try:
                 self._write(job)
             except BaseException as exc:
-                room = self.target.room
-                log.warning("request %s: KV write to %s failed: %s", self.request_id, room, exc)
+                log.warning("request %s: KV write failed: %s", self.request_id, exc)
                 with self._cond:
-                    self._error = exc
+                    self._to(P.STOPPED, exc)
 
     def _write(self, job: _Layers) -> None:
-        src: list[int] = []
-        dst: list[int] = []
-        for k, block in enumerate(job.chunk.block_ids):
-            slot = self._slot(job.chunk.first_block + k)
-            if slot is not None:
-                src.append(block)
-                dst.append(slot)
-        if not src:
+        pairs = [
+            (block, slot)
+            for k, block in enumerate(job.chunk.block_ids)
+            if (slot := self._slot(job.chunk.first_block + k)) is not None
+        ]
+        if not pairs:
             return
-        layers = (job.first, job.end)
-        self.cache.stage_out(src, layers)
-        self._transfer(src, dst, layers)
+        src, dst = [p[0] for p in pairs], [p[1] for p in pairs]
+        self.cache.stage_out(src, (job.first, job.end))
+        self._transfer(src, dst, (job.first, job.end))
         self.writes += 1
-        if job.end == self.num_layers:
+        if job.end == self.cache.num_layers:
             with self._cond:
                 for k, block in enumerate(job.chunk.block_ids):
                     self._streamed[job.chunk.first_block + k] = block
@@ -168,30 +181,16 @@ class LayerPush:
         k = index - self.target.first_block
         return self.target.block_ids[k] if 0 <= k < len(self.target.block_ids) else None
 
-    # -- the worker ----------------------------------------------------------------------------
-    def _quiesce(self, timeout_s: float) -> None:
-        """Until no write runs (the writes still pending are dropped if stopped)."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: not self._writing, timeout_s):
-                self._stopped = True
-                raise TimeoutError(f"KV writes to {self.target.room} still run after {timeout_s}s")
-
+    # -- the worker's wait threads --------------------------------------------------------------
     def stop(self) -> None:
-        """No more writes (the request ended early); returns once none runs, however long the
-        one running takes (each transfer is bounded by the agent's own timeout): the decode
-        worker's blocks are given back only after this."""
+        """No more writes; returns once none runs (each is bounded by the agent's timeout): the
+        decode worker's blocks are given back only after this."""
         with self._cond:
-            self._stopped = True
+            self._to(P.STOPPED, ConnectionError("the push was stopped"))
             waited = 0.0
             while not self._cond.wait_for(lambda: not self._writing, self.agent.timeout_s):
                 waited += self.agent.timeout_s
-                room = self.target.room
-                log.error(
-                    "request %s: a KV write to %s still runs after %gs",
-                    self.request_id,
-                    room,
-                    waited,
-                )
+                log.error("request %s: a KV write still runs after %gs", self.request_id, waited)
 
     def finish(self, prompt_blocks: list[int]) -> None:
         """The prompt is computed, in `prompt_blocks` (its block table): wait for the streamed
@@ -199,18 +198,14 @@ class LayerPush:
         started = time.perf_counter()
         target = self.target
         end = target.first_block + len(target.block_ids)
-        if len(prompt_blocks) < end:
-            self.stop()
-            raise ValueError("the decode worker's blocks do not fit this prompt's")
-        self._quiesce(self.agent.timeout_s)
         with self._cond:
-            if self._error is not None:
-                raise self._error
-            if not self._claimed:
-                raise ConnectionError("the decode worker did not let us write its blocks")
-            if self._stopped:  # `stop` returned: no write may start any more
-                raise ConnectionError("the push was stopped")
-            self._stopped = True
+            if len(prompt_blocks) < end:
+                self._to(P.STOPPED, ValueError("the decode worker's blocks do not fit the prompt"))
+            if not self._cond.wait_for(lambda: not self._writing, self.agent.timeout_s):
+                self._to(P.STOPPED, TimeoutError(f"KV writes to {target.room} still run"))
+            if self.state is not P.WRITING:
+                raise self._error or ConnectionError("the decode worker did not let us write")
+            self._to(P.FINISHING)
             missing = [
                 i
                 for i in range(target.first_block, end)
@@ -219,17 +214,21 @@ class LayerPush:
             self._writing = True  # `stop` waits for this write too
         src = [prompt_blocks[i] for i in missing]
         dst = [target.block_ids[i - target.first_block] for i in missing]
+        error: BaseException | None = None
         try:
             self.cache.stage_out(src)
             backend = self._transfer(src, dst, None)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             with self._cond:
+                self._to(P.STOPPED if error else P.SUCCESS, error)
                 self._writing = False
                 self._cond.notify_all()
         streamed = f"layer by layer in {self.writes} writes, {len(src)} more whole, "
         log.info(
-            "request %s: wrote %d KV blocks (%.2f MB) %sover %s; done %.1f ms after the prompt "
-            "was computed",
+            "request %s: wrote %d KV blocks (%.2f MB) %sover %s; done %.1f ms after the prompt",
             self.request_id,
             len(target.block_ids),
             len(target.block_ids) * self.cache.block_bytes / 1e6,
@@ -240,13 +239,12 @@ class LayerPush:
 
 
 class RoomClaim:
-    """A prefill worker's claim on a decode worker's room, made in the background while the
-    prompt is computed; `pusher` writes only once it is accepted, and stops writing if the
-    decode worker ends the claim first (it stopped waiting), or once the wait it promised, from
-    when the claim was sent, has passed (no word of its end may reach us: a request plane cut
-    off while the KV's path is not). Held from acceptance (the decode worker reads its end as
-    the end of our writes) until `report`, which tells the decode worker whether its blocks
-    hold the KV, then lets go."""
+    """A prefill worker's claim on a decode worker's room, sent in the background while the
+    prompt is computed.
+    - `pusher` writes once it is accepted; it stops if the decode worker ends the claim, or
+      once the wait it promised (counted from before the claim was sent) has passed.
+    - Held from acceptance until `report`, which tells the decode worker whether its blocks
+      hold the KV, then lets go."""
 
     def __init__(self, peers: PeerCalls, target: KvTarget, pusher: LayerPush) -> None:
         self.peers = peers
@@ -254,35 +252,32 @@ class RoomClaim:
         self.pusher = pusher
         self.reported = False
         self._stream: ResponseStream | None = None
-        self._takes_linger = False
         self._watch: asyncio.Task[None] | None = None
         self._task = asyncio.create_task(self._claim())
 
     async def _claim(self) -> bool:
-        pusher = self.pusher
         sent, sent_loop = time.monotonic(), asyncio.get_running_loop().time()
-        claim = await self.peers.claim(self.target, pusher.agent.timeout_s)
+        claim = await self.peers.claim(self.target, self.pusher.agent.timeout_s)
         if claim is not None:
-            self._stream, self._takes_linger = claim.stream, claim.takes_linger
-            pusher.write_until = sent + claim.wait_s  # checked as each write starts
-            until = sent_loop + claim.wait_s
-            self._watch = asyncio.create_task(self._watch_end(self._stream, until))
-        pusher.claimed(claim is not None)
+            self._stream = claim.stream
+            self.pusher.write_until = sent + claim.wait_s  # checked as each write starts
+            self._watch = asyncio.create_task(self._watch_end(sent_loop + claim.wait_s))
+        self.pusher.claimed(claim is not None)
         return claim is not None
 
-    async def _watch_end(self, stream: ResponseStream, until: float) -> None:
+    async def _watch_end(self, until: float) -> None:
         """Until the claim ends, or the loop's time `until`."""
-        ran_out = False
+        assert self._stream is not None
+        why = "the decode worker stopped waiting"
         try:
             async with asyncio.timeout_at(until):
-                async for _ in stream:
+                async for _ in self._stream:
                     pass
         except TimeoutError:
-            ran_out = True
+            why = "its wait ran out"
         except Exception:
             pass
         if not self.reported:
-            why = "its wait ran out" if ran_out else "the decode worker stopped waiting"
             log.warning("room %s: %s: no more writes", self.target.room, why)
             self.pusher.claimed(False)
 
@@ -294,21 +289,18 @@ class RoomClaim:
         self._task.cancel()
 
     async def report(self, ok: bool, token_ids: list[int]) -> None:
-        """Once no write runs or starts (a later call does nothing): the decode worker's blocks
-        hold the prompt's KV (`ok`), or will not; `token_ids`: the first token. With it goes how
-        long a write that failed may still land in them (`LayerPush.linger_left`), or, to a
-        decode worker that does not take that, the report waits as long."""
+        """Once no write runs or starts (a later call does nothing): whether the decode worker's
+        blocks hold the prompt's KV, with how long a write that failed may still land."""
         if self.reported:
             return
         self.reported = True
         self.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
-        linger_s = self.pusher.linger_left()
-        if linger_s and not self._takes_linger:
-            await asyncio.sleep(linger_s)
-            linger_s = 0.0
+        report = KvReady(
+            room=self.target.room, ok=ok, token_ids=token_ids, linger_s=self.pusher.linger_left()
+        )
         try:
-            await self.peers.kv_ready(self.target, ok, token_ids, linger_s)
+            await self.peers.ready(self.target, report)
         finally:  # only now: the claim's end before the report reads as our writer's loss
             if self._watch is not None:
                 self._watch.cancel()

@@ -1,0 +1,136 @@
+"""The engine's KV connector: what code that moves KV (disaggregation, KV tiers) sees of the
+engine, in the spirit of vLLM's KV connector API (docs/architecture.md).
+
+- Scheduler side: a request with a `kv_source` is admitted by allocating blocks for the part
+  of its prompt the prefix cache lacks (a `KvLoad`); one with `hold_kv` ends after its first
+  token with its blocks held until `release_kv`; one with a `kv_sink` is told of each layer of
+  its prompt's KV as a step writes it.
+- Worker side: `KvSource.load` moves the bytes of one load into the engine's blocks, on a load
+  thread of its own; `KvCacheView` is the cache as a transfer layer sees it.
+- A load ends exactly once, by return or exception; a failed one's blocks stay out of use
+  until its `writes_end` is set.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvbaton.protocols.llm import EngineOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class KvLoad:
+    """Load the prompt's KV of blocks `first_block...` (positions in the prompt's block table)
+    into `dst_blocks`, local blocks in the same order."""
+
+    request_id: str
+    source: KvSource
+    first_block: int
+    dst_blocks: list[int]
+
+
+class KvLoadFailed(Exception):
+    """The prompt's KV did not arrive; `token_ids` were sampled at the source all the same.
+    `writes_end`: set once no write can land in the load's blocks (None: none can)."""
+
+    def __init__(
+        self,
+        message: str,
+        token_ids: list[int] | None = None,
+        writes_end: threading.Event | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.token_ids = token_ids or []
+        self.writes_end = writes_end
+
+
+class KvSource(Protocol):
+    """Where a request's prompt KV comes from: a peer, or local storage."""
+
+    def load(self, load: KvLoad) -> list[int]:
+        """(On a load thread; may block, ends within its own timeout.) Move the KV into
+        `load.dst_blocks`; the tokens sampled at the source that the request did not come
+        with. Raises (`KvLoadFailed`) if the KV did not arrive: the prompt is computed here."""
+        ...
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """Prompt tokens [start, end) computed in one step, in blocks `block_ids`: the sequence's
+    blocks `first_block...` at that step."""
+
+    start: int
+    end: int
+    first_block: int
+    block_ids: list[int]
+
+
+class KvSink(Protocol):
+    def layer_written(self, chunk: PromptChunk, layer: int) -> None:
+        """(On the engine's thread; must not block.) A step wrote layer `layer`'s K and V of
+        `chunk`, layers in order; a chunk may be computed again after a preemption, in other
+        blocks. The blocks stay the sequence's until its step ends, no longer."""
+        ...
+
+
+@dataclass
+class EngineRequest:
+    """One request for the engine. `output_token_ids`: sampled already (at the KV source)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    hold_kv: bool = False
+    kv_source: KvSource | None = None
+    kv_sink: KvSink | None = None
+
+
+class Staging(Protocol):
+    def __call__(self, block_ids: list[int], layers: tuple[int, int] | None = None) -> None:
+        """Copy blocks (of each, layers [first, end) if given) between cache and mirror."""
+
+
+def _not_mirrored(block_ids: list[int], layers: tuple[int, int] | None = None) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class KvCacheView:
+    """The KV cache as a transfer layer sees it.
+    - Peers move blocks in `buffer`; a block is `num_layers` equal parts, one per layer.
+    - Where `buffer` mirrors the cache (a GPU's), `stage_out` copies blocks to it before they
+      are read or sent, `stage_in` back after they were written or received."""
+
+    layout: str  # dtype and block shape
+    num_blocks: int
+    block_bytes: int  # a block, all layers, contiguous; 0: blocks with no bytes (mocker)
+    buffer: memoryview | None
+    mirrored: bool = False
+    stage_out: Staging = _not_mirrored
+    stage_in: Staging = _not_mirrored
+    num_layers: int = 1
+
+
+class ConnectedEngine(Protocol):
+    """What code that moves KV needs of an engine."""
+
+    async def add_request(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]: ...
+    def release_kv(self, request_id: str) -> None: ...
+    def reclaim_kv_blocks(self) -> None: ...
+
+
+async def outputs_of(
+    engine: ConnectedEngine, request: EngineRequest
+) -> AsyncGenerator[EngineOutput, None]:
+    """The request's outputs; closing this early aborts it."""
+    outputs = await engine.add_request(request)
+    try:
+        async for out in outputs:
+            yield out
+    finally:
+        await outputs.aclose()
