@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP frontend (steps S1, S2 and S9 of DESIGN.md)."""
+"""The OpenAI-compatible HTTP frontend (docs/architecture.md, "A request's path")."""

@@ -1,5 +1,5 @@
 """Where model cards live in discovery: `/models/{namespace}/{name}/{instance_id:x}`, each owned
-by the lease of the worker that registered it (DESIGN.md section 3). A model name may contain
+by the lease of the worker that registered it (docs/architecture.md). A model name may contain
 '/'; the instance id is the last segment."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Endpoint names and the discovery keys built from them (layout in DESIGN.md section 3)."""
+"""Endpoint names and the discovery keys built from them (docs/architecture.md)."""
 
 from __future__ import annotations
 
