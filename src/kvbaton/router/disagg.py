@@ -1,18 +1,12 @@
-"""A request's path through the workers once routed (docs/architecture.md): whole on one
-worker, or disaggregated in either transfer order.
+"""A request's path through the workers once routed, disaggregated in either transfer order
+(docs/architecture.md, "The disaggregation protocol").
 
-- prefill-first: the prefill worker computes the prompt's KV and answers with the first token
-  (streamed to the client at once) and `DisaggregatedParams`; the decode worker, sent the
-  request with them, reads the KV and decodes.
-- decode-first: the decode worker allocates blocks and answers first with a `KvTarget`; the
-  prefill worker, sent the request with it, writes the KV into those blocks and tells the
-  decode worker, which then streams every token, the first included.
-
-Invariants: `Route.done()` once per route; the decode worker's route counts no prefill of the
-prompt there, until a prefill failure falls back to a prefill on the decode worker (or raises
-PrefillError with `enforce`); blocks a prefill worker holds for a decode worker that never
-takes the request are released, and a decode worker's room that no prefill worker will fill is
-ended at once."""
+- `Route.done()` once per route.
+- The decode worker's route counts no prefill of the prompt there, until a prefill failure
+  falls back to a prefill on the decode worker (or raises PrefillError with `enforce`).
+- Blocks a prefill worker holds for a decode worker that never takes the request are
+  released; a decode worker's room that no prefill worker will fill is ended at once.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +18,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvbaton.protocols.llm import EngineOutput, KvTarget, PreprocessedRequest
+from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest
 from kvbaton.router.policies import Route, RouteRequest, follow
 from kvbaton.router.prefill_router import PrefillError, PrefillRouter
 from kvbaton.runtime import Client
@@ -81,7 +75,7 @@ class Disaggregated:
         finally:
             route.done()
             if params is not None and not taken:
-                await self.prefill.release(params)
+                await self.prefill.peers.release(params)
 
     async def decode_first(self) -> AsyncGenerator[EngineOutput, None]:
         bootstrap = msgspec.structs.replace(self.request, bootstrap=True)
@@ -94,9 +88,7 @@ class Disaggregated:
                     target = out.kv_target
                     pushed = msgspec.structs.replace(self.request, kv_target=target)
                     pushing = asyncio.create_task(self._prefill(pushed))
-                    pushing.add_done_callback(
-                        functools.partial(_abandon_on_failure, self.prefill, target)
-                    )
+                    pushing.add_done_callback(functools.partial(self.prefill.abandon, target))
                     continue
                 if pushing is not None and pushing.done() and not pushing.cancelled():
                     error = pushing.exception()
@@ -120,19 +112,3 @@ class Disaggregated:
             log.warning("request %s: %s; prefilling on the decode worker", self.request_id, exc)
             self.route.set_prefills(True)
             return None
-
-
-_ABANDONING: set[asyncio.Task[None]] = set()
-
-
-def _abandon_on_failure(
-    prefill: PrefillRouter, target: KvTarget, task: asyncio.Task[EngineOutput | None]
-) -> None:
-    """A prefill that failed: end the decode worker's wait now, not at its timeout. (A prefill
-    cancelled with its request is reported by the prefill worker, once its writes ended.)"""
-    if task.cancelled():
-        return
-    if task.exception() is not None or task.result() is None:
-        abandoning = asyncio.ensure_future(prefill.abandon(target))
-        _ABANDONING.add(abandoning)
-        abandoning.add_done_callback(_ABANDONING.discard)

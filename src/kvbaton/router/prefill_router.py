@@ -1,19 +1,18 @@
-"""The PrefillRouter (steps S3-S6, prefill first): picks a prefill worker (KV-aware) for a
-request, which computes the prompt's KV and answers with the first token and where its KV
-waits (`DisaggregatedParams`); the caller then sends the request on to a decode worker with the
-params injected.
+"""The PrefillRouter: picks a prefill worker (KV-aware) for a request, which answers with the
+first token and where its KV waits (docs/architecture.md).
 
-Invariants: a prefill worker's answer is read within `timeout_s`; whatever happens after a
-prefill worker answered with params and before a decode worker took them, the blocks are
-released at the prefill worker (`release`), or its hold timeout frees them."""
+- A prefill worker's answer is read within `timeout_s`.
+- Blocks held for a decode worker that never takes them are released (`router/disagg.py`),
+  or the prefill worker's hold timeout frees them.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from kvbaton.disagg.peers import PeerCalls
 from kvbaton.protocols.llm import (
-    DisaggregatedParams,
     EngineOutput,
     KvTarget,
     PreprocessedRequest,
@@ -42,6 +41,7 @@ class PrefillRouter:
         self.router = router
         self.timeout_s = timeout_s
         self.peers = PeerCalls(runtime)
+        self._abandoning: set[asyncio.Future[None]] = set()
 
     def instance_ids(self, with_cards: Sequence[int]) -> list[int]:
         """The live prefill workers among those with a card of the model."""
@@ -73,14 +73,14 @@ class PrefillRouter:
             raise PrefillError("the prefill worker's answer ended without the first token")
         return answer
 
-    async def release(self, params: DisaggregatedParams) -> None:
-        """Free blocks that no decode worker will read."""
-        await self.peers.release(params)
-
-    async def abandon(self, target: KvTarget) -> None:
-        """Tell a decode worker that no prefill worker will write into `target` (one that
-        claimed it is waited for there: it may live on)."""
-        await self.peers.abandon(target)
+    def abandon(self, target: KvTarget, prefill: asyncio.Task[EngineOutput | None]) -> None:
+        """A decode-first prefill that failed: end the decode worker's wait for `target` now,
+        not at its timeout (one cancelled with its request is reported by its prefill
+        worker once its writes ended; one that claimed the room is waited for there)."""
+        if not prefill.cancelled() and (prefill.exception() or prefill.result() is None):
+            abandoning = asyncio.ensure_future(self.peers.abandon(target))
+            self._abandoning.add(abandoning)
+            abandoning.add_done_callback(self._abandoning.discard)
 
     async def close(self) -> None:
         await self.router.close()
