@@ -153,7 +153,6 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # answers with `kv_target` first); to a prefill worker, where to write it.
     bootstrap: bool = False
     kv_target: KvTarget | None = None
-    version: int = 1
 
 
 class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -172,7 +171,6 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_events: bool = False  # the worker publishes KV events (endpoints kv_events, kv_dump)
     role: str = "aggregated"  # or "prefill" (a PrefillRouter's target) or "decode"
     kv_pool: KvPoolInfo | None = None  # where peers read or write its KV blocks
-    version: int = 1
 
     @property
     def component(self) -> str:
