@@ -169,7 +169,7 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokenizer_files: list[str] = msgspec.field(default_factory=list)  # else fetched from it
     created: int = 0  # seconds since the epoch
     kv_events: bool = False  # the worker publishes KV events (endpoints kv_events, kv_dump)
-    role: str = "aggregated"  # or "prefill" (a PrefillRouter's target) or "decode"
+    role: str = "agg"  # or "prefill" (a PrefillRouter's target) or "decode", as workers write
     kv_pool: KvPoolInfo | None = None  # where peers read or write its KV blocks
 
     @property
