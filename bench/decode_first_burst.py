@@ -43,7 +43,7 @@ OUTPUT_TOKENS = 8
 
 def start(args: argparse.Namespace, order: str) -> tuple[subprocess.Popen[str], str]:
     command = [
-        *(sys.executable, "-m", "kvbaton", "serve", "--engine", "mocker", "--port", "0"),
+        *(sys.executable, "-m", "kvbaton", "serve", "--engine", "mocker", "--http-port", "0"),
         *("--model", args.model, "--mode", "disagg", "--transfer-order", order),
         *("--prefill-workers", str(args.prefill_workers)),
         *("--decode-workers", str(args.decode_workers)),

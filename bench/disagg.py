@@ -197,7 +197,7 @@ MODE_FLAGS = {
 
 def start_serve(args: argparse.Namespace, mode: str, discovery: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
-    command = ["serve", "--engine", args.engine, "--model", args.model, "--port", "0"]
+    command = ["serve", "--engine", args.engine, "--model", args.model, "--http-port", "0"]
     command += ["--discovery", discovery]
     if args.max_model_len is not None:
         command += ["--max-model-len", str(args.max_model_len)]

@@ -74,7 +74,7 @@ def start(
 ) -> subprocess.Popen[str]:
     command = [
         sys.executable, "-m", "kvbaton", "serve", "--engine", "torch", "--model", args.model,
-        "--port", "0", "--discovery", discovery, "--mode", "disagg", "--transfer-order",
+        "--http-port", "0", "--discovery", discovery, "--mode", "disagg", "--transfer-order",
         "decode-first", "--kv-transfer", backend, "--kv-push", mode, "--log-level", "WARNING",
     ]  # fmt: skip
     if args.max_model_len:

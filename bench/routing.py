@@ -195,7 +195,7 @@ async def drive(
 
 def start_serve(args: argparse.Namespace, mode: str) -> tuple[subprocess.Popen[str], str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
-    command = ["serve", "--engine", "mocker", "--model", args.model, "--port", "0"]
+    command = ["serve", "--engine", "mocker", "--model", args.model, "--http-port", "0"]
     command += ["--workers", str(args.workers), "--speedup-ratio", str(args.speedup_ratio)]
     command += ["--max-model-len", str(args.max_model_len)]
     if args.kv_overlap_score_weight is not None:

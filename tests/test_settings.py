@@ -63,3 +63,33 @@ def test_the_distributed_backends_are_chosen_by_flags_or_variables(
         RuntimeSettings(event_plane="kafka://somewhere")
     with pytest.raises(ValueError, match="not a NATS URL"):
         RuntimeSettings(nats_url="http://127.0.0.1:4222")
+
+
+# What each command needs besides the flags under test.
+REQUIRED = {
+    "serve": [],
+    "frontend": [],
+    "worker": [],
+    "planner": ["--frontend", "http://x", "--profile", "p", "--ttft-ms", "1", "--itl-ms", "1"],
+    "profile": ["--role", "prefill", "--output", "o.json"],
+}
+
+
+def test_one_flag_name_per_port_across_commands(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("KVBATON_PORT", raising=False)
+    parser = build_parser()
+    for command, required in REQUIRED.items():
+        args = parser.parse_args([command, *required, "--request-plane-port", "5555"])
+        assert args.request_plane_port == 5555 and not hasattr(args, "port"), command
+        assert runtime_settings(args).port == 5555
+    for command in ("serve", "frontend"):
+        assert parser.parse_args([command]).http_port == 8000
+        assert parser.parse_args([command, "--http-port", "9001"]).http_port == 9001
+    args = parser.parse_args(["serve", "--port", "9002"])  # serve's old name for it, kept
+    assert args.http_port == 9002 and not hasattr(args, "port")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    serve_help = capsys.readouterr().out
+    assert "--http-port" in serve_help and "--port" not in serve_help

@@ -184,6 +184,57 @@ def test_logprobs_in_both_shapes(client: openai.OpenAI, served: Deployment) -> N
     assert lp.top_logprobs is not None and all(len(t) == 2 for t in lp.top_logprobs)
 
 
+def cached_tokens(usage: Any) -> int:
+    details = usage.prompt_tokens_details if usage is not None else None
+    return (details.cached_tokens or 0) if details is not None else 0
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_cache_salt_keeps_each_tenant_s_prefix_cache_apart(
+    client: openai.OpenAI, served: Deployment, route: str
+) -> None:
+    prompt = f"A {route} prompt long enough to fill a few KV blocks of its own, twice over. " * 2
+
+    def cached(salt: str | None) -> int:
+        extra = {"ignore_eos": True} | ({"cache_salt": salt} if salt is not None else {})
+        if route == "chat":
+            out: Any = client.chat.completions.create(
+                model=served.model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=2,
+                temperature=0,
+                extra_body=extra,
+            )
+        else:
+            out = client.completions.create(
+                model=served.model, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
+            )
+        return cached_tokens(out.usage)
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0  # the same tenant reuses its own prefix
+    assert cached("tenant-b") == 0  # another tenant never sees it
+    assert cached(None) == 0  # nor does a request without a salt
+    assert cached("tenant-b") > 0
+
+
+def test_bad_cache_salt_is_a_400_naming_it(client: openai.OpenAI, served: Deployment) -> None:
+    for salt in ("", 42, {"tenant": "a"}):
+        with pytest.raises(openai.BadRequestError, match="cache_salt") as raised:
+            client.chat.completions.create(
+                model=served.model,
+                messages=MESSAGES,
+                max_tokens=1,
+                extra_body={"cache_salt": salt},
+            )
+        assert raised.value.status_code == 400
+        assert raised.value.body["param"] == "cache_salt"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="cache_salt: must be a non-empty string"):
+        client.completions.create(
+            model=served.model, prompt="x", max_tokens=1, extra_body={"cache_salt": ""}
+        )
+
+
 def test_models_health_live_metrics_openapi(served: Deployment) -> None:
     with httpx.Client(base_url=served.url) as http:
         models = http.get("/v1/models").json()
@@ -278,6 +329,9 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(top_logprobs=2), 400, None),
     ("chat/completions", chat(min_tokens=9, max_tokens=3), 400, "min_tokens"),
     ("chat/completions", chat(frobnicate=1), 400, "frobnicate"),
+    ("chat/completions", chat(cache_salt=""), 400, "cache_salt"),
+    ("chat/completions", chat(cache_salt=7), 400, "cache_salt"),
+    ("completions", {"model": "M", "prompt": "x", "cache_salt": ["a"]}, 400, "cache_salt"),
     ("completions", {"model": "M", "prompt": "x", "echo": True}, 400, None),
     ("completions", {"model": "M", "prompt": []}, 400, "prompt"),
     ("completions", {"model": "M", "prompt": [999999]}, 400, "prompt"),

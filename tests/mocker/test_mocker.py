@@ -111,7 +111,7 @@ def test_prefix_hits_events_and_blocks_come_back(mocker_model: Path) -> None:
     assert [e.event_id for e in mocker.events] == list(range(len(mocker.events)))
     assert mocker.engine.blocks.num_free_blocks == free
     stats = mocker.engine.stats()
-    assert (stats.active_prefill_tokens, stats.active_decode_blocks) == (0, 0)
+    assert (stats.active_prefill_tokens, stats.kv_blocks_used) == (0, 0)
 
 
 def test_load_counts_prefill_and_decode(mocker_model: Path) -> None:
@@ -124,14 +124,14 @@ def test_load_counts_prefill_and_decode(mocker_model: Path) -> None:
     mocker.engine.step()  # the prompt is done: it decodes
     stats = mocker.engine.stats()
     assert stats.active_prefill_tokens == 0
-    assert stats.active_decode_blocks == 5  # 20 computed tokens in blocks of 4
+    assert stats.kv_blocks_used == 5  # 20 computed tokens in blocks of 4
     mocker.engine.add_request(EngineRequest("b", list(range(30, 50)), SamplingParams(max_tokens=4)))
     # Waiting, it counts only what the prefix cache will not give it: a's 4 full blocks are
     # there, and the last token is always computed (a router that read 20 would send b's
     # like elsewhere, to a worker without its prefix).
     assert mocker.engine.stats().active_prefill_tokens == 20 - 16
     mocker.engine.step()  # b finds a's 4 full blocks in the cache and shares them
-    assert mocker.engine.stats().active_decode_blocks == 5 + 2  # a's tail grew; b's own tail
+    assert mocker.engine.stats().kv_blocks_used == 5 + 2  # a's tail grew; b's own tail
 
 
 def test_a_request_resent_with_its_outputs_in_its_prompt_goes_on_with_the_same_tokens(

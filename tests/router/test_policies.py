@@ -238,17 +238,16 @@ def kv_router(overlap_weight: float = 1.0, temperature: float = 0.0) -> KvRouter
     )
 
 
-def load(worker: int, *, prefill: int = 0, decode: int = 0) -> WorkerLoad:
+def load(worker: int, *, prefill: int = 0, used: int = 0) -> WorkerLoad:
     return WorkerLoad(
         instance_id=worker,
         waiting=0,
         running=0,
         kv_blocks_total=100,
-        kv_blocks_used=0,
-        kv_blocks_free=100,
+        kv_blocks_used=used,
+        kv_blocks_free=100 - used,
         prefix_cache_hit_rate=0.0,
         active_prefill_tokens=prefill,
-        active_decode_blocks=decode,
     )
 
 
@@ -373,11 +372,11 @@ def test_kv_router_served_by_another_worker_moves_the_active_request() -> None:
 
 def test_kv_router_reported_load_counts() -> None:
     """A worker's own load report (more than the router's count) weighs in: a full cache hit
-    on A loses to idle B when A reports 20 active decode blocks (cost 28 vs 16)."""
+    on A loses to idle B when A reports 20 blocks in use (cost 28 vs 16)."""
     r = kv_router()
     r.indexer.apply(A, stored(PROMPT, 8))
     assert r.route(REQ, [A, B]).ranking[0] == A
-    r.loads[A] = load(A, decode=20)
+    r.loads[A] = load(A, used=20)
     assert r.route(REQ, [A, B]).ranking[0] == B
     r.loads[A] = load(A, prefill=400)  # 100 blocks pending at weight 1
     assert r.route(REQ, [A, B]).ranking[0] == B
@@ -387,7 +386,7 @@ def test_kv_router_per_request_overlap_weight() -> None:
     """Same state as above (A: full hit, 20 active blocks): weight 1 picks B, weight 10 A."""
     r = kv_router()
     r.indexer.apply(A, stored(PROMPT, 8))
-    r.loads[A] = load(A, decode=20)
+    r.loads[A] = load(A, used=20)
     assert r.route(REQ, [A, B]).ranking[0] == B
     heavy = RouteRequest(token_ids=PROMPT, extra_keys=None, overlap_weight=10.0)
     assert r.route(heavy, [A, B]).ranking[0] == A

@@ -44,7 +44,7 @@ def _runtime_flags(parser: argparse.ArgumentParser, *, system_port: bool = False
     )
     group.add_argument("--nats-url", help="the NATS server (default nats://127.0.0.1:4222)")
     group.add_argument("--host", help="address to bind and advertise (default 127.0.0.1)")
-    group.add_argument("--request-plane-port", dest="port", type=int, help="default: any free port")
+    group.add_argument("--request-plane-port", type=int, help="default: any free port")
     group.add_argument("--lease-ttl", type=float, help="seconds (default 10)")
     if system_port:
         group.add_argument(
@@ -71,27 +71,38 @@ ENGINES = (
 )
 
 
-def _http_flags(parser: argparse.ArgumentParser, *port_aliases: str) -> None:
+def _http_flags(parser: argparse.ArgumentParser, *, old_port_flag: bool = False) -> None:
+    """The HTTP API's address. `old_port_flag`: also take `--port`, the name `serve` once had
+    for `--http-port` (kept working, left out of --help)."""
     parser.add_argument("--http-host", default="127.0.0.1", help="address the HTTP API binds")
-    parser.add_argument(
-        "--http-port", *port_aliases, type=int, default=8000, help="HTTP port (0: any free port)"
-    )
+    parser.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: any free port)")
+    if old_port_flag:
+        parser.add_argument(
+            "--port", dest="http_port", type=int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
+
+
+# RuntimeSettings field -> the flag that sets it (args.<name>)
+_SETTINGS_FLAGS = {
+    "discovery": "discovery",
+    "request_plane": "request_plane",
+    "event_plane": "event_plane",
+    "nats_url": "nats_url",
+    "host": "host",
+    "port": "request_plane_port",
+    "lease_ttl": "lease_ttl",
+    "system_port": "system_port",
+    "drain_timeout": "drain_timeout",
+}
 
 
 def runtime_settings(args: argparse.Namespace) -> RuntimeSettings:
     """Flags given on the command line, then KVBATON_* variables, then defaults."""
-    names = (
-        "discovery",
-        "request_plane",
-        "event_plane",
-        "nats_url",
-        "host",
-        "port",
-        "lease_ttl",
-        "system_port",
-        "drain_timeout",
-    )
-    overrides = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    overrides = {
+        field: value
+        for field, flag in _SETTINGS_FLAGS.items()
+        if (value := getattr(args, flag, None)) is not None
+    }
     return RuntimeSettings(**overrides)
 
 
@@ -259,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, default=1, help="agg: number of workers")
     serve.add_argument("--prefill-workers", type=int, default=1, help="disagg: prefill workers")
     serve.add_argument("--decode-workers", type=int, default=1, help="disagg: decode workers")
-    _http_flags(serve, "--port")
+    _http_flags(serve, old_port_flag=True)
     serve.add_argument(
         "--engine", choices=["torch", "mocker", "fixed"], default="torch", help=ENGINES
     )

@@ -152,9 +152,6 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.free[block] = None
 
-    def hash_blocks(self, seq: Sequence, num_blocks: int) -> list[int]:
-        return seq.full_block_hashes(self.block_size, num_blocks)
-
     def clear_kv_blocks(self) -> int:
         """Forget every cached prefix (blocks in use stay allocated); returns how many."""
         count = len(self.cached)

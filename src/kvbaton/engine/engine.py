@@ -29,15 +29,14 @@ class EngineStats:
     waiting: int
     running: int
     kv_blocks_total: int
+    # Blocks held by requests (running, or a prefill's KV held for its decode worker), a block
+    # shared by several once: what a router's own count of the requests it sent measures too.
     kv_blocks_used: int
     kv_blocks_free: int
     prefix_cache_hit_rate: float
     # Prompt tokens admitted or waiting, not yet computed (of a waiting request, those the
     # prefix cache will not give it).
     active_prefill_tokens: int = 0
-    # Blocks held by running requests, a block shared by several once (what a router's own
-    # count of the requests it sent measures too).
-    active_decode_blocks: int = 0
 
 
 class StepRunner(Protocol):
@@ -300,5 +299,4 @@ class LLMEngine:
             kv_blocks_free=b.free,
             prefix_cache_hit_rate=self.blocks.prefix_hit_rate,
             active_prefill_tokens=prefill,
-            active_decode_blocks=b.used,
         )

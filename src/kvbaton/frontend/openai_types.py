@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _IGNORED = ("user", "store", "metadata", "parallel_tool_calls", "service_tier")
 
@@ -89,6 +89,16 @@ class _Common(BaseModel):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     logit_bias: dict[str, float] | None = None
     nvext: NvExt | None = None
+    # As vLLM's: a tenant's key that enters every block hash, so that requests with another
+    # salt (or none) never hit this one's cached prefix blocks.
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _check_salt(cls, value: Any) -> Any:
+        if value is not None and not (isinstance(value, str) and value):
+            raise ValueError("must be a non-empty string")
+        return value
 
     @model_validator(mode="before")
     @classmethod

@@ -73,6 +73,7 @@ def build_requests(
                 model=request.model,
                 token_ids=token_ids,
                 sampling=sampling_params(request, limit or context_length - n),
+                cache_salt=request.cache_salt,
             )
         )
     return out

@@ -154,7 +154,6 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     # answers with `kv_target` first); to a prefill worker, where to write it.
     bootstrap: bool = False
     kv_target: KvTarget | None = None
-    version: int = 1
 
 
 class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -171,9 +170,8 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokenizer_files: list[str] = msgspec.field(default_factory=list)  # else fetched from it
     created: int = 0  # seconds since the epoch
     kv_events: bool = False  # the worker publishes KV events (endpoints kv_events, kv_dump)
-    role: str = "aggregated"  # or "prefill" (a PrefillRouter's target) or "decode"
+    role: str = "agg"  # or "prefill" (a PrefillRouter's target) or "decode", as workers write
     kv_pool: KvPoolInfo | None = None  # where peers read or write its KV blocks
-    version: int = 1
 
     @property
     def component(self) -> str:

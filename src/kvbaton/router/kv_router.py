@@ -86,7 +86,7 @@ class KvRouter(Router):
             load = self.loads.get(w)
             if load is not None:
                 pending = max(pending, load.active_prefill_tokens)
-                blocks = max(blocks, load.active_decode_blocks)
+                blocks = max(blocks, load.kv_blocks_used)
             out.append(
                 Candidate(
                     worker_id=w,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 
 class Context:
@@ -36,10 +35,6 @@ class Context:
             if self._event is None:
                 self._event = asyncio.Event()
             await self._event.wait()
-
-    def time_remaining(self) -> float | None:
-        """Seconds until the deadline (negative once past), or None without one."""
-        return None if self.deadline is None else self.deadline - time.time()
 
     def __repr__(self) -> str:
         return f"Context(id={self.id!r}, stopped={self.is_stopped()})"

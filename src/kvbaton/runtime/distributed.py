@@ -66,11 +66,6 @@ class DistributedRuntime:
         self._served: set[str] = set()  # the endpoints registered now
         self._system: SystemServer | None = None
 
-    @classmethod
-    def from_env(cls, **overrides: Any) -> DistributedRuntime:
-        """Settings from `KVBATON_*` variables and defaults, with `overrides` on top."""
-        return cls(**overrides)
-
     async def __aenter__(self) -> DistributedRuntime:
         return self
 
@@ -146,10 +141,6 @@ class DistributedRuntime:
         does and vanishes with it (used for records beside endpoints, e.g. model cards)."""
         _, lease_id = await self._serving_setup()
         await self.discovery.put(key, value, lease_id)
-
-    async def unpublish(self, key: str) -> None:
-        if not self._closed:
-            await self.discovery.delete(key)
 
     async def _deregister(self, path: EndpointPath, key: str) -> None:
         self._served.discard(str(path))
