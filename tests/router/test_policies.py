@@ -213,6 +213,68 @@ def test_metrics_are_recorded_per_component() -> None:
     assert sample("requests_total", "ns.other", "round-robin", worker=f"{C:x}") == 1
 
 
+def _routed_series(registry: CollectorRegistry) -> set[str]:
+    """The workers with a series of `kvbaton_router_requests_total`."""
+    return {
+        sample.labels["worker"]
+        for metric in registry.collect()
+        if metric.name == "kvbaton_router_requests"
+        for sample in metric.samples
+        if sample.name == "kvbaton_router_requests_total"
+    }
+
+
+@pytest.mark.parametrize("make", [RoundRobinRouter, KvRouter])
+def test_workers_that_left_leave_no_state_behind(make: type[Router]) -> None:
+    """Workers come and go (restarts, scaling), each with a new id: after many of them, the
+    router keeps metrics' series and index slots for the live workers only. One that leaves
+    with a request in flight keeps its series until that request ends."""
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    if make is KvRouter:
+        r: Router = KvRouter(ApproxKvIndexer(), BS, model="m", metrics=metrics, subscriber=None)
+    else:
+        r = RoundRobinRouter("m", metrics)
+    live = 0x1000
+    for n in range(1, 201):
+        newcomer = 0x1000 + n
+        for worker in (live, newcomer):
+            route = r.route(REQ, [worker])
+            route.served_by(worker)
+            route.first_token()
+            route.done()
+        in_flight = r.route(REQ, [live])
+        in_flight.served_by(live)
+        in_flight.first_token()
+        r.forget_worker(live)  # it left while serving `in_flight`
+        assert _routed_series(registry) == {f"{live:x}", f"{newcomer:x}"}
+        in_flight.done()
+        assert _routed_series(registry) == {f"{newcomer:x}"}
+        live = newcomer
+    assert r.in_flight == {} and r._leaving == set()
+    if isinstance(r, KvRouter):
+        assert r.indexer.workers == [live]
+        assert len(r.active) == 0
+    r.forget_worker(live)
+    assert _routed_series(registry) == set()
+    r.forget_worker(0xDEAD)  # never routed to: harmless
+
+
+def test_a_worker_routed_to_again_is_not_forgotten() -> None:
+    """A worker whose card went while it served a request, and came back (routed to again)
+    before that request ended, keeps its series."""
+    registry = CollectorRegistry()
+    r = RoundRobinRouter("m", RouterMetrics(registry))
+    first = r.route(REQ, [A])
+    first.served_by(A)
+    r.forget_worker(A)
+    again = r.route(REQ, [A])
+    again.served_by(A)
+    first.done()
+    again.done()
+    assert _routed_series(registry) == {f"{A:x}"} and r._leaving == set()
+
+
 # -- the KV router --------------------------------------------------------------------------
 
 

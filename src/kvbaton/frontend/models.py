@@ -390,12 +390,16 @@ class ModelManager:
         name, instance_id = parsed
         if kind == "delete":
             self._pending.get(name, {}).pop(instance_id, None)
-            if name in self._prefill:
-                self._prefill[name].cards.pop(instance_id, None)
+            pool = self._prefill.get(name)
+            left = pool.cards.pop(instance_id, None) if pool is not None else None
+            if pool is not None and left is not None and pool.router is not None:
+                pool.router.router.forget_worker(instance_id)
             model = self.models.get(name)
             gone = model.cards.pop(instance_id, None) if model is not None else None
-            if model is not None and gone is not None and not model.cards:
-                self._forget_later(model)
+            if model is not None and gone is not None:
+                model.router.forget_worker(instance_id)  # its metrics' series, its index slot
+                if not model.cards:
+                    self._forget_later(model)
             return
         assert value is not None
         try:

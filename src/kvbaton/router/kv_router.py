@@ -168,6 +168,11 @@ class KvRouter(Router):
         self.active.free(route)
         self._report_is_stale(route)
 
+    def _forget(self, worker_id: int) -> None:
+        super()._forget(worker_id)
+        if self.subscriber is None and isinstance(self.indexer, ApproxKvIndexer):
+            self.indexer.remove_worker(worker_id)  # (the subscriber does it for KV events)
+
     def _report_is_stale(self, route: Route) -> None:
         """Work of the worker just ended, which its last load report may still count: until the
         next report, this router's own count stands alone (a stale report would keep the

@@ -3,6 +3,7 @@ blocks its KV index holds per worker (read from the index when scraped)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -62,6 +63,11 @@ class RouterMetrics:
         )
         self._indexed = _IndexedBlocks()
         registry.register(self._indexed)
+
+    def forget_worker(self, model: str, component: str, mode: str, worker_id: int) -> None:
+        """Drop the series of a worker that left (a no-op for one never counted)."""
+        with contextlib.suppress(KeyError):  # (older prometheus_client versions raise it)
+            self.routed.remove(model, component, mode, f"{worker_id:x}")
 
     def watch_index(self, model: str, component: str, index: IndexView | None) -> None:
         """Export `index`'s blocks per worker of `component` ("namespace.component");

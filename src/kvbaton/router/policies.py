@@ -7,6 +7,10 @@ worker w took it (`Route.send` does both); `Route.first_token()`; `Route.done()`
 Every router counts in-flight requests per worker from these calls; the requests routed to a
 worker (the metric) are those it took. A decode worker that receives the prompt's KV from a
 prefill worker (`Route.set_prefills(False)`) has none of its prompt to prefill.
+
+A worker that leaves (`Router.forget_worker`) is forgotten once its last request counted here
+ends: its series of the metrics go, so that workers that come and go (restarts, scaling) do not
+pile up label sets for the frontend's life.
 """
 
 from __future__ import annotations
@@ -135,6 +139,7 @@ class Router:
         self.metrics = metrics
         self.component = component
         self.in_flight: dict[int, int] = {}
+        self._leaving: set[int] = set()  # forgotten once their requests here end
         self._rotation = itertools.count()
 
     async def start(self) -> None:
@@ -172,6 +177,19 @@ class Router:
     def rank(self, candidates: list[int]) -> list[int]:
         raise NotImplementedError
 
+    def forget_worker(self, worker_id: int) -> None:
+        """`worker_id` left (its model card is gone): forget what is kept per worker, now, or
+        once the requests counted on it here have ended."""
+        if self.in_flight.get(worker_id):
+            self._leaving.add(worker_id)
+        else:
+            self._forget(worker_id)
+
+    def _forget(self, worker_id: int) -> None:
+        self._leaving.discard(worker_id)
+        if self.metrics is not None:
+            self.metrics.forget_worker(self.model, self.component, self.mode, worker_id)
+
     def _rotated(self, candidates: list[int]) -> list[int]:
         if len(candidates) < 2:
             return candidates
@@ -182,6 +200,7 @@ class Router:
     def _serve(self, route: Route) -> None:
         assert route.worker_id is not None
         self.in_flight[route.worker_id] = self.in_flight.get(route.worker_id, 0) + 1
+        self._leaving.discard(route.worker_id)  # routed to again: its card came back
 
     def _recount(self, route: Route) -> None:
         """`route.prefills` changed while the route counted on `route.worker_id`."""
@@ -202,6 +221,8 @@ class Router:
             self.in_flight[route.worker_id] = left
         else:
             del self.in_flight[route.worker_id]
+            if route.worker_id in self._leaving:
+                self._forget(route.worker_id)
 
 
 class RoundRobinRouter(Router):
