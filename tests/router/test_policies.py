@@ -51,9 +51,9 @@ def test_random_ranks_every_candidate_once() -> None:
 def test_least_loaded_prefers_fewer_in_flight() -> None:
     r = LeastLoadedRouter()
     busy = [r.route(REQ, [1, 2, 3]) for _ in range(3)]
-    busy[0].served_by(1)
-    busy[1].served_by(1)
-    busy[2].served_by(2)
+    busy[0].start(1)
+    busy[1].start(1)
+    busy[2].start(2)
     assert r.in_flight == {1: 2, 2: 1}
     assert r.route(REQ, [1, 2, 3]).ranking == [3, 2, 1]
     busy[0].done()
@@ -71,7 +71,7 @@ def test_power_of_two_returns_all_and_puts_the_less_loaded_of_two_first() -> Non
     """With two candidates both are drawn: the idle one always comes first."""
     r = PowerOfTwoRouter()
     for _ in range(3):
-        r.route(REQ, [1]).served_by(1)
+        r.route(REQ, [1]).start(1)
     for _ in range(30):
         assert r.route(REQ, [1, 2]).ranking == [2, 1]
         assert sorted(r.route(REQ, [1, 2, 3, 4]).ranking) == [1, 2, 3, 4]
@@ -83,7 +83,7 @@ def test_direct_refuses_to_rank_but_pins() -> None:
         r.route(REQ, [1, 2])
     route = r.pin(REQ, 7)
     assert route.ranking == [7]
-    route.served_by(7)
+    route.start(7)
     assert r.in_flight == {7: 1}
     route.done()
     assert r.in_flight == {}
@@ -99,16 +99,16 @@ def test_route_lifecycle_counts(router_type: type[Router]) -> None:
     r = router_type()
     route = r.route(REQ, [1, 2])
     assert r.in_flight == {}
-    route.served_by(1)
-    route.served_by(1)
+    route.start(1)
+    route.start(1)
     assert r.in_flight == {1: 1}
-    route.served_by(2)
+    route.start(2)
     assert r.in_flight == {2: 1}
     route.first_token()
     route.done()
     route.done()
     assert r.in_flight == {}
-    route.served_by(1)
+    route.start(1)
     route.first_token()
     assert r.in_flight == {}
 
@@ -157,7 +157,7 @@ async def test_only_the_worker_that_took_a_request_counts_it_as_routed() -> None
             return self
 
     await route.send(Stream())  # type: ignore[arg-type]
-    route.served_by(other)  # its first output: the same worker, counted once
+    route.start(other)  # its first output: the same worker, counted once
     route.done()
     assert (routed(first), routed(other)) == (None, 1)
     assert (
@@ -168,7 +168,7 @@ async def test_only_the_worker_that_took_a_request_counts_it_as_routed() -> None
     )
 
     never_sent = r.route(REQ, [A, B])
-    never_sent.count_on_first()  # a prefill-first decode route whose prefill ended the request
+    never_sent.start()  # a prefill-first decode route whose prefill ended the request
     never_sent.done()
     assert (routed(first), routed(other)) == (None, 1)
     assert r.in_flight == {}
@@ -192,11 +192,11 @@ def test_metrics_are_recorded_per_component() -> None:
     ]
     for r in routers:
         route = r.route(REQ, [A, B])
-        route.served_by(A)
+        route.start(A)
         route.done()
-    routers[1].route(REQ, [A, B]).served_by(B)
+    routers[1].route(REQ, [A, B]).start(B)
     simple = RoundRobinRouter("m", metrics, "ns.other")
-    simple.route(REQ, [C]).served_by(C)
+    simple.route(REQ, [C]).start(C)
 
     def sample(name: str, component: str, mode: str = "kv", **worker: str) -> float | None:
         labels = {"model": "m", "component": component, "mode": mode, **worker}
@@ -240,11 +240,11 @@ def test_workers_that_left_leave_no_state_behind(make: type[Router]) -> None:
         newcomer = 0x1000 + n
         for worker in (live, newcomer):
             route = r.route(REQ, [worker])
-            route.served_by(worker)
+            route.start(worker)
             route.first_token()
             route.done()
         in_flight = r.route(REQ, [live])
-        in_flight.served_by(live)
+        in_flight.start(live)
         in_flight.first_token()
         r.forget_worker(live)  # it left while serving `in_flight`
         assert _routed_series(registry) == {f"{live:x}", f"{newcomer:x}"}
@@ -266,10 +266,10 @@ def test_a_worker_routed_to_again_is_not_forgotten() -> None:
     registry = CollectorRegistry()
     r = RoundRobinRouter("m", RouterMetrics(registry))
     first = r.route(REQ, [A])
-    first.served_by(A)
+    first.start(A)
     r.forget_worker(A)
     again = r.route(REQ, [A])
-    again.served_by(A)
+    again.start(A)
     first.done()
     again.done()
     assert _routed_series(registry) == {f"{A:x}"} and r._leaving == set()
@@ -345,7 +345,7 @@ def test_kv_router_identical_requests_spread_by_pending_prefill() -> None:
     r.indexer.apply(A, stored(PROMPT, 2))
     first = r.route(REQ, [A, B])
     assert first.ranking == [A, B]
-    first.served_by(A)
+    first.start(A)
     assert r.active.prefill_tokens(A) == 24 and r.active.active_blocks(A) == 9
     second = r.route(REQ, [A, B])
     assert second.ranking == [B, A]
@@ -356,7 +356,7 @@ def test_kv_router_burst_on_a_cold_pool_spreads_over_all_workers() -> None:
     routes = []
     for _ in range(4):
         route = r.route(REQ, [A, B, C, D])
-        route.served_by(route.ranking[0])
+        route.start(route.ranking[0])
         routes.append(route)
     assert sorted(rt.worker_id or 0 for rt in routes) == [A, B, C, D]
     assert r.in_flight == dict.fromkeys([A, B, C, D], 1)
@@ -367,7 +367,7 @@ def test_kv_router_a_full_hit_beats_load_unless_the_weight_is_small() -> None:
     costs 9 active + 8 - 8 shared = 9 on A versus w*8 + 8 on idle B: A at w=1, B at w=0.1."""
     r = kv_router()
     r.indexer.apply(A, stored(PROMPT, 8))
-    r.route(REQ, [A, B]).served_by(A)
+    r.route(REQ, [A, B]).start(A)
     assert r.active.prefill_tokens(A) == 0
     assert r.route(REQ, [A, B]).ranking[0] == A
     low = RouteRequest(token_ids=PROMPT, extra_keys=None, overlap_weight=0.1)
@@ -379,7 +379,7 @@ def test_kv_router_first_token_and_done_drain_the_counts() -> None:
     r.indexer.apply(A, stored(PROMPT, 2))
     routes = [r.route(REQ, [A]) for _ in range(3)]
     for route in routes:
-        route.served_by(A)
+        route.start(A)
     assert r.active.prefill_tokens(A) == 3 * 24
     assert r.active.active_blocks(A) == 8 + 3
     routes[0].first_token()
@@ -407,24 +407,24 @@ def test_kv_router_a_worker_sent_the_kv_has_no_prefill_pending() -> None:
     r = kv_router()
     r.indexer.apply(A, stored(PROMPT, 2))
     route = r.route(REQ, [A, B])
-    route.set_prefills(False)
-    route.served_by(A)
+    route.sent_kv()
+    route.start(A)
     assert (r.active.prefill_tokens(A), r.active.active_blocks(A)) == (0, 9)
     assert r.route(REQ, [A, B]).ranking[0] == A
-    route.set_prefills(True)
+    route.sent_kv(False)
     assert (r.active.prefill_tokens(A), r.active.active_blocks(A)) == (24, 9)
     assert r.active.requests(A) == 1 and r.in_flight == {A: 1}
     assert r.route(REQ, [A, B]).ranking[0] == B
     route.done()
-    route.set_prefills(False)
+    route.sent_kv()
     assert len(r.active) == 0 and r.in_flight == {}
 
 
 def test_kv_router_served_by_another_worker_moves_the_active_request() -> None:
     r = kv_router()
     route = r.route(REQ, [A, B])
-    route.served_by(A)
-    route.served_by(B)
+    route.start(A)
+    route.start(B)
     assert r.in_flight == {B: 1}
     assert r.active.requests(A) == 0 and r.active.active_blocks(A) == 0
     assert r.active.prefill_tokens(B) == 32 and r.active.requests(B) == 1
@@ -477,7 +477,7 @@ def test_kv_router_pin_follows_the_named_worker() -> None:
     r.indexer.apply(A, stored(PROMPT, 8))
     route = r.pin(REQ, B)
     assert route.ranking == [B]
-    route.served_by(B)
+    route.start(B)
     assert r.active.prefill_tokens(B) == 32
     route.done()
     assert len(r.active) == 0
@@ -509,7 +509,7 @@ def test_kv_router_approx_mode_learns_from_its_own_routes() -> None:
     assert r.mode == "kv-approx"
     first = r.route(REQ, [A, B, C])
     worker = first.ranking[0]
-    first.served_by(worker)
+    first.start(worker)
     first.first_token()
     first.done()
     for _ in range(3):
@@ -526,8 +526,8 @@ def test_kv_router_approx_mode_forgets_a_worker_that_passed_the_request_on() -> 
     count as caching it."""
     r = KvRouter(ApproxKvIndexer(ttl_s=60.0, clock=lambda: 0.0), BS, subscriber=None)
     route = r.route(REQ, [A, B])
-    route.served_by(A)
-    route.served_by(B)  # A refused; the request was passed on
+    route.start(A)
+    route.start(B)  # A refused; the request was passed on
     route.first_token()
     route.done()
     again = r.route(REQ, [A, B])

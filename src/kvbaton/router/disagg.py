@@ -43,7 +43,7 @@ class Disaggregated:
     enforce: bool  # a failed prefill fails the request (else: prefilled on the decode worker)
 
     def __post_init__(self) -> None:
-        self.route.set_prefills(False)  # a prefill worker sends or writes it the KV
+        self.route.sent_kv()  # a prefill worker sends or writes it the KV
 
     def outputs(self, order: str) -> AsyncGenerator[EngineOutput, None]:
         return self.decode_first() if order == "decode-first" else self.prefill_first()
@@ -53,7 +53,7 @@ class Disaggregated:
         params = None
         taken = False  # a decode worker produced output: it read (or released) the blocks
         try:
-            route.count_on_first()  # its decode worker, chosen now, counts it during the prefill
+            route.start()  # its decode worker, chosen now, counts it during the prefill
             answer = await self._prefill(request)
             if answer is not None and answer.disaggregated_params is None:
                 yield answer  # it stopped at its first token
@@ -110,5 +110,5 @@ class Disaggregated:
             if self.enforce:
                 raise
             log.warning("request %s: %s; prefilling on the decode worker", self.request_id, exc)
-            self.route.set_prefills(True)
+            self.route.sent_kv(False)
             return None

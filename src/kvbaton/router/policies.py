@@ -1,12 +1,12 @@
 """Routers: each ranks the live workers for a request, best first (the frontend tries them in
 that order), and follows the requests it routed until they end.
 
-A request's life with its router: `route()` ranks; `Route.count_on_first()` as it is sent,
-before any await (requests routed at once must see each other), and `Route.served_by(w)` once
-worker w took it (`Route.send` does both); `Route.first_token()`; `Route.done()` exactly once.
+A request's life with its router: `route()` ranks; `Route.start()` as it is sent, before any
+await (requests routed at once must see each other), and `Route.start(w)` once worker w took
+it (`Route.send` does both); `Route.first_token()`; `Route.done()` exactly once.
 Every router counts in-flight requests per worker from these calls; the requests routed to a
 worker (the metric) are those it took. A decode worker that receives the prompt's KV from a
-prefill worker (`Route.set_prefills(False)`) has none of its prompt to prefill.
+prefill worker (`Route.sent_kv()`) has none of its prompt to prefill.
 
 A worker that leaves (`Router.forget_worker`) is forgotten once its last request counted here
 ends: its series of the metrics go, so that workers that come and go (restarts, scaling) do not
@@ -57,43 +57,39 @@ class Route:
         self._done = False
         self.prefills = True  # the worker computes the KV of the prompt it lacks
 
-    def set_prefills(self, prefills: bool) -> None:
-        """Whether the worker computes the KV of the prompt it lacks (the default), or is sent
-        it by a prefill worker. Call before its first token; a request counted already is
-        counted anew."""
-        if prefills != self.prefills:
-            self.prefills = prefills
+    def sent_kv(self, sent: bool = True) -> None:
+        """The worker is sent the prompt's KV by a prefill worker, or (False, the default)
+        computes what it lacks. A request counted already is counted anew."""
+        if sent == self.prefills:
+            self.prefills = not sent
             if self.worker_id is not None and not self._done:
                 self.router._recount(self)
 
-    def served_by(self, worker_id: int) -> None:
-        """`worker_id` took the request: it counts there from now on."""
-        self._count_on(worker_id)
-        if worker_id != self._taken_by and not self._done:
-            self._taken_by = worker_id
-            self.router._taken(self)
-
-    def count_on_first(self) -> None:
-        """Count the request on its first-ranked worker from now on, before it took the
-        request (call before any await: requests routed at once must see each other)."""
-        if self.ranking:
-            self._count_on(self.ranking[0])
-
-    def _count_on(self, worker_id: int) -> None:
-        if worker_id == self.worker_id or self._done:
+    def start(self, worker_id: int | None = None) -> None:
+        """Count the request on `worker_id`, which took it, from now on; None: on its
+        first-ranked worker, before any took it (call before any await: requests routed at
+        once must see each other)."""
+        taker = worker_id
+        if worker_id is None and self.ranking:
+            worker_id = self.ranking[0]
+        if worker_id is None or self._done:
             return
-        if self.worker_id is not None:
-            self.router._release(self)
-        self.worker_id = worker_id
-        self.router._serve(self)
+        if worker_id != self.worker_id:
+            if self.worker_id is not None:
+                self.router._release(self)
+            self.worker_id = worker_id
+            self.router._serve(self)
+        if taker is not None and taker != self._taken_by:
+            self._taken_by = taker
+            self.router._taken(self)
 
     async def send(self, stream: ResponseStream) -> None:
         """Open `stream` (the request to the ranked workers), counted on the first-ranked
         worker before it awaits, then on the worker that took it."""
-        self.count_on_first()
+        self.start()
         await stream.open()
         assert stream.instance_id is not None
-        self.served_by(stream.instance_id)
+        self.start(stream.instance_id)
 
     def first_token(self) -> None:
         if self.worker_id is not None and not self._done:
@@ -118,7 +114,7 @@ async def follow(
         async for out in stream:
             if not taken and (out.token_ids or out.finish_reason):
                 taken = True
-                route.served_by(stream.instance_id)  # a refusal may have passed it on
+                route.start(stream.instance_id)  # a refusal may have passed it on
                 served_by.append(stream.instance_id)
                 route.first_token()
             yield out
