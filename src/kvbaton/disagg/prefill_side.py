@@ -28,6 +28,7 @@ from kvbaton.engine.connector import EngineRequest, outputs_of
 from kvbaton.protocols.disagg import KvRelease, KvReleased
 from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput, KvTarget
 from kvbaton.runtime import Context
+from kvbaton.runtime.request_plane import Handler
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class PrefillSide(Side):
         self._held: dict[str, asyncio.TimerHandle] = {}
         self._writers = concurrent.futures.ThreadPoolExecutor(max_pushes, "kvbaton-kv-push")
         self._waits = concurrent.futures.ThreadPoolExecutor(max_pushes, "kvbaton-kv-push-wait")
+
+    def endpoints(self) -> dict[str, tuple[Handler, type]]:
+        return {"kv_release": (self.kv_release, KvRelease)}
 
     async def close(self) -> None:
         for timer in self._held.values():

@@ -25,6 +25,7 @@ from kvbaton.engine.connector import KvLoad, KvLoadFailed
 from kvbaton.protocols.disagg import Accepted, KvAbandon, KvClaim, KvClaimAnswer, KvReady
 from kvbaton.protocols.llm import KvTarget
 from kvbaton.runtime import Context
+from kvbaton.runtime.request_plane import Handler
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,13 @@ class Rooms(Side):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._rooms: dict[str, Room] = {}
+
+    def endpoints(self) -> dict[str, tuple[Handler, type]]:
+        return {
+            "kv_claim": (self.kv_claim, KvClaim),
+            "kv_ready": (self.kv_ready, KvReady),
+            "kv_abandon": (self.kv_abandon, KvAbandon),
+        }
 
     def _timeout_s(self, room: Room) -> float | None:
         """How long `room` may stay in its state (None: no bound here)."""

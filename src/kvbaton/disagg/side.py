@@ -16,6 +16,7 @@ from typing import Any
 from kvbaton.engine.connector import ConnectedEngine, KvCacheView
 from kvbaton.kv_transfer import KvTransferAgent
 from kvbaton.runtime import DistributedRuntime
+from kvbaton.runtime.request_plane import Handler
 
 
 class Side:
@@ -49,6 +50,10 @@ class Side:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+
+    def endpoints(self) -> dict[str, tuple[Handler, type]]:
+        """The side's endpoints of the worker: name -> (handler, request type)."""
+        raise NotImplementedError
 
     async def close(self) -> None:
         await asyncio.to_thread(self.agent.close)

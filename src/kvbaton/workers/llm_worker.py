@@ -27,7 +27,6 @@ from kvbaton.disagg.prefill_side import PrefillSide
 from kvbaton.engine.connector import ConnectedEngine, EngineRequest, outputs_of
 from kvbaton.engine.engine import EngineStats
 from kvbaton.llm.model_cards import model_card_key
-from kvbaton.protocols.disagg import KvAbandon, KvClaim, KvReady, KvRelease
 from kvbaton.protocols.kv import KvDump
 from kvbaton.protocols.llm import (
     EngineOutput,
@@ -237,18 +236,11 @@ class LLMWorker:
                 endpoint("clear_kv_blocks").serve_endpoint(self.clear_kv_blocks),
                 endpoint("tokenizer_files").serve_endpoint(self.tokenizer_files),
             ]
-            side = self.side
-            if side is not None:
-                side.start()
-            if isinstance(side, PrefillSide):
-                serving.append(
-                    endpoint("kv_release").serve_endpoint(side.kv_release, request_type=KvRelease)
-                )
-            elif side is not None:
+            if self.side is not None:
+                self.side.start()
                 serving += [
-                    endpoint("kv_claim").serve_endpoint(side.kv_claim, request_type=KvClaim),
-                    endpoint("kv_ready").serve_endpoint(side.kv_ready, request_type=KvReady),
-                    endpoint("kv_abandon").serve_endpoint(side.kv_abandon, request_type=KvAbandon),
+                    endpoint(name).serve_endpoint(handler, request_type=request_type)
+                    for name, (handler, request_type) in self.side.endpoints().items()
                 ]
             if self.kv_events is not None:
                 assert kv_stream is not None
