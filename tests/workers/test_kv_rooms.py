@@ -22,10 +22,13 @@ from kvbaton.disagg import rooms as rooms_module
 from kvbaton.disagg.decode_side import DecodeSide
 from kvbaton.disagg.peers import Claimed
 from kvbaton.disagg.push import RoomClaim
-from kvbaton.engine.connector import KvLoad, KvLoadFailed
+from kvbaton.engine import AsyncEngine, SamplingParams
+from kvbaton.engine.connector import EngineRequest, KvLoad, KvLoadFailed
 from kvbaton.protocols.disagg import KvAbandon, KvClaim, KvReady
 from kvbaton.runtime import Context
 from kvbaton.runtime.request_plane.framing import payload_decoder
+from tests.helpers import wait_until
+from tests.workers.fakes import make_decode_side
 
 pytestmark = pytest.mark.unit
 
@@ -372,3 +375,24 @@ async def test_a_bad_claim_is_refused_and_leaves_the_room_open(
     assert await call(decode_side, room="r", ok=False)
     with pytest.raises(KvLoadFailed):
         await asyncio.wait_for(load, 2)
+
+
+async def test_a_request_cancelled_again_while_it_closes_still_closes_its_room(
+    serving_engine: AsyncEngine,
+) -> None:
+    """A drain cancels a request's handler, then cancels again while it ends: its room still
+    closes (no claim will come: an unclaimed room ends with its request)."""
+    side = make_decode_side(5.0, serving_engine, serving_engine.engine.kv_cache(), 8)
+    side.start()
+    try:
+        request = EngineRequest("r", list(range(5, 45)), SamplingParams(max_tokens=4))
+        outputs = side.bootstrapped(request)
+        first = await asyncio.wait_for(anext(outputs), 5)
+        assert first.kv_target is not None and "r" in side._rooms
+        closing = asyncio.create_task(outputs.aclose())
+        await asyncio.sleep(0)  # it started closing
+        closing.cancel()
+        await asyncio.gather(closing, return_exceptions=True)
+        await wait_until(lambda: not side._rooms, 5, "the room closed")
+    finally:
+        await side.close()

@@ -129,17 +129,19 @@ class DecodeSide(Rooms):
         its blocks are allocated (never, if its prompt was all cached here)."""
         room = self.open(request.request_id)
         request.kv_source = room
+        streams: list[AsyncGenerator[EngineOutput, None]] = []
         try:
             outputs = await self.engine.add_request(request)
-            announced = self._announced(room, outputs)
-            try:
-                async for out in announced:
-                    yield out
-            finally:  # outermost first
-                await announced.aclose()
-                await outputs.aclose()
-        finally:
-            self.close_room(room)
+            streams = [self._announced(room, outputs), outputs]
+            async for out in streams[0]:
+                yield out
+        finally:  # even if cancelled again (a drain): the room must close
+            await self.shielded(self._close(room, streams))
+
+    async def _close(self, room: Room, streams: list[AsyncGenerator[EngineOutput, None]]) -> None:
+        for stream in streams:  # outermost first
+            await stream.aclose()
+        self.close_room(room)
 
     async def _announced(
         self, room: Room, outputs: AsyncGenerator[EngineOutput, None]
