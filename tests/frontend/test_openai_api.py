@@ -235,6 +235,29 @@ def test_bad_cache_salt_is_a_400_naming_it(client: openai.OpenAI, served: Deploy
         )
 
 
+def test_logit_bias_steers_each_token(
+    client: openai.OpenAI, served: Deployment, tokenizer: Tokenizer
+) -> None:
+    prompt = "The capital of France is"
+    favoured = tokenizer.encode(" zebra")[-1]
+    steered = client.completions.create(
+        model=served.model,
+        prompt=prompt,
+        max_tokens=4,
+        logit_bias={str(favoured): 100},
+        **GREEDY,
+    )
+    assert steered.choices[0].text == tokenizer.decode([favoured] * 4)
+    chat = client.chat.completions.create(
+        model=served.model,
+        messages=MESSAGES,
+        max_tokens=3,
+        logit_bias={str(favoured): 100},
+        **GREEDY,
+    )
+    assert chat.choices[0].message.content == tokenizer.decode([favoured] * 3)
+
+
 def test_models_health_live_metrics_openapi(served: Deployment) -> None:
     with httpx.Client(base_url=served.url) as http:
         models = http.get("/v1/models").json()
@@ -329,6 +352,10 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(top_logprobs=2), 400, None),
     ("chat/completions", chat(min_tokens=9, max_tokens=3), 400, "min_tokens"),
     ("chat/completions", chat(frobnicate=1), 400, "frobnicate"),
+    ("chat/completions", chat(logit_bias={"abc": 1}), 400, "logit_bias"),
+    ("chat/completions", chat(logit_bias={"999999": 1}), 400, "logit_bias"),
+    ("chat/completions", chat(logit_bias={"5": 101}), 400, "logit_bias"),
+    ("completions", {"model": "M", "prompt": "x", "logit_bias": {"-1": 5}}, 400, "logit_bias"),
     ("chat/completions", chat(cache_salt=""), 400, "cache_salt"),
     ("chat/completions", chat(cache_salt=7), 400, "cache_salt"),
     ("completions", {"model": "M", "prompt": "x", "cache_salt": ["a"]}, 400, "cache_salt"),

@@ -118,6 +118,8 @@ class LLMEngine:
             )
         if any(t < 0 or t >= self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        if any(t < 0 or t >= self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {self.vocab_size})")
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
             raise ValueError(
                 f"the prompt has {n} tokens, over max_num_batched_tokens "

@@ -1,9 +1,10 @@
 """Turns the logits of a step into one token per sampling sequence.
 
 Order, as in vLLM: penalties (repetition on prompt and output, frequency and presence on the
-output), the min_tokens mask on stop tokens, then greedy argmax, or temperature, top-k, top-p,
-min-p and a draw. A request with a seed draws from its own generator, so its tokens do not
-depend on what else is in the batch. Logprobs are those of the raw model output.
+output), the logit bias, the min_tokens mask on stop tokens, then greedy argmax, or
+temperature, top-k, top-p, min-p and a draw. A request with a seed draws from its own
+generator, so its tokens do not depend on what else is in the batch. Logprobs are those of the
+raw model output.
 """
 
 from __future__ import annotations
@@ -75,19 +76,23 @@ class Sampler:
         return tokens
 
     @staticmethod
-    def _penalties(seq: Sequence) -> tuple[bool, bool, bool]:
-        """Which apply now: repetition; frequency or presence; the min_tokens mask."""
+    def _penalties(seq: Sequence) -> tuple[bool, bool, bool, bool]:
+        """Which apply now: repetition; frequency or presence; the logit bias; the min_tokens
+        mask."""
         p = seq.params
         return (
             p.repetition_penalty != 1.0,
             bool((p.frequency_penalty or p.presence_penalty) and seq.num_output_tokens),
+            bool(p.logit_bias),
             bool(seq.num_output_tokens < p.min_tokens and seq.stop_token_ids),
         )
 
-    def _penalize(self, row: torch.Tensor, seq: Sequence, which: tuple[bool, bool, bool]) -> None:
+    def _penalize(
+        self, row: torch.Tensor, seq: Sequence, which: tuple[bool, bool, bool, bool]
+    ) -> None:
         """Apply `which` of the penalties (`_penalties(seq)`) to the row in place."""
         p = seq.params
-        repetition, frequency, min_tokens = which
+        repetition, frequency, bias, min_tokens = which
         if repetition:
             seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
             values = row[seen]
@@ -98,6 +103,11 @@ class Sampler:
             out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=row.device)
             counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+            row[ids] += torch.tensor(
+                list(p.logit_bias.values()), dtype=row.dtype, device=row.device
+            )
         if min_tokens:
             row[list(seq.stop_token_ids)] = float("-inf")
 

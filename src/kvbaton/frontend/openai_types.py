@@ -87,6 +87,7 @@ class _Common(BaseModel):
     n: PositiveInt = 1
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
+    # As OpenAI's: token id (a decimal string) -> a bias in [-100, 100] added to its logit.
     logit_bias: dict[str, float] | None = None
     nvext: NvExt | None = None
     # As vLLM's: a tenant's key that enters every block hash, so that requests with another
@@ -111,8 +112,6 @@ class _Common(BaseModel):
     def _check_common(self) -> _Common:
         if self.n != 1:
             raise ValueError("n > 1 is not supported: ask once per choice")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server yet")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         if self.nvext is not None:

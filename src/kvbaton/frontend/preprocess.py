@@ -55,6 +55,11 @@ def build_requests(
             raise bad_request("the prompt is empty", "prompt")
         if any(t < 0 or t >= vocab_size for t in token_ids):
             raise bad_request(f"token ids must be in [0, {vocab_size})", "prompt")
+        bias = logit_bias(request)
+        if any(t < 0 or t >= vocab_size for t in bias):
+            raise bad_request(
+                f"logit_bias keys must be token ids in [0, {vocab_size})", "logit_bias"
+            )
         if n >= context_length:
             raise bad_request(
                 f"This model's maximum context length is {context_length} tokens; the prompt "
@@ -72,14 +77,24 @@ def build_requests(
             PreprocessedRequest(
                 model=request.model,
                 token_ids=token_ids,
-                sampling=sampling_params(request, limit or context_length - n),
+                sampling=sampling_params(request, limit or context_length - n, bias),
                 cache_salt=request.cache_salt,
             )
         )
     return out
 
 
-def sampling_params(request: _Common, max_tokens: int) -> SamplingParams:
+def logit_bias(request: _Common) -> dict[int, float]:
+    """The request's `logit_bias` with token ids as ints; 400 for a key that is not one."""
+    try:
+        return {int(token): bias for token, bias in (request.logit_bias or {}).items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
+
+
+def sampling_params(
+    request: _Common, max_tokens: int, bias: dict[int, float] | None = None
+) -> SamplingParams:
     given = {
         name: value
         for name in (
@@ -100,6 +115,7 @@ def sampling_params(request: _Common, max_tokens: int) -> SamplingParams:
         ignore_eos=request.ignore_eos,
         stop_token_ids=list(request.stop_token_ids or []),
         logprobs=request.num_logprobs,
+        logit_bias=bias or {},
         **given,
     )
     try:

@@ -25,6 +25,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: int | None = None  # number of top logprobs per token (0: only the chosen one)
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added
+
+    MAX_LOGIT_BIAS = 100.0
 
     def validate(self) -> SamplingParams:
         """Raise ValueError naming the first bad field; returns self."""
@@ -46,6 +49,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 self.logprobs is None or 0 <= self.logprobs <= 20,
                 "logprobs",
                 "must be between 0 and 20",
+            ),
+            (
+                all(abs(b) <= self.MAX_LOGIT_BIAS for b in self.logit_bias.values()),
+                "logit_bias",
+                f"values must be in [-{self.MAX_LOGIT_BIAS:g}, {self.MAX_LOGIT_BIAS:g}]",
             ),
         ]
         for ok, name, message in checks:
