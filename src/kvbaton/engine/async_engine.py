@@ -122,6 +122,9 @@ class AsyncEngine:
         aborts the request."""
         request_id = request.request_id
         self.engine.check_request(request.prompt_token_ids, request.params)
+        guided = self.engine.guided
+        if request.params.guided is not None and guided is not None:  # off the step loop
+            await asyncio.to_thread(guided.compile, request.params.guided)
         outputs: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
         with self._lock:  # shutdown takes it too: a request is either failed by it or refused
             if self._stopped:

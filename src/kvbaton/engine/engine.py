@@ -78,6 +78,7 @@ class LLMEngine:
             num_blocks = config.num_kv_blocks
         self.runner = runner
         self.model_runner = model_runner
+        self.guided = model_runner.guided if model_runner else None  # a stand-in ignores it
         self.max_model_len = runner.max_model_len
         self.blocks = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, on_kv_event
@@ -118,6 +119,8 @@ class LLMEngine:
             )
         if any(t < 0 or t >= self.vocab_size for t in prompt_token_ids):
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        if params.guided is not None and params.guided.replay > n:
+            raise ValueError("the constraint replays more tokens than the prompt has")
         if any(t < 0 or t >= self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids in [0, {self.vocab_size})")
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
@@ -161,6 +164,9 @@ class LLMEngine:
             kv_source=request.kv_source,
             kv_sink=request.kv_sink,
         )
+        if params.guided is not None and self.guided is not None:
+            replayed = prompt_token_ids[len(prompt_token_ids) - params.guided.replay :]
+            seq.matcher = self.guided.matcher(params.guided, replayed + known)
         seq.prefix_hint_tokens = len(self.blocks.match_prefix(seq)) * self.config.block_size
         self._requests[request_id] = seq
         self.scheduler.add(seq)

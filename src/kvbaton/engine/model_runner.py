@@ -10,6 +10,7 @@ import torch
 
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.connector import KvSink, PromptChunk
+from kvbaton.engine.guided import GuidedDecoding
 from kvbaton.engine.host_allocator import retain_freed_memory
 from kvbaton.engine.model import (
     LlamaModel,
@@ -70,9 +71,12 @@ class ModelRunner:
             self.max_model_len,
             projection_kernel(matmul, self.dtype, self.device),
         )
-        self.sampler = Sampler(seed, self.device)
         self.vocab_size = config.vocab_size
         self.eos_token_ids = config.eos_token_ids
+        self.guided = None
+        if (model_dir / "tokenizer.json").is_file():
+            self.guided = GuidedDecoding(model_dir, self.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(seed, self.device, self.guided)
         self.cache: torch.Tensor | None = None
         self.cache_buffer: memoryview | None = None  # host memory peers move blocks in
         self.mirror: torch.Tensor | None = None  # over cache_buffer, when the cache is not

@@ -1,7 +1,8 @@
 """Turns the logits of a step into one token per sampling sequence.
 
 Order, as in vLLM: penalties (repetition on prompt and output, frequency and presence on the
-output), the logit bias, the min_tokens mask on stop tokens, then greedy argmax, or
+output), the logit bias, the min_tokens mask on stop tokens, a constraint's mask
+(`guided.py`), then greedy argmax, or
 temperature, top-k, top-p, min-p and a draw. A request with a seed draws from its own
 generator, so its tokens do not depend on what else is in the batch. Logprobs are those of the
 raw model output.
@@ -11,13 +12,17 @@ from __future__ import annotations
 
 import torch
 
+from kvbaton.engine.guided import GuidedDecoding
 from kvbaton.engine.sequence import Sequence
 from kvbaton.protocols.llm import TokenLogprob
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(
+        self, seed: int, device: torch.device, guided: GuidedDecoding | None = None
+    ) -> None:
         self.device = device
+        self.guided = guided
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
 
@@ -49,6 +54,11 @@ class Sampler:
             for row, (seq, which) in enumerate(zip(seqs, penalties, strict=True)):
                 if any(which):
                     self._penalize(logits[row], seq, which)
+        constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:
+            assert self.guided is not None
+            logits = logits.clone() if logits is raw else logits
+            self.guided.mask(logits, constrained)
         tokens = [0] * len(seqs)
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
         if greedy:
@@ -59,6 +69,11 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if not seq.params.greedy:
                 tokens[i] = self._draw(logits[i], seq)
+        for i, matcher in constrained:
+            if not matcher.consume_token(tokens[i]):
+                raise RuntimeError(
+                    f"token {tokens[i]} breaks the constraint: {matcher.get_error()}"
+                )
         wants = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if wants:
             logprobs = torch.log_softmax(raw[wants], dim=-1)

@@ -51,6 +51,7 @@ class Sequence:
     hold_kv: bool = False  # end after the first token, blocks held for a decode worker
     kv_source: KvSource | None = None  # where the prompt's KV is loaded from
     kv_sink: KvSink | None = None  # told of each layer of the prompt's KV as it is written
+    matcher: Any = None  # its constraint's state (`guided.py`), if it has one
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

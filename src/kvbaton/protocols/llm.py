@@ -7,6 +7,18 @@ from typing import Any
 import msgspec
 
 
+class Guided(msgspec.Struct, kw_only=True, frozen=True):
+    """A constraint on the output, enforced by the engine as a token mask: `kind` "json" (a JSON
+    schema), "regex", "choice" (a JSON list of strings) or "grammar" (llguidance's Lark).
+    `replay`: the prompt's last tokens that were generated under it (a migrated request's)."""
+
+    kind: str
+    spec: str
+    replay: int = 0
+
+    KINDS = ("json", "regex", "choice", "grammar")
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick tokens and when to stop. `temperature == 0` is greedy.
 
@@ -26,6 +38,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: int | None = None  # number of top logprobs per token (0: only the chosen one)
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added
+    guided: Guided | None = None
 
     MAX_LOGIT_BIAS = 100.0
 
@@ -56,6 +69,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"values must be in [-{self.MAX_LOGIT_BIAS:g}, {self.MAX_LOGIT_BIAS:g}]",
             ),
         ]
+        if self.guided is not None:
+            checks += [
+                (self.guided.kind in Guided.KINDS, "guided", f"kind must be one of {Guided.KINDS}"),
+                (self.guided.replay >= 0, "guided", "replay must be at least 0"),
+                (not self.min_tokens, "min_tokens", "cannot go with a constraint"),
+                (not self.ignore_eos, "ignore_eos", "cannot go with a constraint"),
+            ]
         for ok, name, message in checks:
             if not ok:
                 raise ValueError(f"{name} {message} (got {getattr(self, name)!r})")
