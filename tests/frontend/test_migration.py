@@ -11,7 +11,13 @@ import pytest
 from kvbaton.frontend.errors import OpenAIError
 from kvbaton.frontend.migration import continuation, migrating, not_migratable
 from kvbaton.frontend.settings import MigrationSettings
-from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest, SamplingParams, Usage
+from kvbaton.protocols.llm import (
+    EngineOutput,
+    Guided,
+    PreprocessedRequest,
+    SamplingParams,
+    Usage,
+)
 from kvbaton.runtime.errors import StreamBrokenError
 
 pytestmark = pytest.mark.unit
@@ -137,6 +143,9 @@ def test_continuation_and_settings() -> None:
     assert cont.token_ids == [*PROMPT, 9, 9, 9, 9]
     assert (cont.sampling.max_tokens, cont.sampling.min_tokens) == (6, 0)
     assert req.token_ids == PROMPT  # the original is left as it was
+    constrained = request(max_tokens=10, guided=Guided(kind="regex", spec="9+"))
+    again = continuation(continuation(constrained, [9, 9]), [9])
+    assert again.sampling.guided == Guided(kind="regex", spec="9+", replay=3)  # all 3 replayed
     with pytest.raises(ValueError, match="limit"):
         MigrationSettings(limit=-1)
     with pytest.raises(ValueError, match="timeouts"):

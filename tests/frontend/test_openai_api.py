@@ -348,7 +348,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(max_tokens=100000), 400, "max_tokens"),
     ("chat/completions", chat(n=2), 400, None),
     ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, None),
-    ("chat/completions", chat(response_format={"type": "json_object"}), 400, None),
+    ("chat/completions", chat(response_format={"type": "yaml"}), 400, "response_format"),
     ("chat/completions", chat(top_logprobs=2), 400, None),
     ("chat/completions", chat(min_tokens=9, max_tokens=3), 400, "min_tokens"),
     ("chat/completions", chat(frobnicate=1), 400, "frobnicate"),

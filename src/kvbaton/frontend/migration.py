@@ -59,10 +59,14 @@ def not_migratable(request: PreprocessedRequest) -> str | None:
 
 def continuation(request: PreprocessedRequest, produced: list[int]) -> PreprocessedRequest:
     """`request` to send again after `produced` (fewer than its max_tokens) were generated."""
+    guided = request.sampling.guided
+    if guided is not None:  # the new worker replays them through the constraint
+        guided = msgspec.structs.replace(guided, replay=guided.replay + len(produced))
     sampling = msgspec.structs.replace(
         request.sampling,
         max_tokens=request.sampling.max_tokens - len(produced),
         min_tokens=max(0, request.sampling.min_tokens - len(produced)),
+        guided=guided,
     )
     return msgspec.structs.replace(
         request, token_ids=request.token_ids + produced, sampling=sampling

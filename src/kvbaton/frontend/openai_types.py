@@ -7,9 +7,12 @@ that is not recognised at all is refused too (as OpenAI does), except the few ha
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvbaton.protocols.llm import Guided
 
 _IGNORED = ("user", "store", "metadata", "parallel_tool_calls", "service_tier")
 
@@ -93,6 +96,12 @@ class _Common(BaseModel):
     # As vLLM's: a tenant's key that enters every block hash, so that requests with another
     # salt (or none) never hit this one's cached prefix blocks.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # Constraints enforced by the engine (vLLM's extension fields): at most one, and none with
+    # a chat request's response_format json_object or json_schema.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("cache_salt", mode="before")
     @classmethod
@@ -117,6 +126,22 @@ class _Common(BaseModel):
         if self.nvext is not None:
             self.nvext.instance_id()  # a bad id is a bad request
         return self
+
+    def guided(self) -> Guided | None:
+        """The request's constraint (ValueError if it asks for two)."""
+        given = [
+            Guided(kind=kind, spec=spec if isinstance(spec, str) else json.dumps(spec))
+            for kind, spec in (
+                ("json", self.guided_json),
+                ("regex", self.guided_regex),
+                ("choice", self.guided_choice),
+                ("grammar", self.guided_grammar),
+            )
+            if spec is not None
+        ]
+        if len(given) > 1:
+            raise ValueError("one constraint at most: guided_json, guided_regex, ...")
+        return given[0] if given else None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -161,8 +186,6 @@ class ChatCompletionRequest(_Common):
         ]
         if self.tool_choice not in (None, "none"):
             unsupported.append("tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            unsupported.append("response_format")
         if self.modalities not in (None, ["text"]):
             unsupported.append("modalities")
         if unsupported:
@@ -174,6 +197,29 @@ class ChatCompletionRequest(_Common):
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def guided(self) -> Guided | None:
+        """`response_format` json_object or json_schema (enforced whether `strict` or not),
+        else an extension field's constraint."""
+        constraint = super().guided()
+        fmt = self.response_format or {"type": "text"}
+        if fmt.get("type") == "text":
+            return constraint
+        if constraint is not None:
+            raise ValueError("response_format and a guided_* field cannot go together")
+        if fmt.get("type") == "json_object":
+            return Guided(kind="json", spec='{"type": "object"}')
+        schema = (
+            (fmt.get("json_schema") or {}).get("schema")
+            if fmt.get("type") == "json_schema"
+            else None
+        )
+        if not isinstance(schema, dict):
+            raise ValueError(
+                "response_format: type must be text, json_object or json_schema (with "
+                "json_schema.schema, an object)"
+            )
+        return Guided(kind="json", spec=json.dumps(schema))
 
     @property
     def num_logprobs(self) -> int | None:

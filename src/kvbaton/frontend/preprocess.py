@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from kvbaton.frontend.errors import OpenAIError, bad_request
 from kvbaton.frontend.openai_types import ChatCompletionRequest, CompletionRequest, _Common
+from kvbaton.llm.constraints import grammar
 from kvbaton.llm.tokenizer import Tokenizer
-from kvbaton.protocols.llm import PreprocessedRequest, SamplingParams
+from kvbaton.protocols.llm import Guided, PreprocessedRequest, SamplingParams
 
 
 def chat_prompt(tokenizer: Tokenizer, request: ChatCompletionRequest) -> list[int]:
@@ -55,6 +56,7 @@ def build_requests(
             raise bad_request("the prompt is empty", "prompt")
         if any(t < 0 or t >= vocab_size for t in token_ids):
             raise bad_request(f"token ids must be in [0, {vocab_size})", "prompt")
+        guided = constraint(request)
         bias = logit_bias(request)
         if any(t < 0 or t >= vocab_size for t in bias):
             raise bad_request(
@@ -77,7 +79,7 @@ def build_requests(
             PreprocessedRequest(
                 model=request.model,
                 token_ids=token_ids,
-                sampling=sampling_params(request, limit or context_length - n, bias),
+                sampling=sampling_params(request, limit or context_length - n, bias, guided),
                 cache_salt=request.cache_salt,
             )
         )
@@ -92,8 +94,28 @@ def logit_bias(request: _Common) -> dict[int, float]:
         raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
 
 
+def constraint(request: _Common) -> Guided | None:
+    """The request's constraint, checked (a 400 naming its field if it is invalid)."""
+    formatted = isinstance(request, ChatCompletionRequest) and request.response_format
+    guided = None
+    try:
+        guided = request.guided()
+        if guided is not None:
+            grammar(guided)
+    except ValueError as exc:
+        if formatted and formatted.get("type") != "text":
+            field = "response_format"
+        else:
+            field = f"guided_{guided.kind}" if guided is not None else "guided_json"
+        raise bad_request(str(exc), field) from None
+    return guided
+
+
 def sampling_params(
-    request: _Common, max_tokens: int, bias: dict[int, float] | None = None
+    request: _Common,
+    max_tokens: int,
+    bias: dict[int, float] | None = None,
+    guided: Guided | None = None,
 ) -> SamplingParams:
     given = {
         name: value
@@ -116,6 +138,7 @@ def sampling_params(
         stop_token_ids=list(request.stop_token_ids or []),
         logprobs=request.num_logprobs,
         logit_bias=bias or {},
+        guided=guided,
         **given,
     )
     try:
