@@ -1,12 +1,13 @@
-"""The frontend's serving flags (migration, timeouts, API key), shared by `frontend` and `serve`
-(which passes them on to its frontend; the API key through the environment, not its command
-line, where `ps` would show it)."""
+"""The frontend's serving flags (migration, timeouts, API key, reasoning parser), shared by
+`frontend` and `serve` (which passes them on to its frontend; the API key through the
+environment, not its command line, where `ps` would show it)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+from kvbaton.frontend.reasoning import REASONING_FORMATS, ReasoningFormat
 from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
 
 FRONTEND_FLAGS = (
@@ -18,6 +19,7 @@ FRONTEND_FLAGS = (
     "busy_prefill_tokens",
     "canary_period",
     "canary_timeout",
+    "reasoning_parser",
 )
 API_KEY_ENV = "KVBATON_API_KEY"
 
@@ -95,6 +97,13 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
         help="ask every request but /health, /live and /metrics for `Authorization: Bearer KEY` "
         f"(default: ${API_KEY_ENV}, else no key)",
     )
+    parser.add_argument_group("the OpenAI API (the frontend)").add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_FORMATS),
+        help="split chat answers' <think> reasoning into `reasoning_content`, out of `content` "
+        "(deepseek-r1: the answer may start inside the reasoning, without <think>; qwen3: it "
+        "opens with <think>, else it is all content; default: no split)",
+    )
 
 
 def busy_thresholds(args: argparse.Namespace) -> BusyThresholds:
@@ -118,3 +127,7 @@ def migration_settings(args: argparse.Namespace) -> MigrationSettings:
         idle_s=args.stream_idle_timeout,
         worker_wait_s=args.worker_wait_timeout,
     )
+
+
+def reasoning(args: argparse.Namespace) -> ReasoningFormat | None:
+    return REASONING_FORMATS[args.reasoning_parser] if args.reasoning_parser else None

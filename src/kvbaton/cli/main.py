@@ -19,6 +19,7 @@ from kvbaton.cli.frontend_flags import (
     busy_thresholds,
     canary_settings,
     migration_settings,
+    reasoning,
 )
 from kvbaton.cli.planner import add_planner_flags
 from kvbaton.cli.profile import add_profile_flags
@@ -183,6 +184,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         api_key=api_key(args),
         thresholds=busy_thresholds(args),
         canary=canary_settings(args),
+        reasoning=reasoning(args),
     )
 
     async def main() -> None:

@@ -41,6 +41,7 @@ from kvbaton.frontend.openai_types import (
 )
 from kvbaton.frontend.postprocess import ChoiceState, Delta
 from kvbaton.frontend.preprocess import build_requests, prompt_token_ids
+from kvbaton.frontend.reasoning import ReasoningFormat
 from kvbaton.frontend.responses import ResponseShape
 from kvbaton.protocols.llm import PreprocessedRequest
 
@@ -59,14 +60,18 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 class _Context:
-    """What a request's choices share: its id, stop strings, routing extensions, and the
-    workers that served it (named in the `x-kvbaton-worker` response header)."""
+    """What a request's choices share: its id, stop strings, reasoning format (a chat request
+    on a frontend with a reasoning parser), routing extensions, and the workers that served it
+    (named in the `x-kvbaton-worker` response header)."""
 
-    __slots__ = ("nvext", "rid", "served_by", "stops")
+    __slots__ = ("nvext", "reasoning", "rid", "served_by", "stops")
 
-    def __init__(self, rid: str, stops: list[str], nvext: NvExt | None) -> None:
+    def __init__(
+        self, rid: str, stops: list[str], reasoning: ReasoningFormat | None, nvext: NvExt | None
+    ) -> None:
         self.rid = rid
         self.stops = stops
+        self.reasoning = reasoning
         self.nvext = nvext
         self.served_by: list[int] = []
 
@@ -120,9 +125,16 @@ class RequestRecord:
 
 
 class Frontend:
-    def __init__(self, models: ModelManager, metrics: FrontendMetrics | None = None) -> None:
+    def __init__(
+        self,
+        models: ModelManager,
+        metrics: FrontendMetrics | None = None,
+        reasoning: ReasoningFormat | None = None,
+    ) -> None:
+        """`reasoning`: chat answers' reasoning goes to `reasoning_content` (None: no split)."""
         self.models = models
         self.metrics = metrics or FrontendMetrics()
+        self.reasoning = reasoning
         self.api = self._build()  # every route, and /openapi.json
         self.app: ASGIApp = FastPath(  # the generation routes' well-formed requests go round it
             self.api,
@@ -142,7 +154,7 @@ class Frontend:
     async def _choice(
         self, served: ServedModel, index: int, pre: PreprocessedRequest, ctx: _Context
     ) -> AsyncGenerator[Event, None]:
-        state = ChoiceState(served.tokenizer, pre.token_ids, ctx.stops)
+        state = ChoiceState(served.tokenizer, pre.token_ids, ctx.stops, ctx.reasoning)
         rid = ctx.rid if index == 0 else f"{ctx.rid}-{index}"
         outputs = served.generate(pre, rid, ctx.served_by, ctx.nvext)
         try:
@@ -184,7 +196,9 @@ class Frontend:
                 context_length=served.card.context_length,
                 vocab_size=served.tokenizer.vocab_size,
             )
-            ctx = _Context(rid, body.stop_strings(), body.nvext)
+            chat = isinstance(body, ChatCompletionRequest)
+            reasoning = self.reasoning if chat else None
+            ctx = _Context(rid, body.stop_strings(), reasoning, body.nvext)
             events = self._events(served, pres, ctx)
             try:
                 first = await anext(events)  # errors before any output get their own status
@@ -198,8 +212,7 @@ class Frontend:
             if record is not None:
                 record.done(error.status, prompt_tokens)
             return _error_response(error)
-        chat = isinstance(body, ChatCompletionRequest)
-        shape = ResponseShape(rid, body.model, chat, len(pres))
+        shape = ResponseShape(rid, body.model, chat, len(pres), reasoning is not None)
         if body.stream:
             return StreamingResponse(
                 self._sse(shape, first, events, record, prompt_tokens, body.include_usage),
@@ -240,6 +253,7 @@ class Frontend:
         record: RequestRecord,
     ) -> dict[str, Any]:
         texts: list[list[str]] = [[] for _ in range(shape.n)]
+        reasonings: list[list[str]] = [[] for _ in range(shape.n)]
         logprobs: list[list[Any]] = [[] for _ in range(shape.n)]
         states: dict[int, ChoiceState] = {}
         try:
@@ -249,13 +263,15 @@ class Frontend:
                 states[index] = state
                 record.tokens(delta.tokens)
                 texts[index].append(delta.text)
+                reasonings[index].append(delta.reasoning)
                 lp = shape.logprobs(state, delta)
                 if lp is not None:
                     logprobs[index].append(lp)
                 event = await anext(events, None)
         finally:
             await events.aclose()
-        return shape.full(states, ["".join(t) for t in texts], logprobs)
+        joined = ["".join(t) for t in texts]
+        return shape.full(states, joined, ["".join(r) for r in reasonings], logprobs)
 
     async def _sse(
         self,
@@ -277,7 +293,7 @@ class Frontend:
                 index, state, delta = event
                 states[index] = state
                 record.tokens(delta.tokens)
-                if delta.text or delta.finish_reason or delta.logprobs:
+                if delta.text or delta.reasoning or delta.finish_reason or delta.logprobs:
                     yield shape.sse(shape.chunk(state, index, delta, include_usage))
                 event = await anext(events, None)
             if include_usage:

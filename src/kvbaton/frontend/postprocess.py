@@ -1,14 +1,18 @@
 """Step S9 for one choice: engine outputs to text deltas (incremental detokenization, stop
-strings held back across tokens, logprobs) and the finish reason.
+strings held back across tokens, the reasoning split from the content, logprobs) and the finish
+reason.
 
-Invariant: the text sent for a choice is exactly the detokenized output up to (not including)
-the first stop string; `finish_reason` is set once, on the last delta."""
+Invariants: the text sent for a choice (its reasoning and content joined, with the reasoning
+tags) is exactly the detokenized output up to (not including) the first stop string: stop
+strings apply to the whole text, reasoning included, as in vLLM; `finish_reason` is set once, on
+the last delta."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbaton.frontend.reasoning import ReasoningFormat, ReasoningSplitter
 from kvbaton.llm.detokenizer import IncrementalDetokenizer
 from kvbaton.llm.stop_strings import StopStringMatcher
 from kvbaton.llm.tokenizer import Tokenizer
@@ -17,19 +21,28 @@ from kvbaton.protocols.llm import EngineOutput, TokenLogprob
 
 @dataclass
 class Delta:
-    text: str
+    text: str  # the content (all of the text without a reasoning parser)
     tokens: int  # new tokens in this delta (the text may lag behind them)
     finish_reason: str | None = None
     # One entry per new token: (token id, logprob, top alternatives as (id, logprob)).
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    reasoning: str = ""  # the reasoning's new text (with a reasoning parser only)
 
 
 class ChoiceState:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stops: list[str]):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stops: list[str],
+        reasoning: ReasoningFormat | None = None,
+    ) -> None:
+        """`reasoning`: split the reasoning from the content in that format (None: no split)."""
         self.tokenizer = tokenizer
         self.prompt_tokens = len(prompt_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stops = StopStringMatcher(stops)
+        self._reasoning = ReasoningSplitter(reasoning) if reasoning is not None else None
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
@@ -52,7 +65,10 @@ class ChoiceState:
                 raise RuntimeError("the worker aborted the request")
             text += self._stops.flush()
             self.finish_reason = out.finish_reason
-        return Delta(text, len(out.token_ids), self.finish_reason, _logprobs(out.logprobs))
+        delta = Delta(text, len(out.token_ids), self.finish_reason, _logprobs(out.logprobs))
+        if self._reasoning is not None:
+            delta.reasoning, delta.text = self._reasoning.feed(text, final=self.finished)
+        return delta
 
     # -- logprobs in OpenAI's two shapes ---------------------------------------------------------
     def token_text(self, token_id: int) -> str:

@@ -13,13 +13,18 @@ _encode = msgspec.json.Encoder().encode
 
 
 class ResponseShape:
-    """OpenAI's response bodies for one request: chat or text completion, whole or chunked."""
+    """OpenAI's response bodies for one request: chat or text completion, whole or chunked.
 
-    def __init__(self, rid: str, model: str, chat: bool, n: int) -> None:
+    - `reasoning` (chat only): a whole answer's message has `reasoning_content` (null when
+      there was none); a chunk's delta has it when the chunk carries reasoning.
+    """
+
+    def __init__(self, rid: str, model: str, chat: bool, n: int, reasoning: bool = False) -> None:
         self.rid = rid
         self.model = model
         self.chat = chat
         self.n = n
+        self.reasoning = reasoning and chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
         self.created = int(time.time())
 
@@ -53,7 +58,11 @@ class ResponseShape:
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         if self.chat:
-            choice["delta"] = {"content": delta.text} if delta.text else {}
+            choice["delta"] = {}
+            if delta.reasoning:
+                choice["delta"]["reasoning_content"] = delta.reasoning
+            if delta.text:
+                choice["delta"]["content"] = delta.text
         else:
             choice["text"] = delta.text
         choice["logprobs"] = self.logprobs(state, delta)
@@ -64,13 +73,19 @@ class ResponseShape:
         return self._head(True) | {"choices": [], "usage": _usage(states)}
 
     def full(
-        self, states: dict[int, ChoiceState], texts: list[str], logprobs: list[list[Any]]
+        self,
+        states: dict[int, ChoiceState],
+        texts: list[str],
+        reasonings: list[str],
+        logprobs: list[list[Any]],
     ) -> dict[str, Any]:
         choices = []
         for i in range(self.n):
             choice: dict[str, Any] = {"index": i}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": texts[i]}
+                if self.reasoning:
+                    choice["message"]["reasoning_content"] = reasonings[i] or None
                 lps = [e for part in logprobs[i] for e in part["content"]]
                 choice["logprobs"] = {"content": lps} if logprobs[i] else None
             else:

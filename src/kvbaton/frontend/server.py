@@ -14,6 +14,7 @@ from kvbaton.frontend.app import Frontend
 from kvbaton.frontend.asgi import RequestIdAndLimits
 from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager
+from kvbaton.frontend.reasoning import ReasoningFormat
 from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
 from kvbaton.router import RouterMetrics, RouterSettings
 from kvbaton.runtime import DistributedRuntime
@@ -34,8 +35,10 @@ class FrontendServer:
         api_key: str | None = None,
         thresholds: BusyThresholds | None = None,
         canary: CanarySettings | None = None,
+        reasoning: ReasoningFormat | None = None,
     ) -> None:
-        """`api_key`: asked of every request but the probes' (none if None or empty)."""
+        """`api_key`: asked of every request but the probes' (none if None or empty).
+        `reasoning`: split chat answers' reasoning from their content (None: no split)."""
         self.runtime = runtime
         metrics = FrontendMetrics()
         self.models = ModelManager(
@@ -47,7 +50,7 @@ class FrontendServer:
             thresholds,
             canary,
         )
-        self.frontend = Frontend(self.models, metrics)
+        self.frontend = Frontend(self.models, metrics, reasoning)
         self.sock = listen(host, port)
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"

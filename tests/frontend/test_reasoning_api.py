@@ -1,0 +1,132 @@
+"""`--reasoning-parser` through the official `openai` client: a `kvbaton serve` with the flag
+(which passes it to its frontend) and a second frontend without it, in front of the same
+fixed-output worker, whose answer is `<think>plan</think>answer`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from kvbaton.llm.tokenizer import Tokenizer
+from tests.frontend.conftest import start_frontend, start_serve, stop_serve, wait_for_health
+
+pytestmark = pytest.mark.integration
+
+ANSWER = "<think>plan</think>answer"
+MESSAGES: list[Any] = [{"role": "user", "content": "Why?"}]
+
+
+@dataclass
+class Frontends:
+    model: str
+    tokens: int  # of ANSWER: the fixed engine's whole output at this max_tokens
+    parsed: openai.OpenAI  # --reasoning-parser qwen3
+    plain: openai.OpenAI  # no flag
+
+
+@pytest.fixture(scope="module")
+def frontends(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Frontends]:
+    ids = Tokenizer(chat_model).encode(ANSWER, add_special_tokens=False)
+    assert Tokenizer(chat_model).decode(ids) == ANSWER
+    discovery = tmp_path_factory.mktemp("discovery")
+    fixed = ",".join(map(str, ids))
+    served = start_serve(
+        chat_model,
+        discovery,
+        "--engine",
+        "fixed",
+        "--fixed-tokens",
+        fixed,
+        "--reasoning-parser",
+        "qwen3",
+    )
+    try:
+        plain = start_frontend(discovery, "kvbaton")
+        try:
+            wait_for_health(plain.url, served.model, 1)
+            yield Frontends(
+                served.model,
+                len(ids),
+                openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0),
+                openai.OpenAI(base_url=f"{plain.url}/v1", api_key="none", max_retries=0),
+            )
+        finally:
+            assert stop_serve(plain.proc) == 0
+    finally:
+        assert stop_serve(served.proc) == 0
+
+
+def whole(client: openai.OpenAI, f: Frontends, **extra: Any) -> tuple[Any, str | None, str | None]:
+    """(the answer, its reasoning_content, its content)."""
+    out = client.chat.completions.create(
+        model=f.model, messages=MESSAGES, max_tokens=extra.pop("max_tokens", f.tokens), **extra
+    )
+    message = out.choices[0].message
+    return out, getattr(message, "reasoning_content", None), message.content
+
+
+def streamed(client: openai.OpenAI, f: Frontends, **extra: Any) -> tuple[str, str, list[Any]]:
+    """(the deltas' reasoning_content joined, their content joined, the chunks)."""
+    chunks = list(
+        client.chat.completions.create(
+            model=f.model,
+            messages=MESSAGES,
+            max_tokens=extra.pop("max_tokens", f.tokens),
+            stream=True,
+            stream_options={"include_usage": True},
+            **extra,
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    return reasoning, "".join(d.content or "" for d in deltas), chunks
+
+
+def test_a_whole_answer_has_its_reasoning_apart(frontends: Frontends) -> None:
+    out, reasoning, content = whole(frontends.parsed, frontends)
+    assert (reasoning, content) == ("plan", "answer")
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == frontends.tokens
+
+
+def test_streamed_deltas_carry_the_reasoning_apart(frontends: Frontends) -> None:
+    reasoning, content, chunks = streamed(frontends.parsed, frontends)
+    assert (reasoning, content) == ("plan", "answer")
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == frontends.tokens
+
+
+def test_without_the_flag_the_tags_stay_in_the_content(frontends: Frontends) -> None:
+    out, reasoning, content = whole(frontends.plain, frontends)
+    assert (reasoning, content) == (None, ANSWER)
+    assert "reasoning_content" not in (out.choices[0].message.model_extra or {})
+    reasoning, content, _ = streamed(frontends.plain, frontends)
+    assert (reasoning, content) == ("", ANSWER)
+
+
+def test_stop_strings_apply_to_the_whole_text(frontends: Frontends) -> None:
+    out, reasoning, content = whole(frontends.parsed, frontends, stop=["swer"])
+    assert (reasoning, content, out.choices[0].finish_reason) == ("plan", "an", "stop")
+    out, reasoning, content = whole(frontends.parsed, frontends, stop=["an"])
+    assert (reasoning, content, out.choices[0].finish_reason) == ("pl", "", "stop")
+    reasoning, content, chunks = streamed(frontends.parsed, frontends, stop=["swer"])
+    assert (reasoning, content, chunks[-2].choices[0].finish_reason) == ("plan", "an", "stop")
+
+
+def test_an_answer_cut_inside_its_reasoning(frontends: Frontends) -> None:
+    out, reasoning, content = whole(frontends.parsed, frontends, max_tokens=9)  # "<think>pl"
+    assert (reasoning, content, out.choices[0].finish_reason) == ("pl", "", "length")
+
+
+def test_text_completions_are_not_split(frontends: Frontends) -> None:
+    out = frontends.parsed.completions.create(
+        model=frontends.model, prompt="Why?", max_tokens=frontends.tokens
+    )
+    assert out.choices[0].text == ANSWER
