@@ -10,6 +10,8 @@ from collections.abc import AsyncIterable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from prometheus_client import CollectorRegistry
+
 T = TypeVar("T")
 
 
@@ -61,3 +63,14 @@ def run_bench(script: str, *args: str) -> tuple[str, list[list[str]]]:
     ).stdout
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")][1:]
     return out, [[cell.strip() for cell in row] for row in rows]
+
+
+def routed_series(registry: CollectorRegistry) -> set[str]:
+    """The workers with a series of `kvbaton_router_requests_total` in `registry`."""
+    return {
+        sample.labels["worker"]
+        for metric in registry.collect()
+        if metric.name == "kvbaton_router_requests"
+        for sample in metric.samples
+        if sample.name == "kvbaton_router_requests_total"
+    }

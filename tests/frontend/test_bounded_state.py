@@ -23,22 +23,12 @@ from kvbaton.router import RouterMetrics, RouterSettings
 from kvbaton.router.kv_router import KvRouter
 from kvbaton.runtime import DistributedRuntime
 from kvbaton.workers.llm_worker import LLMWorker
-from tests.helpers import wait_until
+from tests.helpers import routed_series, wait_until
 
 pytestmark = pytest.mark.integration
 
 WORKERS = 4  # one after the other
 REQUESTS = 60  # per worker; every third is left after its first output
-
-
-def _routed_series(registry: CollectorRegistry) -> set[str]:
-    return {
-        sample.labels["worker"]
-        for metric in registry.collect()
-        if metric.name == "kvbaton_router_requests"
-        for sample in metric.samples
-        if sample.name == "kvbaton_router_requests_total"
-    }
 
 
 def _indexed_series(registry: CollectorRegistry) -> set[str]:
@@ -106,7 +96,7 @@ async def test_state_stays_bounded_over_requests_and_worker_restarts(chat_model:
                     (worker_id,) = served.instance_ids()
                     seen.append(worker_id)
                     await asyncio.gather(*(_request(served, i) for i in range(REQUESTS)))
-                    assert _routed_series(registry) == {f"{worker_id:x}"}
+                    assert routed_series(registry) == {f"{worker_id:x}"}
                 finally:
                     await worker_rt.shutdown()
                     await asyncio.wait_for(serving, 10)
@@ -121,7 +111,7 @@ async def test_state_stays_bounded_over_requests_and_worker_restarts(chat_model:
             assert loads is not None  # its next poll forgets the workers that left
             await wait_until(lambda: not loads._sent and not loads.loads, 10.0, "loads forgotten")
             # Per worker: none of the workers that left.
-            assert _routed_series(registry) == set()
+            assert routed_series(registry) == set()
             assert router.indexer.workers == [] and _indexed_series(registry) == set()
             assert router._leaving == set()
         finally:

@@ -21,6 +21,7 @@ from kvbaton.router.policies import (
     Router,
     RouteRequest,
 )
+from tests.helpers import routed_series
 
 pytestmark = pytest.mark.unit
 BS = 4
@@ -213,17 +214,6 @@ def test_metrics_are_recorded_per_component() -> None:
     assert sample("requests_total", "ns.other", "round-robin", worker=f"{C:x}") == 1
 
 
-def _routed_series(registry: CollectorRegistry) -> set[str]:
-    """The workers with a series of `kvbaton_router_requests_total`."""
-    return {
-        sample.labels["worker"]
-        for metric in registry.collect()
-        if metric.name == "kvbaton_router_requests"
-        for sample in metric.samples
-        if sample.name == "kvbaton_router_requests_total"
-    }
-
-
 @pytest.mark.parametrize("make", [RoundRobinRouter, KvRouter])
 def test_workers_that_left_leave_no_state_behind(make: type[Router]) -> None:
     """Workers come and go (restarts, scaling), each with a new id: after many of them, the
@@ -247,16 +237,16 @@ def test_workers_that_left_leave_no_state_behind(make: type[Router]) -> None:
         in_flight.start(live)
         in_flight.first_token()
         r.forget_worker(live)  # it left while serving `in_flight`
-        assert _routed_series(registry) == {f"{live:x}", f"{newcomer:x}"}
+        assert routed_series(registry) == {f"{live:x}", f"{newcomer:x}"}
         in_flight.done()
-        assert _routed_series(registry) == {f"{newcomer:x}"}
+        assert routed_series(registry) == {f"{newcomer:x}"}
         live = newcomer
     assert r.in_flight == {} and r._leaving == set()
     if isinstance(r, KvRouter):
         assert r.indexer.workers == [live]
         assert len(r.active) == 0
     r.forget_worker(live)
-    assert _routed_series(registry) == set()
+    assert routed_series(registry) == set()
     r.forget_worker(0xDEAD)  # never routed to: harmless
 
 
@@ -272,7 +262,7 @@ def test_a_worker_routed_to_again_is_not_forgotten() -> None:
     again.start(A)
     first.done()
     again.done()
-    assert _routed_series(registry) == {f"{A:x}"} and r._leaving == set()
+    assert routed_series(registry) == {f"{A:x}"} and r._leaving == set()
 
 
 # -- the KV router --------------------------------------------------------------------------
