@@ -116,6 +116,22 @@ def complete(
     return raw.parse().choices[0].text, raw.headers["x-kvbaton-worker"].split(",")
 
 
+def test_a_constrained_answer_is_the_same_disaggregated(disagg: Disagg) -> None:
+    """The prefill worker samples the first token under the constraint; the decode worker
+    replays it through the grammar and goes on: the answer is the one a single worker gives."""
+    health = httpx.get(f"{disagg.url}/health").json()
+    (decode,) = health["models"][disagg.model]
+    pattern = r"[a-z]{2,6}( [a-z]{2,6}){2}\."
+    for prompt in prompts()[:2]:
+        split, _ = complete(
+            disagg.url, disagg.model, prompt, 40, extra_body={"guided_regex": pattern}
+        )
+        pinned = {"guided_regex": pattern, "nvext": {"backend_instance_id": decode}}
+        whole, workers = complete(disagg.url, disagg.model, prompt, 40, extra_body=pinned)
+        assert workers == [decode]
+        assert re.fullmatch(pattern, split) and split == whole, (split, whole)
+
+
 def test_disaggregated_tokens_equal_aggregated(disagg: Disagg) -> None:
     health = httpx.get(f"{disagg.url}/health").json()
     (decode,) = health["models"][disagg.model]

@@ -199,6 +199,10 @@ class LLMEngine:
         """A load ended: the request runs on (with its prompt computed here if not `ok`, in
         other blocks while `writes_end` is not set), after `token_ids` sampled at the source;
         its final output if those finished it."""
+        loading = self._requests.get(request_id)
+        matcher = loading.matcher if loading is not None else None
+        if token_ids and matcher is not None and not matcher.consume_tokens(token_ids):
+            log.error("request %s: tokens sampled at the source break its constraint", request_id)
         seq = self.scheduler.finish_load(request_id, ok, token_ids, writes_end)
         if seq is None:
             return None
