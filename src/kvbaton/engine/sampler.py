@@ -1,11 +1,11 @@
 """Turns the logits of a step into one token per sampling sequence.
 
-Order, as in vLLM: penalties (repetition on prompt and output, frequency and presence on the
-output), the logit bias, the min_tokens mask on stop tokens, a constraint's mask
-(`guided.py`), then greedy argmax, or
-temperature, top-k, top-p, min-p and a draw. A request with a seed draws from its own
-generator, so its tokens do not depend on what else is in the batch. Logprobs are those of the
-raw model output.
+- Order, as in vLLM: penalties (repetition on prompt and output, frequency and presence on
+  the output), the logit bias, the min_tokens mask on stop tokens, a constraint's mask
+  (`guided.py`), then greedy argmax, or temperature, top-k, top-p, min-p and a draw.
+- A request with a seed draws from its own generator: its tokens do not depend on what else is
+  in the batch.
+- Logprobs are those of the raw model output.
 """
 
 from __future__ import annotations
