@@ -18,10 +18,10 @@ Invariant: only glibc is touched; elsewhere (musl, macOS) this does nothing."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import logging
+
+from kvbaton.runtime.heap import glibc
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +34,8 @@ TRIM_THRESHOLD = 2**30  # free heap kept at its top before any is returned
 @functools.cache
 def retain_freed_memory() -> bool:
     """Set glibc's thresholds once per process; whether they are set."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        libc.gnu_get_libc_version  # noqa: B018 (glibc only)
-    except (OSError, AttributeError):
+    libc = glibc()
+    if libc is None:
         return False
     done = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)

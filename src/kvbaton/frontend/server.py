@@ -2,10 +2,13 @@
 HTTP server (uvicorn with httptools) on one event loop.
 
 Every accepted connection has TCP_NODELAY set (the asyncio and uvloop transports set it), so
-each SSE event leaves as soon as it is written."""
+each SSE event leaves as soon as it is written. The heap is trimmed every minute while it serves
+(`runtime/heap.py`): its resident memory follows what it holds, not its busiest minute's."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 
 import uvicorn
@@ -18,6 +21,7 @@ from kvbaton.frontend.reasoning import ReasoningFormat
 from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
 from kvbaton.router import RouterMetrics, RouterSettings
 from kvbaton.runtime import DistributedRuntime
+from kvbaton.runtime.heap import trim_heap_every
 from kvbaton.runtime.http_embed import EmbeddedUvicorn, listen
 
 
@@ -68,11 +72,15 @@ class FrontendServer:
     async def serve(self, on_ready: Callable[[str], None] | None = None) -> None:
         """Serve until `stop()`; then close the model manager (the runtime is the caller's)."""
         await self.models.start()
+        trimming = asyncio.create_task(trim_heap_every())
         try:
             if on_ready is not None:
                 on_ready(self.url)
             await self.server.serve(sockets=[self.sock])
         finally:
+            trimming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await trimming
             await self.models.close()
             self.sock.close()
 
