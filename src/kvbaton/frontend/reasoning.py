@@ -98,7 +98,7 @@ class ReasoningSplitter:
                 self._state = _State.CONTENT
                 text = text[at + len(tag) :]
                 continue
-            keep = _tag_prefix_at_end(text, tag)
+            keep = tag_prefix_at_end(text, tag)
             reasoning.append(text[: len(text) - keep])
             self._held = text[len(text) - keep :]
             break
@@ -116,7 +116,7 @@ def split_reasoning(fmt: ReasoningFormat, text: str) -> Split:
     return ReasoningSplitter(fmt).feed(text, final=True)
 
 
-def _tag_prefix_at_end(text: str, tag: str) -> int:
+def tag_prefix_at_end(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
