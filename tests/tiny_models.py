@@ -55,6 +55,16 @@ CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# ChatML that takes tools as Hermes-style templates do (Qwen 2.5's, shortened): the tools'
+# names in a system message, the history's calls in <tool_call> tags, results as a tool turn.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t.function.name }}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CORPUS = [
     "The capital of France is Paris. The capital of Japan is Tokyo.",
     "Héllo wörld! Grüße aus Köln. 日本語のテキスト。 Emoji: 🙂🚀",
@@ -63,9 +73,12 @@ CORPUS = [
 ]
 
 
-def build_chat_model(path: Path, arch: str = "llama-tied", seed: int = 0) -> Path:
+def build_chat_model(
+    path: Path, arch: str = "llama-tied", seed: int = 0, template: str | None = None
+) -> Path:
     """Save a random model with a byte-level BPE tokenizer (every string encodes; characters
-    split across tokens) and a ChatML template whose end token is the model's EOS."""
+    split across tokens) and a ChatML template whose end token is the model's EOS (`template`:
+    another one)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,7 +96,7 @@ def build_chat_model(path: Path, arch: str = "llama-tied", seed: int = 0) -> Pat
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
-    fast.chat_template = CHATML_TEMPLATE
+    fast.chat_template = template or CHATML_TEMPLATE
     fast.save_pretrained(path)
     _save_model(path, arch, seed, len(fast), bos=None, eos=fast.eos_token_id)
     return path

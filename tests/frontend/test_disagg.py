@@ -122,14 +122,20 @@ def test_a_constrained_answer_is_the_same_disaggregated(disagg: Disagg) -> None:
     health = httpx.get(f"{disagg.url}/health").json()
     (decode,) = health["models"][disagg.model]
     pattern = r"[a-z]{2,6}( [a-z]{2,6}){2}\."
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "maximum": 99}, "s": {"enum": ["a", "b"]}},
+        "required": ["n", "s"],
+    }
     for prompt in prompts()[:2]:
-        split, _ = complete(
-            disagg.url, disagg.model, prompt, 40, extra_body={"guided_regex": pattern}
-        )
-        pinned = {"guided_regex": pattern, "nvext": {"backend_instance_id": decode}}
-        whole, workers = complete(disagg.url, disagg.model, prompt, 40, extra_body=pinned)
-        assert workers == [decode]
-        assert re.fullmatch(pattern, split) and split == whole, (split, whole)
+        for constraint in ({"guided_regex": pattern}, {"guided_json": schema}):
+            split, _ = complete(disagg.url, disagg.model, prompt, 40, extra_body=constraint)
+            pinned = constraint | {"nvext": {"backend_instance_id": decode}}
+            whole, workers = complete(disagg.url, disagg.model, prompt, 40, extra_body=pinned)
+            assert workers == [decode]
+            assert split == whole, (constraint, split, whole)
+            if "guided_regex" in constraint:
+                assert re.fullmatch(pattern, split)
 
 
 def test_disaggregated_tokens_equal_aggregated(disagg: Disagg) -> None:

@@ -347,7 +347,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(max_tokens=0), 400, "max_tokens"),
     ("chat/completions", chat(max_tokens=100000), 400, "max_tokens"),
     ("chat/completions", chat(n=2), 400, None),
-    ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, None),
+    ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "a b"}}]), 400, "tools.0.function.name"),
     ("chat/completions", chat(response_format={"type": "yaml"}), 400, "response_format"),
     ("chat/completions", chat(top_logprobs=2), 400, None),
     ("chat/completions", chat(min_tokens=9, max_tokens=3), 400, "min_tokens"),
@@ -400,5 +400,5 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI, served: Deploy
         client.chat.completions.create(
             model=served.model,
             messages=MESSAGES,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            functions=[{"name": "f", "parameters": {}}],  # the deprecated form of tools
         )

@@ -1,4 +1,5 @@
-"""The frontend's serving flags (migration, timeouts, API key, reasoning parser), shared by
+"""The frontend's serving flags (migration, timeouts, API key, reasoning and tool-call
+parsers), shared by
 `frontend` and `serve` (which passes them on to its frontend; the API key through the
 environment, not its command line, where `ps` would show it)."""
 
@@ -9,6 +10,7 @@ import os
 
 from kvbaton.frontend.reasoning import REASONING_FORMATS, ReasoningFormat
 from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
+from kvbaton.frontend.tool_calls import TOOL_CALL_FORMATS, ToolCallFormat
 
 FRONTEND_FLAGS = (
     "migration_limit",
@@ -20,6 +22,7 @@ FRONTEND_FLAGS = (
     "canary_period",
     "canary_timeout",
     "reasoning_parser",
+    "tool_call_parser",
 )
 API_KEY_ENV = "KVBATON_API_KEY"
 
@@ -104,6 +107,13 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
         "(deepseek-r1: the answer may start inside the reasoning, without <think>; qwen3: it "
         "opens with <think>, else it is all content; default: no split)",
     )
+    parser.add_argument_group("the OpenAI API (the frontend)").add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_CALL_FORMATS),
+        help="the format models write tool calls in (hermes: <tool_call>{...}</tool_call>; "
+        'llama3_json: {"name": ..., "parameters": ...}; mistral: [TOOL_CALLS][...]; '
+        "default: the one the chat template writes, else hermes)",
+    )
 
 
 def busy_thresholds(args: argparse.Namespace) -> BusyThresholds:
@@ -127,6 +137,10 @@ def migration_settings(args: argparse.Namespace) -> MigrationSettings:
         idle_s=args.stream_idle_timeout,
         worker_wait_s=args.worker_wait_timeout,
     )
+
+
+def tool_format(args: argparse.Namespace) -> ToolCallFormat | None:
+    return TOOL_CALL_FORMATS[args.tool_call_parser] if args.tool_call_parser else None
 
 
 def reasoning(args: argparse.Namespace) -> ReasoningFormat | None:

@@ -20,6 +20,7 @@ from kvbaton.cli.frontend_flags import (
     canary_settings,
     migration_settings,
     reasoning,
+    tool_format,
 )
 from kvbaton.cli.planner import add_planner_flags
 from kvbaton.cli.profile import add_profile_flags
@@ -185,6 +186,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         thresholds=busy_thresholds(args),
         canary=canary_settings(args),
         reasoning=reasoning(args),
+        tool_format=tool_format(args),
     )
 
     async def main() -> None:

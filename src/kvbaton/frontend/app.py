@@ -40,9 +40,11 @@ from kvbaton.frontend.openai_types import (
     _Common,
 )
 from kvbaton.frontend.postprocess import ChoiceState, Delta
-from kvbaton.frontend.preprocess import build_requests, prompt_token_ids
+from kvbaton.frontend.preprocess import ChatTools, build_requests, prompt_token_ids
 from kvbaton.frontend.reasoning import ReasoningFormat
 from kvbaton.frontend.responses import ResponseShape
+from kvbaton.frontend.tool_calls import ToolCallFormat, format_of_template
+from kvbaton.frontend.tools import ToolUse, tool_use
 from kvbaton.protocols.llm import PreprocessedRequest
 
 log = logging.getLogger(__name__)
@@ -61,17 +63,23 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 class _Context:
     """What a request's choices share: its id, stop strings, reasoning format (a chat request
-    on a frontend with a reasoning parser), routing extensions, and the workers that served it
-    (named in the `x-kvbaton-worker` response header)."""
+    on a frontend with a reasoning parser), tools (a chat request's), routing extensions, and
+    the workers that served it (named in the `x-kvbaton-worker` response header)."""
 
-    __slots__ = ("nvext", "reasoning", "rid", "served_by", "stops")
+    __slots__ = ("nvext", "reasoning", "rid", "served_by", "stops", "tools")
 
     def __init__(
-        self, rid: str, stops: list[str], reasoning: ReasoningFormat | None, nvext: NvExt | None
+        self,
+        rid: str,
+        stops: list[str],
+        reasoning: ReasoningFormat | None,
+        tools: ToolUse | None,
+        nvext: NvExt | None,
     ) -> None:
         self.rid = rid
         self.stops = stops
         self.reasoning = reasoning
+        self.tools = tools
         self.nvext = nvext
         self.served_by: list[int] = []
 
@@ -130,11 +138,14 @@ class Frontend:
         models: ModelManager,
         metrics: FrontendMetrics | None = None,
         reasoning: ReasoningFormat | None = None,
+        tool_format: ToolCallFormat | None = None,
     ) -> None:
-        """`reasoning`: chat answers' reasoning goes to `reasoning_content` (None: no split)."""
+        """`reasoning`: chat answers' reasoning goes to `reasoning_content` (None: no split).
+        `tool_format`: how every model writes tool calls (None: as its chat template does)."""
         self.models = models
         self.metrics = metrics or FrontendMetrics()
         self.reasoning = reasoning
+        self.tool_format = tool_format
         self.api = self._build()  # every route, and /openapi.json
         self.app: ASGIApp = FastPath(  # the generation routes' well-formed requests go round it
             self.api,
@@ -154,7 +165,7 @@ class Frontend:
     async def _choice(
         self, served: ServedModel, index: int, pre: PreprocessedRequest, ctx: _Context
     ) -> AsyncGenerator[Event, None]:
-        state = ChoiceState(served.tokenizer, pre.token_ids, ctx.stops, ctx.reasoning)
+        state = ChoiceState(served.tokenizer, pre.token_ids, ctx.stops, ctx.reasoning, ctx.tools)
         rid = ctx.rid if index == 0 else f"{ctx.rid}-{index}"
         outputs = served.generate(pre, rid, ctx.served_by, ctx.nvext)
         try:
@@ -172,14 +183,20 @@ class Frontend:
         return streams[0] if len(streams) == 1 else _merge(streams)
 
     async def _prompts(
-        self, served: ServedModel, body: _Common, request: Request
+        self, served: ServedModel, body: _Common, request: Request, tools: ChatTools | None
     ) -> list[list[int]]:
         """Template and tokenize; a long request on a thread, so that the event loop goes on
         serving the other requests' streams meanwhile."""
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > LONG_REQUEST_BYTES:
-            return await asyncio.to_thread(prompt_token_ids, served.tokenizer, body)
-        return prompt_token_ids(served.tokenizer, body)
+            return await asyncio.to_thread(prompt_token_ids, served.tokenizer, body, tools)
+        return prompt_token_ids(served.tokenizer, body, tools)
+
+    def _tool_format(self, served: ServedModel) -> ToolCallFormat:
+        """How the model writes tool calls: `--tool-call-parser`'s, else its template's."""
+        if self.tool_format is not None:
+            return self.tool_format
+        return format_of_template(served.tokenizer.chat_template)
 
     async def _handle(self, request: Request, body: _Common, route: str) -> Response:
         rid: str = request.state.request_id
@@ -188,17 +205,23 @@ class Frontend:
         try:
             served = self._served(body.model)
             record = RequestRecord(self.metrics, body.model, route)  # arrived: TTFT runs
-            prompts = await self._prompts(served, body, request)
+            chat = isinstance(body, ChatCompletionRequest)
+            tools: ChatTools | None = None
+            if isinstance(body, ChatCompletionRequest):
+                fmt = self._tool_format(served)
+                tools = (fmt, tool_use(body, fmt))
+            prompts = await self._prompts(served, body, request, tools)
             prompt_tokens = sum(len(p) for p in prompts)
+            use = tools[1] if tools else None
             pres = build_requests(
                 body,
                 prompts,
                 context_length=served.card.context_length,
                 vocab_size=served.tokenizer.vocab_size,
+                tools=use,
             )
-            chat = isinstance(body, ChatCompletionRequest)
             reasoning = self.reasoning if chat else None
-            ctx = _Context(rid, body.stop_strings(), reasoning, body.nvext)
+            ctx = _Context(rid, body.stop_strings(), reasoning, use, body.nvext)
             events = self._events(served, pres, ctx)
             try:
                 first = await anext(events)  # errors before any output get their own status
@@ -293,7 +316,13 @@ class Frontend:
                 index, state, delta = event
                 states[index] = state
                 record.tokens(delta.tokens)
-                if delta.text or delta.reasoning or delta.finish_reason or delta.logprobs:
+                if (
+                    delta.text
+                    or delta.reasoning
+                    or delta.tool_calls
+                    or delta.finish_reason
+                    or delta.logprobs
+                ):
                     yield shape.sse(shape.chunk(state, index, delta, include_usage))
                 event = await anext(events, None)
             if include_usage:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvbaton.protocols.llm import Guided
 
-_IGNORED = ("user", "store", "metadata", "parallel_tool_calls", "service_tier")
+_IGNORED = ("user", "store", "metadata", "service_tier")
 
 PositiveInt = Annotated[int, Field(ge=1)]
 
@@ -25,11 +25,37 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallMessage(BaseModel):
+    """A call in an assistant message of the history."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's: the call it answers
+    reasoning_content: str | None = None  # an assistant's, as this server answers it (unused)
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only one, has a tool_call_id")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -37,6 +63,34 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (none: no arguments)
+    strict: bool | None = None  # the schema is enforced either way when the call is forced
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(BaseModel):
@@ -167,9 +221,10 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    # Recognised, not supported yet: refused when given a value that would need them.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # Recognised, not supported: refused when given a value that would need them.
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -181,11 +236,9 @@ class ChatCompletionRequest(_Common):
     def _check_chat(self) -> ChatCompletionRequest:
         unsupported = [
             name
-            for name in ("tools", "functions", "function_call", "audio", "prediction")
+            for name in ("functions", "function_call", "audio", "prediction")
             if getattr(self, name)
         ]
-        if self.tool_choice not in (None, "none"):
-            unsupported.append("tool_choice")
         if self.modalities not in (None, ["text"]):
             unsupported.append("modalities")
         if unsupported:

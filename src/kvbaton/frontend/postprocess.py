@@ -1,11 +1,12 @@
 """Step S9 for one choice: engine outputs to text deltas (incremental detokenization, stop
-strings held back across tokens, the reasoning split from the content, logprobs) and the finish
-reason.
+strings held back across tokens, the reasoning split from the content, tool calls parsed out
+of the content, logprobs) and the finish reason.
 
-Invariants: the text sent for a choice (its reasoning and content joined, with the reasoning
-tags) is exactly the detokenized output up to (not including) the first stop string: stop
-strings apply to the whole text, reasoning included, as in vLLM; `finish_reason` is set once, on
-the last delta."""
+Invariants:
+- The text sent for a choice (its reasoning and content joined, with the reasoning tags, and
+  its tool calls as the model wrote them) is the detokenized output up to (not including) the
+  first stop string: stop strings apply to the whole text, as in vLLM.
+- `finish_reason` is set once, on the last delta."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbaton.frontend.reasoning import ReasoningFormat, ReasoningSplitter
+from kvbaton.frontend.tool_calls import ToolCall, ToolCallDelta
+from kvbaton.frontend.tools import ToolUse
 from kvbaton.llm.detokenizer import IncrementalDetokenizer
 from kvbaton.llm.stop_strings import StopStringMatcher
 from kvbaton.llm.tokenizer import Tokenizer
@@ -27,6 +30,7 @@ class Delta:
     # One entry per new token: (token id, logprob, top alternatives as (id, logprob)).
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     reasoning: str = ""  # the reasoning's new text (with a reasoning parser only)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 class ChoiceState:
@@ -36,13 +40,17 @@ class ChoiceState:
         prompt_token_ids: list[int],
         stops: list[str],
         reasoning: ReasoningFormat | None = None,
+        tools: ToolUse | None = None,
     ) -> None:
-        """`reasoning`: split the reasoning from the content in that format (None: no split)."""
+        """`reasoning`: split the reasoning from the content in that format (None: no split).
+        `tools`: parse tool calls out of the content (None: the content is all text)."""
         self.tokenizer = tokenizer
         self.prompt_tokens = len(prompt_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stops = StopStringMatcher(stops)
         self._reasoning = ReasoningSplitter(reasoning) if reasoning is not None else None
+        self._tools = tools
+        self._calls = tools.parser() if tools is not None else None
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
@@ -68,7 +76,20 @@ class ChoiceState:
         delta = Delta(text, len(out.token_ids), self.finish_reason, _logprobs(out.logprobs))
         if self._reasoning is not None:
             delta.reasoning, delta.text = self._reasoning.feed(text, final=self.finished)
+        if self._calls is not None and self._tools is not None:
+            split = self._calls.feed(delta.text, final=self.finished)
+            delta.text, delta.tool_calls = split.content, split.calls
+            if self.finish_reason is not None:
+                self.finish_reason = self._tools.finish_reason(
+                    self.finish_reason, bool(self.tool_calls)
+                )
+                delta.finish_reason = self.finish_reason
         return delta
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The calls parsed so far (those kept: one without `parallel_tool_calls`)."""
+        return self._calls.kept_calls if self._calls is not None else []
 
     # -- logprobs in OpenAI's two shapes ---------------------------------------------------------
     def token_text(self, token_id: int) -> str:

@@ -8,15 +8,26 @@ from __future__ import annotations
 
 from kvbaton.frontend.errors import OpenAIError, bad_request
 from kvbaton.frontend.openai_types import ChatCompletionRequest, CompletionRequest, _Common
+from kvbaton.frontend.tool_calls import TOOL_CALL_FORMATS, ToolCallFormat
+from kvbaton.frontend.tools import ToolUse, template_inputs
 from kvbaton.llm.constraints import grammar
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import Guided, PreprocessedRequest, SamplingParams
 
+ChatTools = tuple[ToolCallFormat, ToolUse | None]
 
-def chat_prompt(tokenizer: Tokenizer, request: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+
+def chat_prompt(
+    tokenizer: Tokenizer,
+    request: ChatCompletionRequest,
+    fmt: ToolCallFormat,
+    use: ToolUse | None,
+) -> list[int]:
+    """`fmt`: how the model writes tool calls (the history's are written so); `use`: the
+    request's tools, shown in the prompt."""
+    messages, tools = template_inputs(request, fmt, use, tokenizer.takes_tools)
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except ValueError as exc:  # no template
         raise bad_request(str(exc), "messages") from None
     except Exception as exc:  # the template itself refused (e.g. raise_exception on roles)
@@ -34,10 +45,14 @@ def completion_prompts(tokenizer: Tokenizer, request: CompletionRequest) -> list
     return [list(p) for p in prompt]  # type: ignore[arg-type]
 
 
-def prompt_token_ids(tokenizer: Tokenizer, request: _Common) -> list[list[int]]:
-    """The prompts of a chat or completion request, as token ids (one per choice)."""
+def prompt_token_ids(
+    tokenizer: Tokenizer, request: _Common, tools: ChatTools | None = None
+) -> list[list[int]]:
+    """The prompts of a chat or completion request, as token ids (one per choice); a chat
+    request's with its tool format and use."""
     if isinstance(request, ChatCompletionRequest):
-        return [chat_prompt(tokenizer, request)]
+        fmt, use = tools or (TOOL_CALL_FORMATS["hermes"], None)
+        return [chat_prompt(tokenizer, request, fmt, use)]
     assert isinstance(request, CompletionRequest)
     return completion_prompts(tokenizer, request)
 
@@ -48,7 +63,9 @@ def build_requests(
     *,
     context_length: int,
     vocab_size: int,
+    tools: ToolUse | None = None,
 ) -> list[PreprocessedRequest]:
+    """`tools`: a chat request's, whose forced call is its constraint."""
     out = []
     for token_ids in prompts:
         n = len(token_ids)
@@ -56,7 +73,7 @@ def build_requests(
             raise bad_request("the prompt is empty", "prompt")
         if any(t < 0 or t >= vocab_size for t in token_ids):
             raise bad_request(f"token ids must be in [0, {vocab_size})", "prompt")
-        guided = constraint(request)
+        guided = constraint(request, tools)
         bias = logit_bias(request)
         if any(t < 0 or t >= vocab_size for t in bias):
             raise bad_request(
@@ -94,12 +111,21 @@ def logit_bias(request: _Common) -> dict[int, float]:
         raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
 
 
-def constraint(request: _Common) -> Guided | None:
-    """The request's constraint, checked (a 400 naming its field if it is invalid)."""
+def constraint(request: _Common, tools: ToolUse | None = None) -> Guided | None:
+    """The request's constraint, checked (a 400 naming its field if it is invalid): a forced
+    tool call's, or the one it asks for."""
     formatted = isinstance(request, ChatCompletionRequest) and request.response_format
     guided = None
     try:
         guided = request.guided()
+        if tools is not None and tools.forced:
+            if guided is not None:
+                raise bad_request(
+                    "tool_choice required or named cannot go with another constraint "
+                    "(response_format, guided_*)",
+                    "tool_choice",
+                )
+            return tools.guided()
         if guided is not None:
             grammar(guided)
     except ValueError as exc:

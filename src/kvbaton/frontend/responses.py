@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from kvbaton.frontend.postprocess import ChoiceState, Delta
+from kvbaton.frontend.tool_calls import ToolCall, ToolCallDelta
 
 _encode = msgspec.json.Encoder().encode
 
@@ -17,6 +18,9 @@ class ResponseShape:
 
     - `reasoning` (chat only): a whole answer's message has `reasoning_content` (null when
       there was none); a chunk's delta has it when the chunk carries reasoning.
+    - Tool calls (chat only): a whole answer's message has `tool_calls` when the model called
+      (and `content` null if it wrote nothing else); a chunk's delta announces a call (index,
+      id, type, name, empty arguments) before its argument fragments.
     """
 
     def __init__(self, rid: str, model: str, chat: bool, n: int, reasoning: bool = False) -> None:
@@ -63,6 +67,8 @@ class ResponseShape:
                 choice["delta"]["reasoning_content"] = delta.reasoning
             if delta.text:
                 choice["delta"]["content"] = delta.text
+            if delta.tool_calls:
+                choice["delta"]["tool_calls"] = [_call_delta(c) for c in delta.tool_calls]
         else:
             choice["text"] = delta.text
         choice["logprobs"] = self.logprobs(state, delta)
@@ -84,6 +90,10 @@ class ResponseShape:
             choice: dict[str, Any] = {"index": i}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": texts[i]}
+                calls = states[i].tool_calls if i in states else []
+                if calls:
+                    choice["message"]["content"] = texts[i] or None
+                    choice["message"]["tool_calls"] = [_call(c) for c in calls]
                 if self.reasoning:
                     choice["message"]["reasoning_content"] = reasonings[i] or None
                 lps = [e for part in logprobs[i] for e in part["content"]]
@@ -94,6 +104,25 @@ class ResponseShape:
             choice["finish_reason"] = states[i].finish_reason if i in states else None
             choices.append(choice)
         return self._head(False) | {"choices": choices, "usage": _usage(states)}
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+def _call_delta(delta: ToolCallDelta) -> dict[str, Any]:
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    return {
+        "index": delta.index,
+        "id": delta.id,
+        "type": "function",
+        "function": {"name": delta.name, "arguments": delta.arguments},
+    }
 
 
 def _null_usage(include_usage: bool) -> dict[str, Any]:

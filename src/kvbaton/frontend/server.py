@@ -19,6 +19,7 @@ from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager
 from kvbaton.frontend.reasoning import ReasoningFormat
 from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
+from kvbaton.frontend.tool_calls import ToolCallFormat
 from kvbaton.router import RouterMetrics, RouterSettings
 from kvbaton.runtime import DistributedRuntime
 from kvbaton.runtime.heap import trim_heap_every
@@ -40,9 +41,11 @@ class FrontendServer:
         thresholds: BusyThresholds | None = None,
         canary: CanarySettings | None = None,
         reasoning: ReasoningFormat | None = None,
+        tool_format: ToolCallFormat | None = None,
     ) -> None:
         """`api_key`: asked of every request but the probes' (none if None or empty).
-        `reasoning`: split chat answers' reasoning from their content (None: no split)."""
+        `reasoning`: split chat answers' reasoning from their content (None: no split).
+        `tool_format`: how models write tool calls (None: as each one's chat template does)."""
         self.runtime = runtime
         metrics = FrontendMetrics()
         self.models = ModelManager(
@@ -54,7 +57,7 @@ class FrontendServer:
             thresholds,
             canary,
         )
-        self.frontend = Frontend(self.models, metrics, reasoning)
+        self.frontend = Frontend(self.models, metrics, reasoning, tool_format)
         self.sock = listen(host, port)
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"

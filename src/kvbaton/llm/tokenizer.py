@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +32,29 @@ class Tokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return bool(self.chat_template)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
+        """`tools`: passed to a template that takes them (`takes_tools`)."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         text = self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return self.encode(str(text), add_special_tokens=False)
+
+    @functools.cached_property
+    def chat_template(self) -> str:
+        """The chat template's source ("" if none; a template set: all of them)."""
+        template = getattr(self.hf, "chat_template", None) or ""
+        return "\n".join(template.values()) if isinstance(template, dict) else str(template)
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders `tools`."""
+        return "tools" in self.chat_template

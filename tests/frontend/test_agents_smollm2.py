@@ -1,0 +1,204 @@
+"""What agents ask of `kvbaton serve` on its default model, SmolLM2-135M (slow: pulled and
+loaded once for the module), through the official `openai` client: schema answers that parse
+and validate, forced tool calls whose arguments validate against the tool's schema, a streamed
+call, `json_object`, and a conversation carrying a tool's result. The schemas bound their
+strings, so that a 135M model cannot ramble to `max_tokens`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from kvbaton.llm.model_files import pull
+from tests.frontend.conftest import Deployment, start_serve, stop_serve
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+Short = Annotated[str, pydantic.StringConstraints(max_length=16)]
+
+
+class City(pydantic.BaseModel):
+    name: Short
+    country: Short
+    population_millions: Annotated[float, pydantic.Field(ge=0, le=50)]
+    climate: Literal["cold", "mild", "hot"]
+
+
+PROMPTS = [
+    "Describe Paris.",
+    "Tell me about Tokyo.",
+    "What is Cairo like?",
+    "Give me facts about Oslo.",
+    "Describe the city of Lima.",
+    "Summarise Sydney.",
+    "What do you know about Toronto?",
+    "Describe Nairobi in brief.",
+    "Tell me about Mumbai.",
+    "Facts about Reykjavik, please.",
+]
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CONVERT: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "convert_currency",
+        "description": "Convert an amount of money",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "amount": {"type": "number", "minimum": 0, "maximum": 1000000},
+                "source": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                "target": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            },
+            "required": ["amount", "source", "target"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, CONVERT]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTIONS = [
+    "What is the weather in Paris?",
+    "How many yen is 20 dollars?",
+    "Is it raining in London?",
+    "Convert 100 EUR to USD.",
+    "Do I need a coat in Oslo today?",
+    "What are 5 pounds in euros?",
+    "How hot is it in Cairo?",
+    "Change 42 CHF into JPY.",
+    "Weather for Lima, please.",
+    "What is 1000 INR in GBP?",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    model = pull("smollm2", progress=lambda line: None)
+    deployment = start_serve(model, tmp_path_factory.mktemp("discovery"))
+    yield deployment
+    assert stop_serve(deployment.proc) == 0
+
+
+@pytest.fixture(scope="module")
+def client(smollm2: Deployment) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{smollm2.url}/v1", api_key="none", max_retries=0)
+
+
+def _valid(call: Any) -> None:
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_parse_validates_on_ten_prompts(client: openai.OpenAI, smollm2: Deployment) -> None:
+    for prompt in PROMPTS:
+        answer = client.chat.completions.parse(
+            model=smollm2.model,
+            messages=[{"role": "user", "content": prompt}],
+            response_format=City,
+            max_tokens=100,
+            temperature=0,
+        )
+        assert answer.choices[0].finish_reason == "stop", prompt
+        assert isinstance(answer.choices[0].message.parsed, City), prompt
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_calls_validate_on_ten_prompts(
+    client: openai.OpenAI, smollm2: Deployment, choice: str
+) -> None:
+    for question in QUESTIONS:
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        answer = client.chat.completions.create(
+            model=smollm2.model,
+            messages=[{"role": "user", "content": question}],
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice=named if choice == "named" else "required",  # type: ignore[arg-type]
+            parallel_tool_calls=False,
+            max_tokens=100,
+            temperature=0,
+        )
+        message = answer.choices[0].message
+        assert answer.choices[0].finish_reason == ("stop" if choice == "named" else "tool_calls")
+        (call,) = message.tool_calls or []
+        if choice == "named":
+            assert call.function.name == "get_weather"
+        _valid(call)
+        assert message.content is None
+
+
+def test_a_streamed_call_joins_into_valid_arguments(
+    client: openai.OpenAI, smollm2: Deployment
+) -> None:
+    chunks = client.chat.completions.create(
+        model=smollm2.model,
+        messages=[{"role": "user", "content": QUESTIONS[0]}],
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=100,
+        temperature=0,
+        stream=True,
+    )
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    name = deltas[0].function.name if deltas[0].function else None
+    arguments = "".join(d.function.arguments or "" for d in deltas if d.function)
+    assert deltas[0].id and name in SCHEMAS
+    jsonschema.validate(json.loads(arguments), SCHEMAS[str(name)])
+
+
+def test_json_object_is_an_object(client: openai.OpenAI, smollm2: Deployment) -> None:
+    answer = client.chat.completions.create(
+        model=smollm2.model,
+        messages=[{"role": "user", "content": "Give a JSON object about a cat."}],
+        response_format={"type": "json_object"},
+        max_tokens=100,
+        temperature=0,
+    )
+    if answer.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(answer.choices[0].message.content or ""), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert (answer.choices[0].message.content or "").startswith("{")
+
+
+def test_a_conversation_with_a_tool_result(client: openai.OpenAI, smollm2: Deployment) -> None:
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+    }
+    answer = client.chat.completions.create(
+        model=smollm2.model,
+        messages=[
+            {"role": "user", "content": QUESTIONS[0]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},  # type: ignore[list-item]
+            {
+                "role": "tool",
+                "tool_call_id": "call_1",
+                "content": '{"celsius": 21, "sky": "clear"}',
+            },
+        ],
+        tools=TOOLS,  # type: ignore[arg-type]
+        max_tokens=40,
+        temperature=0,
+    )
+    assert answer.choices[0].message.content
+    assert answer.usage and answer.usage.prompt_tokens > 200  # the tool prompt and the history
