@@ -258,3 +258,30 @@ def ready_as(deployment: Deployment, slot: str, pid: int) -> bool:
     """serve counts `slot` ready, with process `pid` in it."""
     found = serve_slot(deployment, slot)
     return bool(found["state"] == "ready" and found["pid"] == pid)
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_serve_killed_with_sigkill_takes_its_children_along(
+    chat_model: Path, tmp_path: Path
+) -> None:
+    deployment = await asyncio.to_thread(
+        start_serve, chat_model, tmp_path / "discovery", *MOCKER, "--workers", "2"
+    )
+    children = [int(serve_slot(deployment, s)["pid"]) for s in ("frontend", "worker-0", "worker-1")]
+    assert all(alive(pid) for pid in children)
+    deployment.proc.kill()  # no chance to stop them itself
+    deployment.proc.wait(30)
+    try:
+        await wait_until(lambda: not any(alive(pid) for pid in children), 60, "children gone")
+    finally:
+        for pid in children:  # ours to clean up if they outlived serve
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -25,6 +25,7 @@ from kvbaton.cli.frontend_flags import (
 from kvbaton.cli.planner import add_planner_flags
 from kvbaton.cli.profile import add_profile_flags
 from kvbaton.cli.routing import add_router_flags, router_settings
+from kvbaton.cli.supervised import end_with_supervisor
 from kvbaton.cli.worker import add_worker_flags
 from kvbaton.runtime import DistributedRuntime, RuntimeSettings, RuntimeShutDownError
 
@@ -355,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    end_with_supervisor()
     _setup_logging(args.log_level)
     try:
         code = args.func(args)

@@ -16,6 +16,7 @@ Invariants:
 - SIGINT or SIGTERM stops every child with SIGTERM (each drains), kills one still alive after
   `stop_timeout_s`; `run` then returns 0.
 - Only the supervisor's own children are ever signalled, by PID.
+- A child ends (SIGTERM) when the supervisor dies, even by SIGKILL (`supervised.py`).
 - The slots' states, PIDs, restarts and last exits are written to `state_file` (JSON, replaced
   atomically) at each change, for `kvbaton status`; the file is removed when `run` returns.
 """
@@ -36,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from kvbaton.cli.supervised import SUPERVISOR_PID_ENV
 
 log = logging.getLogger("kvbaton.serve")
 
@@ -155,7 +158,7 @@ class Supervisor:
         (it says the deployment serves, once); `state_extra`: written into the state file beside
         the slots."""
         self.slots = [Slot(spec) for spec in specs]
-        self.env = env
+        self.env = env | {SUPERVISOR_PID_ENV: str(os.getpid())}  # children end with us
         self.backoff = backoff or Backoff()
         self.ready_timeout_s = ready_timeout_s
         self.stop_timeout_s = stop_timeout_s
