@@ -300,6 +300,21 @@ def test_one_kv_transfer_serves_every_choice(disagg: Deployment) -> None:
     asyncio.run(poll(all_free, 30, "blocks still in use"))
 
 
+def test_pinned_choices_all_go_to_the_named_worker(disagg: Deployment) -> None:
+    client = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key="none", max_retries=0)
+    (decode,) = httpx.get(f"{disagg.url}/health").json()["models"][disagg.model]
+    raw = client.completions.with_raw_response.create(
+        model=disagg.model,
+        prompt=OTHER,
+        n=2,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"nvext": {"backend_instance_id": decode}, "ignore_eos": True},
+    )
+    assert raw.headers["x-kvbaton-worker"] == decode  # no prefill worker either
+    assert [c.index for c in raw.parse().choices] == [0, 1]
+
+
 # -- migration, on mocker workers -------------------------------------------------------------
 SLOW_DECODE = ("--speedup-ratio", "0.2")  # about 30 ms a token: 40 tokens are about 1.2 s
 
