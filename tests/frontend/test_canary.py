@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import WorkerFactory
 from tests.frontend.conftest import Deployment
-from tests.frontend.test_disagg_faults import poll, ready, running_frontend
+from tests.frontend.fleet import poll, ready, running_frontend
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvbaton.runtime import DistributedRuntime
 from tests.conftest import WorkerFactory
-from tests.frontend.test_disagg_faults import load, poll, ready, running_frontend
+from tests.frontend.fleet import load, poll, ready, running_frontend
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

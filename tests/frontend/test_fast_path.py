@@ -30,7 +30,7 @@ FALLBACKS = [
     ("application/json", b'{"model": "m", "messages": "\\ud800"}'),
     ("application/json", b'{"model": "m", "messages": []}'),  # fails validation
     ("application/json", b'{"model": 1, "messages": [{"role": "user", "content": "hi"}]}'),
-    ("application/json", b'{"model": "m", "messages": [{"role": "user"}], "n": 2}'),
+    ("application/json", b'{"model": "m", "messages": [{"role": "user"}], "n": 17}'),
     ("application/json", b"[1, 2]"),
 ]
 FAST = [

@@ -29,7 +29,7 @@ from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
 from kvbaton.runtime.errors import RuntimeServiceError
 from tests.conftest import WorkerFactory, instance_id, worker_log
-from tests.frontend.test_disagg_faults import client_of, poll, ready, running_frontend
+from tests.frontend.fleet import client_of, poll, ready, running_frontend
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -323,6 +323,7 @@ def test_request_id_is_echoed_and_reaches_the_worker_log(served: Deployment) -> 
 
 USER = [{"role": "user", "content": "x"}]
 IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+BAD_NAME = [{"type": "function", "function": {"name": "a b"}}]  # a space: not a name
 
 
 def chat(**fields: Any) -> dict[str, Any]:
@@ -346,8 +347,8 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(top_p=0), 400, "top_p"),
     ("chat/completions", chat(max_tokens=0), 400, "max_tokens"),
     ("chat/completions", chat(max_tokens=100000), 400, "max_tokens"),
-    ("chat/completions", chat(n=2), 400, None),
-    ("chat/completions", chat(tools=[{"type": "function", "function": {"name": "a b"}}]), 400, "tools.0.function.name"),
+    ("chat/completions", chat(n=17), 400, "n"),
+    ("chat/completions", chat(tools=BAD_NAME), 400, "tools.0.function.name"),
     ("chat/completions", chat(response_format={"type": "yaml"}), 400, "response_format"),
     ("chat/completions", chat(top_logprobs=2), 400, None),
     ("chat/completions", chat(min_tokens=9, max_tokens=3), 400, "min_tokens"),

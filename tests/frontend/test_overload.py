@@ -16,7 +16,7 @@ from kvbaton.cli.frontend_flags import busy_thresholds
 from kvbaton.cli.main import build_parser
 from kvbaton.runtime import DistributedRuntime
 from tests.conftest import WorkerFactory
-from tests.frontend.test_disagg_faults import all_free, ready, running_frontend
+from tests.frontend.fleet import all_free, ready, running_frontend
 
 pytestmark = pytest.mark.integration
 

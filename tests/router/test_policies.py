@@ -175,6 +175,19 @@ async def test_only_the_worker_that_took_a_request_counts_it_as_routed() -> None
     assert r.in_flight == {}
 
 
+def test_prefer_puts_a_ranked_worker_first_and_taken_by_names_the_taker() -> None:
+    route = LeastLoadedRouter().route(REQ, [1, 2, 3])
+    assert route.ranking == [1, 2, 3]
+    assert not route.prefer(9)  # not a candidate: the ranking stands
+    assert route.prefer(3) and route.ranking == [3, 1, 2]  # the rest follow, as ranked
+    assert route.taken_by is None
+    route.start()  # counted on the first-ranked before any took it
+    assert route.worker_id == 3 and route.taken_by is None
+    route.start(1)  # a refusal passed it on
+    assert route.taken_by == 1
+    route.done()
+
+
 def test_done_without_a_worker_is_harmless() -> None:
     r = RoundRobinRouter()
     route = r.route(REQ, [1])

@@ -37,6 +37,9 @@ class EngineStats:
     # Prompt tokens admitted or waiting, not yet computed (of a waiting request, those the
     # prefix cache will not give it).
     active_prefill_tokens: int = 0
+    # Prompt tokens of admitted requests looked up in the prefix cache, and found there, so far.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class StepRunner(Protocol):
@@ -311,4 +314,6 @@ class LLMEngine:
             kv_blocks_free=b.free,
             prefix_cache_hit_rate=self.blocks.prefix_hit_rate,
             active_prefill_tokens=prefill,
+            prefix_cache_queries=self.blocks.prefix_queries,
+            prefix_cache_hits=self.blocks.prefix_hits,
         )

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from kvbaton.frontend.asgi import ASGIApp
+from kvbaton.frontend.choices import Fork, PromptHome, fork_requests
 from kvbaton.frontend.errors import (
     OpenAIError,
     as_openai_error,
@@ -163,23 +164,39 @@ class Frontend:
         return served
 
     async def _choice(
-        self, served: ServedModel, index: int, pre: PreprocessedRequest, ctx: _Context
+        self,
+        served: ServedModel,
+        index: int,
+        pre: PreprocessedRequest,
+        ctx: _Context,
+        fork: Fork | None = None,
     ) -> AsyncGenerator[Event, None]:
+        """A choice's events; one of a prompt's later choices is sent once its first choice's
+        home is known (choices.py)."""
         state = ChoiceState(served.tokenizer, pre.token_ids, ctx.stops, ctx.reasoning, ctx.tools)
         rid = ctx.rid if index == 0 else f"{ctx.rid}-{index}"
-        outputs = served.generate(pre, rid, ctx.served_by, ctx.nvext)
+        if fork is not None and not fork.leads:
+            await fork.home.wait()
+        outputs = served.generate(pre, rid, ctx.served_by, ctx.nvext, fork)
         try:
             async for out in outputs:
                 yield index, state, state.update(out)
                 if state.finished:
-                    return
+                    break
         finally:
             await outputs.aclose()  # a stop string matched, or the client left: stop the worker
+        if fork is not None and fork.leads:
+            fork.home.found(None)  # it ended with no home: the others go where they are routed
 
     def _events(
-        self, served: ServedModel, pres: list[PreprocessedRequest], ctx: _Context
+        self, served: ServedModel, pres: list[PreprocessedRequest], n: int, ctx: _Context
     ) -> AsyncGenerator[Event, None]:
-        streams = [self._choice(served, i, pre, ctx) for i, pre in enumerate(pres)]
+        """The events of every choice (`pres`: each prompt's `n` choices in index order)."""
+        homes = [PromptHome() for _ in range(0, len(pres), n)]
+        streams = [
+            self._choice(served, i, pre, ctx, Fork(homes[i // n], i % n == 0) if n > 1 else None)
+            for i, pre in enumerate(pres)
+        ]
         return streams[0] if len(streams) == 1 else _merge(streams)
 
     async def _prompts(
@@ -220,9 +237,10 @@ class Frontend:
                 vocab_size=served.tokenizer.vocab_size,
                 tools=use,
             )
+            pres = fork_requests(pres, body.n)
             reasoning = self.reasoning if chat else None
             ctx = _Context(rid, body.stop_strings(), reasoning, use, body.nvext)
-            events = self._events(served, pres, ctx)
+            events = self._events(served, pres, body.n, ctx)
             try:
                 first = await anext(events)  # errors before any output get their own status
             except BaseException:
@@ -235,7 +253,7 @@ class Frontend:
             if record is not None:
                 record.done(error.status, prompt_tokens)
             return _error_response(error)
-        shape = ResponseShape(rid, body.model, chat, len(pres), reasoning is not None)
+        shape = ResponseShape(rid, body.model, chat, len(pres), reasoning is not None, body.n)
         if body.stream:
             return StreamingResponse(
                 self._sse(shape, first, events, record, prompt_tokens, body.include_usage),

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbaton.frontend.canary import Canary
+from kvbaton.frontend.choices import Fork
 from kvbaton.frontend.errors import OpenAIError, bad_request, no_workers
 from kvbaton.frontend.migration import WorkerSilentError, migrating
 from kvbaton.frontend.openai_types import NvExt
@@ -110,12 +111,13 @@ class ServedModel:
         request_id: str,
         served_by: list[int],
         nvext: NvExt | None = None,
+        fork: Fork | None = None,
     ) -> AsyncGenerator[EngineOutput, None]:
         """The worker's outputs, from the worker the router ranks first that takes the request
         (one that refuses it unrun passes it on), or from the one `nvext` names; with none
         left, NoInstancesError. A worker lost mid-request: the request migrates (migration.py).
         The workers that serve it are appended to `served_by` (a prefill worker, then the
-        decode worker, when disaggregated)."""
+        decode worker, when disaggregated). `fork`: one of a prompt's choices (choices.py)."""
         tried: list[int] = []  # the worker each attempt was routed to first
 
         def lost(exc: Exception) -> None:
@@ -123,7 +125,9 @@ class ServedModel:
                 self.canary.suspect(tried[-1], str(exc))
 
         return migrating(
-            lambda req, migrated: self._taken(req, request_id, served_by, nvext, migrated, tried),
+            lambda req, migrated: self._taken(
+                req, request_id, served_by, nvext, migrated, tried, fork
+            ),
             request,
             request_id,
             self.migration,
@@ -139,6 +143,7 @@ class ServedModel:
         nvext: NvExt | None,
         migrated: bool,
         tried: list[int],
+        fork: Fork | None,
     ) -> AsyncGenerator[EngineOutput, None]:
         """`_attempt`'s outputs. An attempt that no worker took, because each one it was sent
         to was gone (killed: discovery lists it until its lease ends) or refused it, is made
@@ -147,7 +152,7 @@ class ServedModel:
         stream (StreamBrokenError): the request migrates."""
         deadline = time.monotonic() + self.migration.worker_wait_s
         while True:
-            outputs = self._attempt(request, request_id, served_by, nvext, migrated, tried)
+            outputs = self._attempt(request, request_id, served_by, nvext, migrated, tried, fork)
             produced = False
             try:
                 async with contextlib.aclosing(outputs):
@@ -174,12 +179,18 @@ class ServedModel:
         nvext: NvExt | None,
         migrated: bool,
         tried: list[int],
+        fork: Fork | None,
     ) -> AsyncGenerator[EngineOutput, None]:
         """One try at the request. The first may be refused (503) if every worker is busy; a
         continuation (`migrated`) is not, and goes to a worker it has not been lost on, if any
         is left. The worker routed to first is appended to `tried`; the load shedder counts the
-        prompt as waiting there until its first output (or its end)."""
+        prompt as waiting there until its first output (or its end).
+
+        A prompt's first choice (`fork.leads`) reports its home at its first output from the
+        worker that decodes it; a later choice is not shed, and goes to the home first, if it is
+        a candidate, where it is prefilled from the prefix cache (never disaggregated)."""
         prefilled: Callable[[], None] = _nothing
+        shed = not migrated and (fork is None or fork.leads)
         override = nvext.router_config_override if nvext else None
         hints = RouteRequest(
             request.token_ids,
@@ -213,11 +224,13 @@ class ServedModel:
             if migrated:
                 lost_on = set(tried) | set(served_by)
                 candidates = [w for w in candidates if w not in lost_on] or candidates
-            else:
+            elif shed:
                 what = f"worker of model `{self.name}`"
                 candidates = admit(self.loads, self.thresholds, candidates, what)
             route = self.router.route(hints, candidates)
-            prefill = await self._prefill_workers(request, route, not migrated)
+            home = fork.home.worker if fork is not None and not fork.leads else None
+            at_home = home is not None and route.prefer(home)
+            prefill = [] if at_home else await self._prefill_workers(request, route, shed)
             if route.ranking:
                 first = route.ranking[0]
                 tried.append(first)
@@ -225,6 +238,8 @@ class ServedModel:
                     self.canary.used(first)
                 if self.loads is not None and not prefill:
                     cached = route.overlaps.get(first, 0) * self.card.kv_block_size
+                    if at_home:  # the router may not have heard of the prompt's blocks yet
+                        cached = _full_blocks(len(request.token_ids), self.card.kv_block_size)
                     prefilled = self.loads.sent(first, max(0, len(request.token_ids) - cached))
             if prefill:
                 assert self.prefill.router is not None
@@ -245,10 +260,14 @@ class ServedModel:
                     route,
                     served_by,
                 )
+        report = fork.home.found if fork is not None and fork.leads else None
         try:
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     prefilled()
+                    if report is not None and route.taken_by is not None:
+                        report(route.taken_by)  # it decodes there: the prompt's KV is there
+                        report = None
                     yield out
         finally:
             prefilled()
@@ -295,6 +314,11 @@ class ServedModel:
 
 def _nothing() -> None:
     pass
+
+
+def _full_blocks(prompt_tokens: int, block_size: int) -> int:
+    """Tokens of a prompt that a prefix cache holding all of it gives (the last is computed)."""
+    return (prompt_tokens - 1) // block_size * block_size
 
 
 async def wait_for_live(

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvbaton.frontend.choices import MAX_CHOICES
 from kvbaton.protocols.llm import Guided
 
 _IGNORED = ("user", "store", "metadata", "service_tier")
@@ -141,7 +142,7 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: PositiveInt = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1  # choices per prompt (choices.py)
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     # As OpenAI's: token id (a decimal string) -> a bias in [-100, 100] added to its logit.
@@ -173,8 +174,6 @@ class _Common(BaseModel):
 
     @model_validator(mode="after")
     def _check_common(self) -> _Common:
-        if self.n != 1:
-            raise ValueError("n > 1 is not supported: ask once per choice")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         if self.nvext is not None:
@@ -296,6 +295,8 @@ class CompletionRequest(_Common):
     def _check_completion(self) -> CompletionRequest:
         if self.best_of not in (None, 1):
             raise ValueError("best_of > 1 is not supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError("best_of must be at least n")
         if self.echo:
             raise ValueError("echo is not supported by this server yet")
         if self.suffix:

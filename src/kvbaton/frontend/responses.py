@@ -21,13 +21,23 @@ class ResponseShape:
     - Tool calls (chat only): a whole answer's message has `tool_calls` when the model called
       (and `content` null if it wrote nothing else); a chunk's delta announces a call (index,
       id, type, name, empty arguments) before its argument fragments.
+    - `n` choices in all, `per_prompt` of each prompt (choice i is prompt i // per_prompt's).
     """
 
-    def __init__(self, rid: str, model: str, chat: bool, n: int, reasoning: bool = False) -> None:
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        chat: bool,
+        n: int,
+        reasoning: bool = False,
+        per_prompt: int = 1,
+    ) -> None:
         self.rid = rid
         self.model = model
         self.chat = chat
         self.n = n
+        self.per_prompt = per_prompt
         self.reasoning = reasoning and chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
         self.created = int(time.time())
@@ -76,7 +86,7 @@ class ResponseShape:
         return self._head(True) | {"choices": [choice]} | _null_usage(include_usage)
 
     def usage_chunk(self, states: dict[int, ChoiceState]) -> dict[str, Any]:
-        return self._head(True) | {"choices": [], "usage": _usage(states)}
+        return self._head(True) | {"choices": [], "usage": _usage(states, self.per_prompt)}
 
     def full(
         self,
@@ -103,7 +113,7 @@ class ResponseShape:
                 choice["logprobs"] = _join_completion_logprobs(logprobs[i])
             choice["finish_reason"] = states[i].finish_reason if i in states else None
             choices.append(choice)
-        return self._head(False) | {"choices": choices, "usage": _usage(states)}
+        return self._head(False) | {"choices": choices, "usage": _usage(states, self.per_prompt)}
 
 
 def _call(call: ToolCall) -> dict[str, Any]:
@@ -129,10 +139,14 @@ def _null_usage(include_usage: bool) -> dict[str, Any]:
     return {"usage": None} if include_usage else {}
 
 
-def _usage(states: dict[int, ChoiceState]) -> dict[str, Any]:
-    prompt = sum(s.prompt_tokens for s in states.values())
+def _usage(states: dict[int, ChoiceState], per_prompt: int = 1) -> dict[str, Any]:
+    """As OpenAI counts it: each prompt's tokens once, however many choices it has (its cached
+    ones as its first choice, the one that prefilled it, found them), and every choice's
+    completion tokens."""
+    firsts = [s for i, s in states.items() if i % per_prompt == 0]
+    prompt = sum(s.prompt_tokens for s in firsts)
     completion = sum(s.completion_tokens for s in states.values())
-    cached = sum(s.cached_tokens for s in states.values())
+    cached = sum(s.cached_tokens for s in firsts)
     usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

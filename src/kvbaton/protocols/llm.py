@@ -225,6 +225,8 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     kv_blocks_free: int
     prefix_cache_hit_rate: float
     active_prefill_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, so far
+    prefix_cache_hits: int = 0  # of which found
     kv_transfer_bytes: int = 0  # KV this worker read or wrote for disaggregation, so far
     kv_transfer_seconds: float = 0.0
     # Prompts whose KV this worker moved to or from a peer, and the time they waited on it

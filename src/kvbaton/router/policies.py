@@ -57,6 +57,19 @@ class Route:
         self._done = False
         self.prefills = True  # the worker computes the KV of the prompt it lacks
 
+    @property
+    def taken_by(self) -> int | None:
+        """The last worker that took the request (None: none yet)."""
+        return self._taken_by
+
+    def prefer(self, worker_id: int) -> bool:
+        """Try `worker_id` first, the rest of the ranking after it, if it is ranked at all
+        (call before `start`); whether it is."""
+        if worker_id not in self.ranking:
+            return False
+        self.ranking = [worker_id, *(w for w in self.ranking if w != worker_id)]
+        return True
+
     def sent_kv(self, sent: bool = True) -> None:
         """The worker is sent the prompt's KV by a prefill worker, or (False, the default)
         computes what it lacks. A request counted already is counted anew."""
