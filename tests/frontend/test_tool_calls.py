@@ -3,6 +3,7 @@ argument fragments that join into each call's JSON, no markup in the content."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -46,7 +47,7 @@ def parse(
 ) -> tuple[str, list[ToolCallDelta], list[ToolCall]]:
     parser = ToolCallParser(TOOL_CALL_FORMATS[fmt], max_calls)
     bounds = [0, *sorted(cuts), len(text)]
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     content, deltas = [], []
     for k, piece in enumerate(pieces):
         out = parser.feed(piece, final=k == len(pieces) - 1)
@@ -95,7 +96,7 @@ def test_text_that_only_looks_like_a_marker_is_content() -> None:
 
 
 def test_parallel_calls_off_keeps_the_first() -> None:
-    content, deltas, calls = parse("hermes", ANSWERS["hermes"], [20, 50], max_calls=1)
+    _content, deltas, calls = parse("hermes", ANSWERS["hermes"], [20, 50], max_calls=1)
     assert [c.name for c in calls] == ["get_weather"]
     assert {d.index for d in deltas} == {0}
 
