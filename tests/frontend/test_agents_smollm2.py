@@ -1,8 +1,9 @@
 """What agents ask of `kvbaton serve` on its default model, SmolLM2-135M (slow: pulled and
 loaded once for the module), through the official `openai` client: schema answers that parse
 and validate, forced tool calls whose arguments validate against the tool's schema, a streamed
-call, `json_object`, and a conversation carrying a tool's result. The schemas bound their
-strings, so that a 135M model cannot ramble to `max_tokens`."""
+call, `json_object`, a conversation carrying a tool's result, and `n` choices whole and
+streamed. The schemas bound their strings, so that a 135M model cannot ramble to
+`max_tokens`."""
 
 from __future__ import annotations
 
@@ -202,3 +203,31 @@ def test_a_conversation_with_a_tool_result(client: openai.OpenAI, smollm2: Deplo
     )
     assert answer.choices[0].message.content
     assert answer.usage and answer.usage.prompt_tokens > 200  # the tool prompt and the history
+
+
+def test_n_choices_whole_and_streamed(client: openai.OpenAI, smollm2: Deployment) -> None:
+    asked: dict[str, Any] = {
+        "model": smollm2.model,
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 5,
+    }
+    one = client.chat.completions.create(**asked)
+    three = client.chat.completions.create(**asked, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert all(c.message.content and c.finish_reason for c in three.choices)
+    assert three.choices[0].message.content == one.choices[0].message.content  # seed + 0
+    assert one.usage and three.usage
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
+    chunks = [c for c in client.chat.completions.create(**asked, n=2, stream=True) if c.choices]
+    texts = {0: "", 1: ""}
+    finished = set()
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finished.add(choice.index)
+    assert finished == {0, 1}
+    assert texts[0] == three.choices[0].message.content
+    assert texts[1] == three.choices[1].message.content
