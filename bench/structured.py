@@ -116,8 +116,10 @@ def main() -> None:
         fresh.compile(wide)
         cold.append((t1 - t0) * 1e3)
         cached.append((time.perf_counter() - t1) * 1e3)
-    print(f"structured outputs: smollm2 bfloat16, {PROMPT_LEN}-token prompts x {NEW_TOKENS} ")
-    print(f"new tokens, greedy, median of {args.trials} trials\n")
+    print(
+        f"structured outputs: smollm2 bfloat16, {PROMPT_LEN}-token prompts x {NEW_TOKENS} "
+        f"new tokens, greedy, median of {args.trials} trials\n"
+    )
     print("| batch | unconstrained ms/step | json_schema ms/step | ratio | target |")
     print("|---:|---:|---:|---:|---:|")
     for batch, plain, constrained_ms in rows:
