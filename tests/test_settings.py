@@ -66,8 +66,7 @@ def test_the_distributed_backends_are_chosen_by_flags_or_variables(
 
 
 # What each command needs besides the flags under test.
-REQUIRED = {
-    "serve": [],
+REQUIRED = {  # the commands of one process (serve's each bind their own port)
     "frontend": [],
     "worker": [],
     "planner": ["--frontend", "http://x", "--profile", "p", "--ttft-ms", "1", "--itl-ms", "1"],
@@ -93,3 +92,16 @@ def test_one_flag_name_per_port_across_commands(
         parser.parse_args(["serve", "--help"])
     serve_help = capsys.readouterr().out
     assert "--http-port" in serve_help and "--port" not in serve_help
+
+
+def test_serve_takes_no_single_port_for_its_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbaton.cli.serve import serve
+
+    with pytest.raises(SystemExit):  # not a serve flag: each child binds its own port
+        build_parser().parse_args(["serve", "--request-plane-port", "9000"])
+    args = build_parser().parse_args(["serve", "--engine", "mocker"])
+    for name in ("KVBATON_PORT", "KVBATON_SYSTEM_PORT"):
+        monkeypatch.setenv(name, "9000")
+        with pytest.raises(ValueError, match=f"{name} names one port"):
+            serve(args, runtime_settings(args))
+        monkeypatch.delenv(name)

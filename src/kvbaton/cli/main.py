@@ -32,9 +32,12 @@ from kvbaton.runtime import DistributedRuntime, RuntimeSettings, RuntimeShutDown
 log = logging.getLogger("kvbaton")
 
 
-def _runtime_flags(parser: argparse.ArgumentParser, *, system_port: bool = False) -> None:
+def _runtime_flags(
+    parser: argparse.ArgumentParser, *, system_port: bool = False, own_port: bool = True
+) -> None:
     """The runtime's flags; `system_port` for the commands that serve /live and /health on it
-    (a worker, a planner)."""
+    (a worker, a planner); `own_port`: the process has one request-plane port (not `serve`,
+    whose children each bind their own)."""
     group = parser.add_argument_group("runtime (flags win over KVBATON_* variables)")
     group.add_argument(
         "--discovery",
@@ -47,7 +50,8 @@ def _runtime_flags(parser: argparse.ArgumentParser, *, system_port: bool = False
     )
     group.add_argument("--nats-url", help="the NATS server (default nats://127.0.0.1:4222)")
     group.add_argument("--host", help="address to bind and advertise (default 127.0.0.1)")
-    group.add_argument("--request-plane-port", type=int, help="default: any free port")
+    if own_port:
+        group.add_argument("--request-plane-port", type=int, help="default: any free port")
     group.add_argument("--lease-ttl", type=float, help="seconds (default 10)")
     if system_port:
         group.add_argument(
@@ -282,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_flags(serve)
     add_router_flags(serve)
     add_frontend_flags(serve)
-    _runtime_flags(serve)
+    _runtime_flags(serve, own_port=False)
     serve.set_defaults(func=cmd_serve)
 
     frontend = sub.add_parser("frontend", help="run the OpenAI-compatible HTTP frontend")

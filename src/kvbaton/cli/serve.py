@@ -90,6 +90,9 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return [("frontend", frontend), *workers]
 
 
+SHARED_PORTS_ENV = ("KVBATON_PORT", "KVBATON_SYSTEM_PORT")
+
+
 def _pull_if_needed(args: argparse.Namespace) -> None:
     if args.model in KNOWN_MODELS:  # once: a pulled model is only looked at
         pull(args.model, progress=lambda line: print(line, file=sys.stderr, flush=True))
@@ -98,6 +101,12 @@ def _pull_if_needed(args: argparse.Namespace) -> None:
 def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
     if min(args.workers, args.prefill_workers, args.decode_workers) < 1:
         raise ValueError("--workers, --prefill-workers and --decode-workers must be at least 1")
+    for name in SHARED_PORTS_ENV:  # one port for several processes: all but one would fail
+        if os.environ.get(name, "0") != "0":
+            raise ValueError(
+                f"{name} names one port, but serve starts several processes that each bind "
+                "their own: unset it (serve's children pick free ports)"
+            )
     router_settings(args)  # bad settings fail here, not in a child
     migration_settings(args)
     busy_thresholds(args)
