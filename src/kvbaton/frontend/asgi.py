@@ -1,11 +1,14 @@
-"""A thin ASGI layer in front of the app: the request id (`x-request-id`, echoed on every
+"""Thin ASGI layers in front of the app: the request id (`x-request-id`, echoed on every
 response), the API key (401 unless `Authorization: Bearer <key>`, compared in constant time; on
 every route but /health, /live and /metrics, which stay open for probes and scrapers) and the
-body size limit (413 before the app reads a byte too many)."""
+body size limit (413 before the app reads a byte too many); and the end, in OpenAI's shape, of
+the requests that a stopping server cuts (`EndCutRequests`)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import re
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -18,6 +21,8 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})  # no API key asked
 _GOOD_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces
@@ -102,6 +107,57 @@ async def _reject(
         }
     )
     await send({"type": "http.response.body", "body": error.json()})
+
+
+class EndCutRequests:
+    """The requests still running when the server's graceful shutdown is over are cancelled
+    (uvicorn's way); each ends here in OpenAI's shape instead of a reset connection and a
+    logged traceback.
+
+    - Not answered yet: a 503 with code `shutting_down`.
+    - Mid-stream (SSE): one error event with that code, then the stream ends.
+    - A cancellation while the server is not stopping, or of a response that already ended or
+      is not a stream, is passed on.
+    """
+
+    def __init__(self, app: ASGIApp, stopping: Callable[[], bool]) -> None:
+        self.app = app
+        self.stopping = stopping
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = ended = streaming = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started, ended, streaming
+            if message["type"] == "http.response.start":
+                started = True
+                streaming = any(
+                    name == b"content-type" and value.startswith(b"text/event-stream")
+                    for name, value in message.get("headers", ())
+                )
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if not self.stopping() or ended or (started and not streaming):
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # handled: the request ends here
+            error = OpenAIError(
+                503, "the server stopped before this request ended", code="shutting_down"
+            )
+            log.warning("request %s cut: the server stopped", scope["path"])
+            if not started:
+                await _reject(send, error)
+            else:
+                chunk = b"data: " + error.json() + b"\n\n"
+                await send({"type": "http.response.body", "body": chunk, "more_body": False})
 
 
 def replay(body: bytes, receive: Receive) -> Receive:

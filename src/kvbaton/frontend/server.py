@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Callable
 
 import uvicorn
 
 from kvbaton.frontend.app import Frontend
-from kvbaton.frontend.asgi import RequestIdAndLimits
+from kvbaton.frontend.asgi import EndCutRequests, RequestIdAndLimits
 from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager
 from kvbaton.frontend.reasoning import ReasoningFormat
@@ -62,13 +63,18 @@ class FrontendServer:
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         config = uvicorn.Config(
-            RequestIdAndLimits(self.frontend.app, max_body_bytes, api_key),
+            RequestIdAndLimits(
+                EndCutRequests(self.frontend.app, lambda: self.server.should_exit),
+                max_body_bytes,
+                api_key,
+            ),
             http="httptools",
             lifespan="off",
             log_level="warning",
             access_log=False,
             timeout_keep_alive=30,
-            timeout_graceful_shutdown=10,
+            # In-flight requests get the runtime's drain time to end; then EndCutRequests.
+            timeout_graceful_shutdown=math.ceil(runtime.settings.drain_timeout),
         )
         self.server = EmbeddedUvicorn(config)
 
