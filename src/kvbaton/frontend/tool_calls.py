@@ -194,7 +194,7 @@ class ToolCallParser:
         if self._state is _State.CALL:
             self._send_arguments(out)
         if final:
-            self._finish(content, out)
+            self._finish(content)
         out.content = "".join(content)
         return out
 
@@ -320,7 +320,7 @@ class ToolCallParser:
             self._new_call(parsed["name"], out)
         self._add_arguments(args if isinstance(args, str) else json.dumps(args), out)
 
-    def _finish(self, content: list[str], out: ToolCallSplit) -> None:
+    def _finish(self, content: list[str]) -> None:
         if self._state is _State.CALL and not self._announced:
             content.append(self._object.text)  # an unfinished object that never named a call
         if self._held.strip(WHITESPACE) or not self.calls:
