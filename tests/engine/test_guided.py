@@ -127,3 +127,24 @@ def test_a_bad_constraint_is_refused(
     params = SamplingParams(max_tokens=8, guided=guided, **extra)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=match):
         eng.add_request(EngineRequest("r", [5, 6, 7], params))
+
+
+def test_a_token_the_grammar_refuses_aborts_that_request_only(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault that lets a constrained row sample outside its mask (here: no mask at all) ends
+    that request with "abort"; the rest of the batch goes on."""
+    from kvbaton.engine.guided import GuidedDecoding
+
+    monkeypatch.setattr(GuidedDecoding, "mask", lambda self, logits, rows: None)
+    eng = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64))
+    never = Guided(kind="regex", spec="\x01{3}")  # no sampled token writes a control character
+    eng.add_request(EngineRequest("bad", [5, 6, 7], SamplingParams(max_tokens=8, guided=never)))
+    eng.add_request(EngineRequest("good", [5, 6, 8], SamplingParams(max_tokens=8, ignore_eos=True)))
+    finished: dict[str, str | None] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finish_reason:
+                finished[out.request_id] = out.finish_reason
+    assert finished == {"bad": "abort", "good": "length"}
+    assert eng.stats().kv_blocks_used == 0  # the aborted request's blocks freed too

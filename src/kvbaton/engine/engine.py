@@ -242,6 +242,11 @@ class LLMEngine:
                 if seq.request_id in finished:
                     self._forget(seq)
                 outputs.append(self._output(seq, new))
+            if seq.broken is not None and not seq.is_finished:  # this request only
+                log.warning("request %s aborted: %s", seq.request_id, seq.broken)
+                final = self.abort_request(seq.request_id)
+                if final is not None:
+                    outputs.append(final)
         return outputs
 
     def _forget(self, seq: Sequence) -> Sequence:

@@ -6,6 +6,8 @@
 - A request with a seed draws from its own generator: its tokens do not depend on what else is
   in the batch.
 - Logprobs are those of the raw model output.
+- A token that its constraint refuses (an llguidance fault: the mask allows only what it
+  takes) marks its sequence `broken`; the engine aborts that request alone.
 """
 
 from __future__ import annotations
@@ -70,10 +72,8 @@ class Sampler:
             if not seq.params.greedy:
                 tokens[i] = self._draw(logits[i], seq)
         for i, matcher in constrained:
-            if not matcher.consume_token(tokens[i]):
-                raise RuntimeError(
-                    f"token {tokens[i]} breaks the constraint: {matcher.get_error()}"
-                )
+            if not matcher.consume_token(tokens[i]):  # its row alone fails (the engine aborts it)
+                seqs[i].broken = f"token {tokens[i]} breaks the constraint: {matcher.get_error()}"
         wants = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if wants:
             logprobs = torch.log_softmax(raw[wants], dim=-1)

@@ -52,6 +52,7 @@ class Sequence:
     kv_source: KvSource | None = None  # where the prompt's KV is loaded from
     kv_sink: KvSink | None = None  # told of each layer of the prompt's KV as it is written
     matcher: Any = None  # its constraint's state (`guided.py`), if it has one
+    broken: str | None = None  # why its constraint refused its last token: it is aborted
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
