@@ -1,6 +1,7 @@
 """What both sides of disaggregation share: the engine, the KV transfer agent, the handoff
 counts a worker reports (`WorkerLoad`), and the request ends under way.
 
+- Made on the event loop that serves the worker (`loop`).
 - A request's end (reports, releases) runs to its end even if its caller is cancelled again
   (a drain's second cancellation); the worker waits for them before it stops.
 """
@@ -16,7 +17,6 @@ from typing import Any
 from kvbaton.engine.connector import ConnectedEngine, KvCacheView
 from kvbaton.kv_transfer import KvTransferAgent
 from kvbaton.runtime import DistributedRuntime
-from kvbaton.runtime.request_plane import Handler
 
 
 class Side:
@@ -41,19 +41,7 @@ class Side:
         self.handoff_wait_s = 0.0
         self.ending: set[asyncio.Future[object]] = set()
         self._count_lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        assert self._loop is not None, "start() first"
-        return self._loop
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-
-    def endpoints(self) -> dict[str, tuple[Handler, type]]:
-        """The side's endpoints of the worker: name -> (handler, request type)."""
-        raise NotImplementedError
+        self.loop = asyncio.get_running_loop()
 
     async def close(self) -> None:
         await asyncio.to_thread(self.agent.close)

@@ -237,7 +237,6 @@ class LLMWorker:
                 endpoint("tokenizer_files").serve_endpoint(self.tokenizer_files),
             ]
             if self.side is not None:
-                self.side.start()
                 serving += [
                     endpoint(name).serve_endpoint(handler, request_type=request_type)
                     for name, (handler, request_type) in self.side.endpoints().items()
