@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from kvbaton.disagg.peers import CALL_TIMEOUT_S, PeerCalls
+from kvbaton.disagg.peers import CALL_TIMEOUT_S
 from kvbaton.disagg.rooms import Room, Rooms
 from kvbaton.engine.connector import EngineRequest, KvLoad, KvLoadFailed, outputs_of
 from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput
@@ -86,14 +86,6 @@ class KvFetch:
 
 
 class DecodeSide(Rooms):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.peers = PeerCalls(self.runtime)
-
-    async def close(self) -> None:
-        await self.peers.close()
-        await super().close()
-
     def ends_in(self, seconds: float) -> threading.Event:
         """An event set in `seconds`, after which the engine frees the blocks it kept out."""
         ended = threading.Event()

@@ -20,7 +20,6 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from kvbaton.disagg.peers import PeerCalls
 from kvbaton.disagg.push import LayerPush, RoomClaim
 from kvbaton.disagg.side import Side
 from kvbaton.engine.config import EngineConfig
@@ -56,7 +55,6 @@ class PrefillSide(Side):
             raise ValueError(f"the KV push must be one of {', '.join(PUSH_MODES)}")
         self.hold_timeout_s = hold_timeout_s
         self.push_layers = push == "layers"
-        self.peers = PeerCalls(self.runtime)
         self._held: dict[str, asyncio.TimerHandle] = {}
         self._writers = concurrent.futures.ThreadPoolExecutor(max_pushes, "kvbaton-kv-push")
         self._waits = concurrent.futures.ThreadPoolExecutor(max_pushes, "kvbaton-kv-push-wait")
@@ -68,7 +66,6 @@ class PrefillSide(Side):
         for timer in self._held.values():
             timer.cancel()
         self._held.clear()
-        await self.peers.close()
         await asyncio.to_thread(self._writers.shutdown)
         await asyncio.to_thread(self._waits.shutdown)
         await super().close()
