@@ -20,6 +20,8 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+import msgspec
+
 from kvbaton.disagg.push import LayerPush, RoomClaim
 from kvbaton.disagg.side import Side
 from kvbaton.engine.config import EngineConfig
@@ -70,22 +72,20 @@ class PrefillSide(Side):
         await asyncio.to_thread(self._waits.shutdown)
         await super().close()
 
-    async def outputs(
+    def outputs(
         self, request: EngineRequest, target: KvTarget | None
     ) -> AsyncGenerator[EngineOutput, None]:
         """The request's answer: its first token, with where its KV waits (or, with a
         `target`, once written there)."""
         request.hold_kv = True
-        if target is not None:
-            async with contextlib.aclosing(self._pushed(request, target)) as pushed:
-                async for out in pushed:
-                    yield out
-            return
+        return self._holding(request) if target is None else self._pushed(request, target)
+
+    # -- prefill-first --------------------------------------------------------------------------
+    async def _holding(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         async with contextlib.aclosing(outputs_of(self.engine, request)) as outputs:
             async for out in outputs:
                 yield await self._hold(out, len(request.prompt_token_ids))
 
-    # -- prefill-first --------------------------------------------------------------------------
     async def _hold(self, out: EngineOutput, prompt_len: int) -> EngineOutput:
         """A held request's answer: its first token and where its KV waits."""
         if out.kv_blocks is None:  # it stopped at its first token
@@ -110,13 +110,7 @@ class PrefillSide(Side):
             pool=self.agent.info(),
             cached_tokens=out.usage.cached_tokens if out.usage else 0,
         )
-        return EngineOutput(
-            request_id=out.request_id,
-            token_ids=out.token_ids,
-            usage=out.usage,
-            logprobs=out.logprobs,
-            disaggregated_params=params,
-        )
+        return msgspec.structs.replace(out, kv_blocks=None, disaggregated_params=params)
 
     def _release_once_done(self, handle: str, reading: asyncio.Future[Any]) -> None:
         """Free the engine's blocks of `handle` once `reading` (what reads them) is done."""
@@ -206,10 +200,4 @@ class PrefillSide(Side):
         else:  # it stopped at its first token: no KV is wanted
             await self._wait(pusher.stop)
         await claim.report(ok, out.token_ids)
-        return EngineOutput(
-            request_id=out.request_id,
-            token_ids=out.token_ids,
-            finish_reason=out.finish_reason,
-            usage=out.usage,
-            logprobs=out.logprobs,
-        )
+        return msgspec.structs.replace(out, kv_blocks=None)
