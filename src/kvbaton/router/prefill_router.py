@@ -12,11 +12,7 @@ import asyncio
 from collections.abc import Sequence
 
 from kvbaton.disagg.peers import PeerCalls
-from kvbaton.protocols.llm import (
-    EngineOutput,
-    KvTarget,
-    PreprocessedRequest,
-)
+from kvbaton.protocols.llm import EngineOutput, KvTarget, PreprocessedRequest
 from kvbaton.router.policies import Router, RouteRequest, follow
 from kvbaton.runtime import Client, DistributedRuntime
 

@@ -28,12 +28,7 @@ from kvbaton.engine.connector import ConnectedEngine, EngineRequest, outputs_of
 from kvbaton.engine.engine import EngineStats
 from kvbaton.llm.model_cards import model_card_key
 from kvbaton.protocols.kv import KvDump
-from kvbaton.protocols.llm import (
-    EngineOutput,
-    ModelCard,
-    PreprocessedRequest,
-    WorkerLoad,
-)
+from kvbaton.protocols.llm import EngineOutput, ModelCard, PreprocessedRequest, WorkerLoad
 from kvbaton.runtime import Context, DistributedRuntime
 from kvbaton.workers.kv_publisher import KvEventPublisher
 
