@@ -146,14 +146,13 @@ class LLMWorker:
                 raise ValueError("disaggregated_params come in the prefill-first order only")
             if params.num_tokens != len(request.token_ids) or not params.first_token_ids:
                 raise ValueError("disaggregated_params do not match the request's prompt")
-        if side is None:  # prefilled here: the tokens sampled there still count
+        if side is None or (params is None and not request.bootstrap):
+            # Prefilled here (with params: the tokens sampled there still count).
             engine_request.output_token_ids = list(params.first_token_ids if params else [])
             return outputs_of(self.engine, engine_request)
         if params is not None:
             return side.fetched(engine_request, params)
-        if request.bootstrap:
-            return side.bootstrapped(engine_request)
-        return outputs_of(self.engine, engine_request)
+        return side.bootstrapped(engine_request)
 
     def load(self) -> WorkerLoad:
         stats = dataclasses.asdict(self.engine.stats())
