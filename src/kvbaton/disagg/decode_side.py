@@ -4,8 +4,8 @@ allocated first (decode-first, its room: `rooms.py`).
 
 - One release per request it was given params for: after its read, or when the request ends
   without one.
-- What was read is kept only if the prefill worker held the blocks until after the read; else
-  the prompt is computed here.
+- What was read is kept only if the prefill worker held the blocks until after the read (its
+  hold may time out while the request queues here); else the prompt is computed here.
 - The blocks of a read that failed stay out of use while it may still land
   (`KvTransferAgent.linger_s`).
 """
@@ -61,8 +61,6 @@ class KvFetch:
             backend,
             (time.perf_counter() - started) * 1e3,
         )
-        # The read is the prompt's KV only if the prefill worker held the blocks until after
-        # it (its hold may have timed out while the request queued here).
         held = asyncio.run_coroutine_threadsafe(self.release(), side.loop)
         try:
             still_held = held.result(CALL_TIMEOUT_S + 1.0)
