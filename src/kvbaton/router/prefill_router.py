@@ -32,7 +32,6 @@ class PrefillRouter:
         timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S,
     ) -> None:
         """`client`: the prefill workers' `generate` endpoint; `router`: how to rank them."""
-        self.runtime = runtime
         self.client = client
         self.router = router
         self.timeout_s = timeout_s
