@@ -95,8 +95,8 @@ class PrefillSide(Side):
             staged = asyncio.ensure_future(asyncio.to_thread(self.cache.stage_out, out.kv_blocks))
             try:
                 await asyncio.shield(staged)
-            except BaseException:
-                self._release_once_done(handle, staged)
+            except BaseException:  # free the blocks once the copy ended
+                staged.add_done_callback(lambda _: self.engine.release_kv(handle))
                 raise
         self._held[handle] = self.loop.call_later(self.hold_timeout_s, self._expire, handle)
         params = DisaggregatedParams(
@@ -111,10 +111,6 @@ class PrefillSide(Side):
             cached_tokens=out.usage.cached_tokens if out.usage else 0,
         )
         return msgspec.structs.replace(out, kv_blocks=None, disaggregated_params=params)
-
-    def _release_once_done(self, handle: str, reading: asyncio.Future[Any]) -> None:
-        """Free the engine's blocks of `handle` once `reading` (what reads them) is done."""
-        reading.add_done_callback(lambda _: self.engine.release_kv(handle))
 
     def release(self, handle: str) -> bool:
         """Free held blocks; False if none are held under `handle`."""
@@ -195,7 +191,7 @@ class PrefillSide(Side):
                 log.warning("request %s: KV push failed: %s", handle, exc)
             finally:  # no write reads our blocks once freed, even if cancelled meanwhile
                 stopped = asyncio.ensure_future(self._wait(pusher.stop))
-                self._release_once_done(handle, stopped)
+                stopped.add_done_callback(lambda _: self.engine.release_kv(handle))
                 await asyncio.shield(stopped)
         else:  # it stopped at its first token: no KV is wanted
             await self._wait(pusher.stop)
