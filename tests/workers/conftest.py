@@ -1,4 +1,4 @@
-"""The `decode_side` and `prefill_side` fixtures: a started `DecodeSide` and `PrefillSide` on
+"""The `decode_side` and `prefill_side` fixtures: a `DecodeSide` and `PrefillSide` on
 stand-ins (fakes.py), whose transfer timeout (the wait for a claim) is 0.5 s; closed at the
 end. `serving_engine`: an `AsyncEngine` on a tiny random model, the mocker's and the built-in
 one's (a test using it runs on each), with 32 blocks of 8 tokens and `max_num_seqs` 2; shut
@@ -23,7 +23,6 @@ from tests.workers.fakes import make_decode_side, make_prefill_side
 @pytest.fixture
 async def decode_side() -> AsyncIterator[DecodeSide]:
     made = make_decode_side(timeout_s=0.5)
-    made.start()
     yield made
     await made.close()
 
@@ -31,7 +30,6 @@ async def decode_side() -> AsyncIterator[DecodeSide]:
 @pytest.fixture
 async def prefill_side() -> AsyncIterator[PrefillSide]:
     made = make_prefill_side(timeout_s=0.5)
-    made.start()
     yield made
     await made.close()
 

@@ -96,7 +96,7 @@ def make_prefill_worker(
     engine: AsyncEngine, cache: KvCacheView | None = None
 ) -> tuple[LLMWorker, PrefillSide]:
     """A prefill worker serving "tiny" on `engine` (its KV cache seen as `cache` if given), with
-    its side: start it (`side.start()`) on the test's loop, close it at the end."""
+    its side: call it on the test's loop (the side takes it), close the side at the end."""
     view = cache or engine.engine.kv_cache()
     side = make_prefill_side(5.0, engine, view, engine.block_size)
     side.peers = UnansweringPeers()  # type: ignore[assignment]

@@ -67,7 +67,6 @@ async def test_a_request_cancelled_before_its_held_output_is_read_frees_its_kv(
 ) -> None:
     engine = serving_engine
     worker, side = make_prefill_worker(engine)
-    side.start()
     try:
         answer = asyncio.ensure_future(
             anext(worker.generate(prefill_request(engine, order), Context("req")))
@@ -100,7 +99,6 @@ async def test_a_hold_cut_short_while_its_blocks_are_staged_out_frees_them_once_
 
     mirrored = dataclasses.replace(engine.engine.kv_cache(), mirrored=True, stage_out=stage_out)
     worker, side = make_prefill_worker(engine, mirrored)
-    side.start()
     try:
         answer = asyncio.ensure_future(
             anext(worker.generate(prefill_request(engine, "prefill-first"), Context("req")))

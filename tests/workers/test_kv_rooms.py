@@ -383,7 +383,6 @@ async def test_a_request_cancelled_again_while_it_closes_still_closes_its_room(
     """A drain cancels a request's handler, then cancels again while it ends: its room still
     closes (no claim will come: an unclaimed room ends with its request)."""
     side = make_decode_side(5.0, serving_engine, serving_engine.engine.kv_cache(), 8)
-    side.start()
     try:
         request = EngineRequest("r", list(range(5, 45)), SamplingParams(max_tokens=4))
         outputs = side.bootstrapped(request)

@@ -4,8 +4,8 @@ allocated first (decode-first, its room: `rooms.py`).
 
 - One release per request it was given params for: after its read, or when the request ends
   without one.
-- What was read is kept only if the prefill worker held the blocks until after the read; else
-  the prompt is computed here.
+- What was read is kept only if the prefill worker held the blocks until after the read (its
+  hold may time out while the request queues here); else the prompt is computed here.
 - The blocks of a read that failed stay out of use while it may still land
   (`KvTransferAgent.linger_s`).
 """
@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from kvbaton.disagg.peers import CALL_TIMEOUT_S, PeerCalls
+from kvbaton.disagg.peers import CALL_TIMEOUT_S
 from kvbaton.disagg.rooms import Room, Rooms
 from kvbaton.engine.connector import EngineRequest, KvLoad, KvLoadFailed, outputs_of
 from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput
@@ -61,8 +61,6 @@ class KvFetch:
             backend,
             (time.perf_counter() - started) * 1e3,
         )
-        # The read is the prompt's KV only if the prefill worker held the blocks until after
-        # it (its hold may have timed out while the request queued here).
         held = asyncio.run_coroutine_threadsafe(self.release(), side.loop)
         try:
             still_held = held.result(CALL_TIMEOUT_S + 1.0)
@@ -86,14 +84,6 @@ class KvFetch:
 
 
 class DecodeSide(Rooms):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.peers = PeerCalls(self.runtime)
-
-    async def close(self) -> None:
-        await self.peers.close()
-        await super().close()
-
     def ends_in(self, seconds: float) -> threading.Event:
         """An event set in `seconds`, after which the engine frees the blocks it kept out."""
         ended = threading.Event()

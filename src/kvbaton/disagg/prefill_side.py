@@ -20,7 +20,8 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from kvbaton.disagg.peers import PeerCalls
+import msgspec
+
 from kvbaton.disagg.push import LayerPush, RoomClaim
 from kvbaton.disagg.side import Side
 from kvbaton.engine.config import EngineConfig
@@ -56,7 +57,6 @@ class PrefillSide(Side):
             raise ValueError(f"the KV push must be one of {', '.join(PUSH_MODES)}")
         self.hold_timeout_s = hold_timeout_s
         self.push_layers = push == "layers"
-        self.peers = PeerCalls(self.runtime)
         self._held: dict[str, asyncio.TimerHandle] = {}
         self._writers = concurrent.futures.ThreadPoolExecutor(max_pushes, "kvbaton-kv-push")
         self._waits = concurrent.futures.ThreadPoolExecutor(max_pushes, "kvbaton-kv-push-wait")
@@ -68,27 +68,24 @@ class PrefillSide(Side):
         for timer in self._held.values():
             timer.cancel()
         self._held.clear()
-        await self.peers.close()
         await asyncio.to_thread(self._writers.shutdown)
         await asyncio.to_thread(self._waits.shutdown)
         await super().close()
 
-    async def outputs(
+    def outputs(
         self, request: EngineRequest, target: KvTarget | None
     ) -> AsyncGenerator[EngineOutput, None]:
         """The request's answer: its first token, with where its KV waits (or, with a
         `target`, once written there)."""
         request.hold_kv = True
-        if target is not None:
-            async with contextlib.aclosing(self._pushed(request, target)) as pushed:
-                async for out in pushed:
-                    yield out
-            return
+        return self._holding(request) if target is None else self._pushed(request, target)
+
+    # -- prefill-first --------------------------------------------------------------------------
+    async def _holding(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         async with contextlib.aclosing(outputs_of(self.engine, request)) as outputs:
             async for out in outputs:
                 yield await self._hold(out, len(request.prompt_token_ids))
 
-    # -- prefill-first --------------------------------------------------------------------------
     async def _hold(self, out: EngineOutput, prompt_len: int) -> EngineOutput:
         """A held request's answer: its first token and where its KV waits."""
         if out.kv_blocks is None:  # it stopped at its first token
@@ -98,8 +95,8 @@ class PrefillSide(Side):
             staged = asyncio.ensure_future(asyncio.to_thread(self.cache.stage_out, out.kv_blocks))
             try:
                 await asyncio.shield(staged)
-            except BaseException:
-                self._release_once_done(handle, staged)
+            except BaseException:  # free the blocks once the copy ended
+                staged.add_done_callback(lambda _: self.engine.release_kv(handle))
                 raise
         self._held[handle] = self.loop.call_later(self.hold_timeout_s, self._expire, handle)
         params = DisaggregatedParams(
@@ -113,17 +110,7 @@ class PrefillSide(Side):
             pool=self.agent.info(),
             cached_tokens=out.usage.cached_tokens if out.usage else 0,
         )
-        return EngineOutput(
-            request_id=out.request_id,
-            token_ids=out.token_ids,
-            usage=out.usage,
-            logprobs=out.logprobs,
-            disaggregated_params=params,
-        )
-
-    def _release_once_done(self, handle: str, reading: asyncio.Future[Any]) -> None:
-        """Free the engine's blocks of `handle` once `reading` (what reads them) is done."""
-        reading.add_done_callback(lambda _: self.engine.release_kv(handle))
+        return msgspec.structs.replace(out, kv_blocks=None, disaggregated_params=params)
 
     def release(self, handle: str) -> bool:
         """Free held blocks; False if none are held under `handle`."""
@@ -204,15 +191,9 @@ class PrefillSide(Side):
                 log.warning("request %s: KV push failed: %s", handle, exc)
             finally:  # no write reads our blocks once freed, even if cancelled meanwhile
                 stopped = asyncio.ensure_future(self._wait(pusher.stop))
-                self._release_once_done(handle, stopped)
+                stopped.add_done_callback(lambda _: self.engine.release_kv(handle))
                 await asyncio.shield(stopped)
         else:  # it stopped at its first token: no KV is wanted
             await self._wait(pusher.stop)
         await claim.report(ok, out.token_ids)
-        return EngineOutput(
-            request_id=out.request_id,
-            token_ids=out.token_ids,
-            finish_reason=out.finish_reason,
-            usage=out.usage,
-            logprobs=out.logprobs,
-        )
+        return msgspec.structs.replace(out, kv_blocks=None)

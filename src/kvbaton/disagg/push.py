@@ -144,21 +144,16 @@ class LayerPush:
                     self._to(P.STOPPED, exc)
 
     def _write(self, job: _Layers) -> None:
-        pairs = [
-            (block, slot)
-            for k, block in enumerate(job.chunk.block_ids)
-            if (slot := self._slot(job.chunk.first_block + k)) is not None
-        ]
-        if not pairs:
+        blocks = dict(enumerate(job.chunk.block_ids, job.chunk.first_block))
+        src, dst = self._pairs(blocks)
+        if not src:
             return
-        src, dst = [p[0] for p in pairs], [p[1] for p in pairs]
         self.cache.stage_out(src, (job.first, job.end))
         self._transfer(src, dst, (job.first, job.end))
         self.writes += 1
         if job.end == self.cache.num_layers:
             with self._cond:
-                for k, block in enumerate(job.chunk.block_ids):
-                    self._streamed[job.chunk.first_block + k] = block
+                self._streamed.update(blocks)
 
     def _transfer(self, src: list[int], dst: list[int], layers: tuple[int, int] | None) -> str:
         if time.monotonic() >= self.write_until:
@@ -176,10 +171,12 @@ class LayerPush:
         with self._cond:
             return max(0.0, self._lingers_until - time.monotonic())
 
-    def _slot(self, index: int) -> int | None:
-        """The target's block for the prompt's block `index` (None: the decode worker has it)."""
-        k = index - self.target.first_block
-        return self.target.block_ids[k] if 0 <= k < len(self.target.block_ids) else None
+    def _pairs(self, blocks: dict[int, int]) -> tuple[list[int], list[int]]:
+        """Of `blocks` (the prompt's block index -> ours), ours and the target's blocks for those
+        the target takes (the decode worker has those before its `first_block`)."""
+        first, dst = self.target.first_block, self.target.block_ids
+        pairs = [(b, dst[i - first]) for i, b in blocks.items() if 0 <= i - first < len(dst)]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
 
     # -- the worker's wait threads --------------------------------------------------------------
     def stop(self) -> None:
@@ -212,8 +209,7 @@ class LayerPush:
                 if self._redo_all or self._streamed.get(i) != prompt_blocks[i]
             ]
             self._writing = True  # `stop` waits for this write too
-        src = [prompt_blocks[i] for i in missing]
-        dst = [target.block_ids[i - target.first_block] for i in missing]
+        src, dst = self._pairs({i: prompt_blocks[i] for i in missing})
         error: BaseException | None = None
         try:
             self.cache.stage_out(src)

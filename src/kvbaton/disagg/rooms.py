@@ -114,12 +114,8 @@ class Rooms(Side):
         was, room.state = room.state, state
         if room.timer is not None:
             room.timer.cancel()
-        timeout_s = self._timeout_s(room)
-        room.timer = (
-            None
-            if timeout_s is None
-            else self.loop.call_later(timeout_s, self._timed_out, room, state)
-        )
+        if (timeout_s := self._timeout_s(room)) is not None:
+            room.timer = self.loop.call_later(timeout_s, self._timed_out, room, state)
         if was is S.BOOTSTRAPPING and not room.announced.done():
             room.announced.cancel()
         if state in ENDED and was not in ENDED:
@@ -162,11 +158,14 @@ class Rooms(Side):
             room.announced.set_result(None)
             self._enter(room, S.WAITING)
 
-    def close_room(self, room: Room) -> None:
-        """Its request ended: a room no writer claimed ends; a claimed one waits for its
-        writer (the engine keeps an aborted request's blocks until its load ends)."""
-        if room.state in (S.BOOTSTRAPPING, S.WAITING):
-            self._enter(room, S.FAILED)
+    def close_room(self, room: Room | None) -> bool:
+        """No writer will come (its request ended, or the router abandoned it): a room no writer
+        claimed ends (True); a claimed one waits for its writer (the engine keeps an aborted
+        request's blocks until its load ends)."""
+        if room is None or room.state not in (S.BOOTSTRAPPING, S.WAITING):
+            return False
+        self._enter(room, S.FAILED)
+        return True
 
     async def close(self) -> None:
         """End every room (the engine stops: nothing reuses their blocks)."""
@@ -221,9 +220,5 @@ class Rooms(Side):
         return Accepted(accepted=was not in ENDED)
 
     async def kv_abandon(self, abandon: KvAbandon, context: Context) -> Accepted:
-        """Endpoint: no prefill worker will come; ends the room unless a writer claimed it."""
-        room = self._rooms.get(abandon.room)
-        if room is None or room.state not in (S.BOOTSTRAPPING, S.WAITING):
-            return Accepted(accepted=False)
-        self._enter(room, S.FAILED)
-        return Accepted(accepted=True)
+        """Endpoint: no prefill worker will come (`close_room`)."""
+        return Accepted(accepted=self.close_room(self._rooms.get(abandon.room)))

@@ -1,6 +1,7 @@
-"""What both sides of disaggregation share: the engine, the KV transfer agent, the handoff
-counts a worker reports (`WorkerLoad`), and the request ends under way.
+"""What both sides of disaggregation share: the engine, the KV transfer agent, the calls
+to peers, the handoff counts a worker reports (`WorkerLoad`), and the request ends under way.
 
+- Made on the event loop that serves the worker (`loop`).
 - A request's end (reports, releases) runs to its end even if its caller is cancelled again
   (a drain's second cancellation); the worker waits for them before it stops.
 """
@@ -13,10 +14,10 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from kvbaton.disagg.peers import PeerCalls
 from kvbaton.engine.connector import ConnectedEngine, KvCacheView
 from kvbaton.kv_transfer import KvTransferAgent
 from kvbaton.runtime import DistributedRuntime
-from kvbaton.runtime.request_plane import Handler
 
 
 class Side:
@@ -37,25 +38,15 @@ class Side:
         self.cache = cache
         self.component = component
         self.block_size = block_size
+        self.peers = PeerCalls(runtime)
         self.handoffs = 0  # prompts whose KV was read or written here (see WorkerLoad)
         self.handoff_wait_s = 0.0
         self.ending: set[asyncio.Future[object]] = set()
         self._count_lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        assert self._loop is not None, "start() first"
-        return self._loop
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-
-    def endpoints(self) -> dict[str, tuple[Handler, type]]:
-        """The side's endpoints of the worker: name -> (handler, request type)."""
-        raise NotImplementedError
+        self.loop = asyncio.get_running_loop()
 
     async def close(self) -> None:
+        await self.peers.close()
         await asyncio.to_thread(self.agent.close)
 
     def count_handoff(self, since: float) -> None:

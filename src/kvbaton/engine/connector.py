@@ -1,12 +1,8 @@
 """The engine's KV connector: what code that moves KV (disaggregation, KV tiers) sees of the
-engine, in the spirit of vLLM's KV connector API (docs/architecture.md).
+engine (docs/architecture.md, "The engine's KV connector").
 
-- Scheduler side: a request with a `kv_source` is admitted by allocating blocks for the part
-  of its prompt the prefix cache lacks (a `KvLoad`); one with `hold_kv` ends after its first
-  token with its blocks held until `release_kv`; one with a `kv_sink` is told of each layer of
-  its prompt's KV as a step writes it.
-- Worker side: `KvSource.load` moves the bytes of one load into the engine's blocks, on a load
-  thread of its own; `KvCacheView` is the cache as a transfer layer sees it.
+- Scheduler side: `EngineRequest`'s `kv_source`, `hold_kv` and `kv_sink`.
+- Worker side: `KvSource.load`, on a load thread of its own; `KvCacheView`.
 - A load ends exactly once, by return or exception; a failed one's blocks stay out of use
   until its `writes_end` is set.
 """
@@ -85,9 +81,9 @@ class EngineRequest:
     params: SamplingParams
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    hold_kv: bool = False
-    kv_source: KvSource | None = None
-    kv_sink: KvSink | None = None
+    hold_kv: bool = False  # it ends after its first token, its blocks held until `release_kv`
+    kv_source: KvSource | None = None  # admitted with blocks for the uncached part (`KvLoad`)
+    kv_sink: KvSink | None = None  # told of each layer of its prompt's KV a step writes
 
 
 class Staging(Protocol):

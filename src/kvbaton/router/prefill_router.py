@@ -12,11 +12,7 @@ import asyncio
 from collections.abc import Sequence
 
 from kvbaton.disagg.peers import PeerCalls
-from kvbaton.protocols.llm import (
-    EngineOutput,
-    KvTarget,
-    PreprocessedRequest,
-)
+from kvbaton.protocols.llm import EngineOutput, KvTarget, PreprocessedRequest
 from kvbaton.router.policies import Router, RouteRequest, follow
 from kvbaton.runtime import Client, DistributedRuntime
 
@@ -36,7 +32,6 @@ class PrefillRouter:
         timeout_s: float = DEFAULT_PREFILL_TIMEOUT_S,
     ) -> None:
         """`client`: the prefill workers' `generate` endpoint; `router`: how to rank them."""
-        self.runtime = runtime
         self.client = client
         self.router = router
         self.timeout_s = timeout_s

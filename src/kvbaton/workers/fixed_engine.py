@@ -27,18 +27,16 @@ class FixedTokensEngine:
     async def add_request(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         """Runs whole requests only (an "agg" worker): the KV connector's fields are ignored."""
         request.params.validate()
-        max_tokens = request.params.max_tokens
-        return self._outputs(request.request_id, len(request.prompt_token_ids), max_tokens)
+        return self._outputs(request)
 
-    async def _outputs(
-        self, request_id: str, prompt_tokens: int, max_tokens: int
-    ) -> AsyncGenerator[EngineOutput, None]:
+    async def _outputs(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        max_tokens = request.params.max_tokens
         tokens = (self.token_ids * (max_tokens // len(self.token_ids) + 1))[:max_tokens]
         yield EngineOutput(
-            request_id=request_id,
+            request_id=request.request_id,
             token_ids=tokens,
             finish_reason="length",
-            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(tokens)),
+            usage=Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=len(tokens)),
         )
 
     def release_kv(self, request_id: str) -> None:

@@ -1,17 +1,16 @@
-"""A worker's event stream. Broker-free, routers subscribe to the worker's `kv_events` endpoint
-over the request plane and receive its KV events and load; on a NATS event plane the worker
-`publish`es the same batches on its subject instead. Either way `kv_dump` (an endpoint) gives
-routers the whole cache to start from.
+"""A worker's event stream, its KV events and load. Broker-free, routers subscribe to the
+worker's `kv_events` endpoint; on a NATS event plane the worker `publish`es the same batches on
+its subject instead. Either way `kv_dump` (an endpoint) gives the whole cache to start from.
 
-Invariants: a subscriber receives every event emitted after its subscription began, in event-id
-order, batched; the first message of a subscription is sent as soon as it is registered (so a
-subscriber that reads it, then asks for a dump, misses nothing between the two); a subscriber
-that falls `MAX_BACKLOG` events behind has its stream ended with an error, and re-syncs from a
-dump; every subscription ends when the runtime shuts down. Published batches leave in event-id
-order, split to fit the event plane's size limit (an event too big for it alone fails, and
-routers see the gap); the load goes out when it changed and at least
-every `LOAD_REFRESH_S` (a router that subscribes later learns it too); an event lost on the way
-(a failed publish) shows as a gap in the ids, which routers heal with a dump."""
+- A subscriber receives every event emitted after its subscription began, in event-id order,
+  batched; the first batch goes as soon as it is registered (read it, then dump: none missed).
+- A subscriber `MAX_BACKLOG` events behind has its stream ended with an error (it re-syncs
+  from a dump); every subscription ends when the runtime shuts down.
+- Published batches leave in event-id order, split to fit the plane's size limit; the load
+  goes out when it changed and at least every `LOAD_REFRESH_S` (for routers that come later).
+- An event lost on the way (a failed publish, or one too big alone) shows as a gap in the
+  ids, which routers heal with a dump.
+"""
 
 from __future__ import annotations
 
@@ -128,11 +127,7 @@ class KvEventPublisher:
         namespace = component.namespace.name
         subject = event_subject(namespace, component.name, "kv_events", instance_id)
         max_bytes = await plane.max_payload()  # connects
-
-        async def send(data: bytes) -> None:
-            await plane.publish(subject, data)
-
-        return functools.partial(self.publish, send, max_bytes)
+        return functools.partial(self.publish, functools.partial(plane.publish, subject), max_bytes)
 
     async def publish(self, send: Callable[[bytes], Awaitable[None]], max_bytes: int) -> None:
         """Send the event stream through `send` (msgpack KvEventBatch-es of at most `max_bytes`,

@@ -28,13 +28,9 @@ from kvbaton.engine.connector import ConnectedEngine, EngineRequest, outputs_of
 from kvbaton.engine.engine import EngineStats
 from kvbaton.llm.model_cards import model_card_key
 from kvbaton.protocols.kv import KvDump
-from kvbaton.protocols.llm import (
-    EngineOutput,
-    ModelCard,
-    PreprocessedRequest,
-    WorkerLoad,
-)
+from kvbaton.protocols.llm import EngineOutput, ModelCard, PreprocessedRequest, WorkerLoad
 from kvbaton.runtime import Context, DistributedRuntime
+from kvbaton.runtime.request_plane import Handler
 from kvbaton.workers.kv_publisher import KvEventPublisher
 
 log = logging.getLogger(__name__)
@@ -151,14 +147,13 @@ class LLMWorker:
                 raise ValueError("disaggregated_params come in the prefill-first order only")
             if params.num_tokens != len(request.token_ids) or not params.first_token_ids:
                 raise ValueError("disaggregated_params do not match the request's prompt")
-        if side is None:  # prefilled here: the tokens sampled there still count
+        if side is None or (params is None and not request.bootstrap):
+            # Prefilled here (with params: the tokens sampled there still count).
             engine_request.output_token_ids = list(params.first_token_ids if params else [])
             return outputs_of(self.engine, engine_request)
         if params is not None:
             return side.fetched(engine_request, params)
-        if request.bootstrap:
-            return side.bootstrapped(engine_request)
-        return outputs_of(self.engine, engine_request)
+        return side.bootstrapped(engine_request)
 
     def load(self) -> WorkerLoad:
         stats = dataclasses.asdict(self.engine.stats())
@@ -227,21 +222,18 @@ class LLMWorker:
                 kv_stream = await self.kv_events.sender(self.component, instance_id)
             key = model_card_key(self.namespace, self.served_name, instance_id)
             await self.runtime.publish(key, self.card(instance_id).to_json())
+            endpoints: dict[str, tuple[Handler, Any]] = {  # name -> (handler, request type)
+                "generate": (self.generate, PreprocessedRequest),
+                "load_metrics": (self.load_metrics, Any),
+                "clear_kv_blocks": (self.clear_kv_blocks, Any),
+                "tokenizer_files": (self.tokenizer_files, Any),
+                **(self.side.endpoints() if self.side is not None else {}),
+            }
             endpoint = self.component.endpoint
             serving = [
-                endpoint("generate").serve_endpoint(
-                    self.generate, request_type=PreprocessedRequest
-                ),
-                endpoint("load_metrics").serve_endpoint(self.load_metrics),
-                endpoint("clear_kv_blocks").serve_endpoint(self.clear_kv_blocks),
-                endpoint("tokenizer_files").serve_endpoint(self.tokenizer_files),
+                endpoint(name).serve_endpoint(handler, request_type=request_type)
+                for name, (handler, request_type) in endpoints.items()
             ]
-            if self.side is not None:
-                self.side.start()
-                serving += [
-                    endpoint(name).serve_endpoint(handler, request_type=request_type)
-                    for name, (handler, request_type) in self.side.endpoints().items()
-                ]
             if self.kv_events is not None:
                 assert kv_stream is not None
                 self.kv_events.start(self.load)
