@@ -1,9 +1,10 @@
 """vLLM's V1 async engine (`AsyncLLM`) behind kvbaton's engine interface (`ServingEngine` in
 `workers/llm_worker.py`), for `--engine vllm`: aggregated workers only, so far.
 
-- Requests arrive tokenized: a `TokensPrompt`, sampling options mapped by `vllm_params.py`,
-  outputs streamed as deltas. The last output has a finish reason ("stop", "length", "abort")
-  and the usage, with the prompt tokens vLLM found in its prefix cache (`num_cached_tokens`).
+- Requests arrive tokenized: a rendered token input (`tokens_input`), sampling options mapped
+  by `vllm_params.py`, outputs streamed as deltas. The last output has a finish reason ("stop",
+  "length", "abort") and the usage, with the prompt tokens vLLM found in its prefix cache
+  (`num_cached_tokens`).
 - `add_request` raises ValueError at once for a request vLLM could never run (a prompt longer
   than the context, options vLLM rejects, the KV connector's fields); vLLM's own validation
   errors while streaming come out as ValueError too.
@@ -11,7 +12,8 @@
   GeneratorExit).
 - Load: vLLM's scheduler stats (waiting, running, KV usage, prefix cache counters), as of its
   last step, through a stat logger vLLM calls with each batch of outputs. vLLM sends none when
-  it goes idle, so while this process has no request unfinished, waiting and running are 0.
+  it goes idle, so while this process has no request unfinished, waiting, running and the
+  blocks in use are 0 (vLLM counts cached blocks no request holds as free too).
 - No KV events and no dump (the worker publishes none: the router routes vLLM workers by load
   only); `clear_kv_blocks` resets vLLM's prefix cache and cannot say how many blocks went (0).
 - vLLM's EngineCore runs in child processes: a reaper (`vllm_reaper.py`) ends them if this
@@ -164,8 +166,6 @@ class VllmEngine:
         for a request vLLM could never run; closing the iterator early aborts the request."""
         if request.hold_kv or request.kv_source or request.kv_sink or request.output_token_ids:
             raise ValueError("--engine vllm runs whole requests only (no KV hand-off yet)")
-        if request.cache_salt:
-            raise ValueError("--engine vllm takes no cache_salt yet")
         n = len(request.prompt_token_ids)
         if not 0 < n < self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; the context is {self.max_model_len}")
@@ -176,9 +176,10 @@ class VllmEngine:
         self, request: EngineRequest, params: Any
     ) -> AsyncGenerator[EngineOutput, None]:
         from vllm.exceptions import VLLMClientError
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs.engine import tokens_input
 
-        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        # Rendered already (no tokenizer work); the salt goes into its prefix cache's hashes.
+        prompt = tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt)
         top = request.params.logprobs or 0
         generated = 0
         outputs = self._llm.generate(prompt, params, request.request_id)
@@ -223,7 +224,7 @@ class VllmEngine:
         """vLLM's scheduler as of its last step (see the module's docstring)."""
         load = self._load
         idle = self._llm.get_num_unfinished_requests() == 0
-        used = round(load.kv_usage * self._num_blocks)
+        used = 0 if idle else round(load.kv_usage * self._num_blocks)
         queries = load.prefix_cache_queries
         return EngineStats(
             waiting=0 if idle else load.waiting,

@@ -2,7 +2,7 @@
 
 vLLM 0.32 runs its EngineCore in a child process (and that its model runner in another); a
 worker killed with SIGKILL leaves them running, orphaned (checked on the CPU wheel). The worker
-starts this reaper as `python -m kvbaton.engine.vllm_reaper PID:START ...` with a pipe on its
+starts this file as a script, `python -I vllm_reaper.py PID:START ...`, with a pipe on its
 stdin: when the pipe closes (the worker ended, however), the reaper sends SIGTERM to each
 process still alive, SIGKILL to those alive `GRACE_S` later, and exits.
 
@@ -63,8 +63,10 @@ def start_reaper(pids: list[int]) -> subprocess.Popen[bytes] | None:
     if not sys.platform.startswith("linux"):
         return None
     named = [f"{pid}:{start}" for pid in pids if (start := start_time(pid)) is not None]
+    # This file alone (-I: without its directory on the path), not `-m`: the engine package
+    # would import torch into a process that only waits.
     return subprocess.Popen(
-        [sys.executable, "-m", "kvbaton.engine.vllm_reaper", *named],
+        [sys.executable, "-I", str(Path(__file__).resolve()), *named],
         stdin=subprocess.PIPE,
         start_new_session=True,  # out of the worker's process group and its signals
     )
