@@ -106,13 +106,14 @@ def _stat_logger(load: _Load) -> Any:
 def engine_args(model_dir: Path, flags: dict[str, Any], passthrough: Sequence[str]) -> Any:
     """vLLM's AsyncEngineArgs: kvbaton's flags mapped (`vllm_options.py`), then the
     pass-through arguments parsed by vLLM's own parser over them (they win). ValueError for
-    arguments vLLM rejects (its parser printed why)."""
+    arguments vLLM rejects (its parser printed why, in one line)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="kvbaton worker --engine vllm ... --")
     AsyncEngineArgs.add_cli_args(parser)
+    parser.print_usage = lambda file=None: None  # its error line alone, not 300 lines of usage
     mapped = mapped_args(str(model_dir), flags, on_cpu=current_platform.is_cpu())
     try:
         namespace = parser.parse_args(mapped)
