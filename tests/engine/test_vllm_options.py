@@ -4,6 +4,7 @@ and the reaper that ends a dead worker's engine processes."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 
 from kvbaton.cli.main import split_passthrough
 from kvbaton.engine.vllm_options import GIB, mapped_args
-from kvbaton.engine.vllm_reaper import descendants, start_reaper
+from kvbaton.engine.vllm_reaper import Reaper, descendants
 
 pytestmark = pytest.mark.unit
 
@@ -45,17 +46,16 @@ def test_arguments_after_the_double_dash_are_vllm_s() -> None:
 
 
 def test_the_reaper_ends_the_processes_once_its_pipe_closes() -> None:
+    """The reaper watches this process; a child started after it, and noted when told it
+    started, ends once the pipe closes (as when the worker dies)."""
+    reaper = Reaper.start()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert sleeper.pid in descendants(os.getpid())
-        reaper = start_reaper([sleeper.pid])
-        assert reaper is not None and reaper.stdin is not None
-        with pytest.raises(subprocess.TimeoutExpired):  # it waits while the pipe is open
-            reaper.wait(0.5)
+        reaper.started()
         assert sleeper.poll() is None
-        reaper.stdin.close()  # as when the worker dies
-        assert sleeper.wait(10) != 0
-        assert reaper.wait(10) == 0
+        reaper.close(10)
+        assert sleeper.wait(10) == -signal.SIGTERM
     finally:
         sleeper.kill()
         sleeper.wait()

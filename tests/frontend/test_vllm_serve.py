@@ -9,6 +9,7 @@ Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -16,7 +17,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,11 +24,12 @@ import jsonschema
 import openai
 import pytest
 
-from kvbaton.engine.vllm_reaper import descendants
+from kvbaton.engine.vllm_reaper import descendants, start_time
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
 from tests.frontend.conftest import _READY, Deployment, _start, serve_slot, stop_serve
 from tests.frontend.fleet import poll
+from tests.helpers import wait_until_sync
 
 MODEL_DIR = Path.home() / ".cache" / "kvbaton" / "models" / "smollm2"  # `kvbaton pull`
 pytestmark = [
@@ -215,21 +216,36 @@ def test_a_prompt_over_the_context_is_a_400(client: openai.OpenAI, vllm_serve: D
 
 
 def test_a_killed_worker_leaves_no_vllm_process(vllm_serve: Deployment) -> None:
-    """Last in the module: serve starts the worker again, which takes a while."""
+    """Killed serving, then killed again while serve's restart of it loads vLLM's model (the
+    reaper notes vLLM's processes as they start). Last in the module."""
     pid = serve_slot(vllm_serve, "worker-0")["pid"]
+    assert "VLLM::EngineCore" in named(pid), "vLLM's engine runs in a child process"
+    kill_and_check(pid)
+    wait_until_sync(
+        lambda: (
+            (p := serve_slot(vllm_serve, "worker-0")["pid"]) != pid and "VLLM::Worker" in named(p)
+        ),
+        READY_S,
+        "serve's new worker-0 loading vLLM's model",
+    )
+    kill_and_check(serve_slot(vllm_serve, "worker-0")["pid"])
+
+
+def named(pid: int) -> dict[str, int]:
+    """The process's descendants by their command's first word (vLLM names its own)."""
+    found = {}
+    for child in descendants(pid):
+        with contextlib.suppress(OSError):
+            command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0].decode()
+            found[command] = child
+    return found
+
+
+def kill_and_check(pid: int) -> None:
     children = descendants(pid)
-    assert children, "vLLM's engine runs in child processes"
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while left := [c for c in children if _alive(c)]:
-        assert time.monotonic() < deadline, f"vLLM processes {left} outlived their worker"
-        time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    """The process runs (a zombie, dead but not yet reaped by its new parent, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    wait_until_sync(
+        lambda: all(start_time(c) is None for c in children),
+        30,
+        f"processes {children} outliving their worker",
+    )

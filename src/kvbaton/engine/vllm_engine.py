@@ -27,8 +27,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
-import subprocess
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,7 @@ from kvbaton.engine.connector import EngineRequest
 from kvbaton.engine.engine import EngineStats
 from kvbaton.engine.vllm_options import mapped_args
 from kvbaton.engine.vllm_params import token_logprobs, vllm_sampling_params
-from kvbaton.engine.vllm_reaper import descendants, start_reaper
+from kvbaton.engine.vllm_reaper import Reaper
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.protocols.kv import KvDump
 from kvbaton.protocols.llm import EngineOutput, Usage
@@ -126,7 +124,7 @@ def engine_args(model_dir: Path, flags: dict[str, Any], passthrough: Sequence[st
 
 
 class VllmEngine:
-    def __init__(self, llm: Any, model_dir: Path, load: _Load) -> None:
+    def __init__(self, llm: Any, model_dir: Path, load: _Load, reaper: Reaper) -> None:
         self._llm = llm
         self.model_dir = model_dir
         self._load = load
@@ -134,7 +132,7 @@ class VllmEngine:
         self.max_model_len: int = config.model_config.max_model_len
         self.block_size: int = config.cache_config.block_size
         self._num_blocks: int = config.cache_config.num_gpu_blocks or 0
-        self._reaper: subprocess.Popen[bytes] | None = start_reaper(descendants(os.getpid()))
+        self._reaper = reaper
 
     @classmethod
     async def create(
@@ -154,13 +152,17 @@ class VllmEngine:
             args = engine_args(model_dir, flags, passthrough)
             return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(load)])
 
+        reaper = Reaper.start()  # before vLLM's processes: a kill while they start ends them
         try:
             llm = await asyncio.to_thread(start)
-        except ValueError:
+        except BaseException as exc:
+            await asyncio.to_thread(reaper.close)
+            if isinstance(exc, Exception) and not isinstance(exc, ValueError):
+                # A model vLLM cannot load, an engine that did not start.
+                raise ValueError(f"vLLM did not start: {exc} (its log above says why)") from exc
             raise
-        except Exception as exc:  # a model vLLM cannot load, an engine that did not start
-            raise ValueError(f"vLLM did not start: {exc} (its log above says why)") from exc
-        return cls(llm, model_dir, load)
+        reaper.started()
+        return cls(llm, model_dir, load, reaper)
 
     async def add_request(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         """Outputs of one request, the last with a finish reason and usage. ValueError at once
@@ -253,6 +255,4 @@ class VllmEngine:
         try:
             await asyncio.to_thread(self._llm.shutdown)
         finally:
-            if self._reaper is not None and self._reaper.stdin is not None:
-                self._reaper.stdin.close()  # it ends what is left, then exits
-                await asyncio.to_thread(self._reaper.wait, 30)
+            await asyncio.to_thread(self._reaper.close)  # it ends what is left, then exits

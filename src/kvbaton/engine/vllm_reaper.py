@@ -1,22 +1,26 @@
 """Ends vLLM's engine processes when the worker that started them dies, even by SIGKILL.
 
 vLLM 0.32 runs its EngineCore in a child process (and that its model runner in another); a
-worker killed with SIGKILL leaves them running, orphaned (checked on the CPU wheel). The worker
-starts this file as a script, `python -I vllm_reaper.py PID:START ...`, with a pipe on its
-stdin: when the pipe closes (the worker ended, however), the reaper sends SIGTERM to each
-process still alive, SIGKILL to those alive `GRACE_S` later, and exits.
+worker killed with SIGKILL leaves them running, orphaned (checked on the CPU wheel). Before it
+starts vLLM, the worker starts this file as a script (`python -I vllm_reaper.py WORKER_PID`)
+with a pipe on its stdin. The reaper notes the worker's descendants: every `SCAN_S` while vLLM
+starts, once more when the worker writes a line (vLLM is up), then no more. When the pipe
+closes (the worker ended, however), it sends SIGTERM to each noted process still alive,
+SIGKILL to those alive `GRACE_S` later, and exits.
 
-- A process is named by its pid and its start time (/proc/PID/stat), so a pid the system gave
-  to another process since is left alone.
-- The reaper ignores SIGINT and SIGTERM (a terminal's Ctrl-C, or serve stopping its children's
-  group, must not end it before the worker).
-- Linux only (/proc); elsewhere `start_reaper` starts nothing.
+- A process is noted with its start time (/proc/PID/stat): a pid the system gave to another
+  process since is left alone.
+- The reaper ignores SIGINT and SIGTERM (a terminal's Ctrl-C, or a signal to the worker's
+  group, must not end it before the worker), and runs in a session of its own.
+- It imports nothing of kvbaton (no torch in a process that only waits).
+- Linux only (/proc); elsewhere `Reaper.start` starts nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -25,15 +29,18 @@ from pathlib import Path
 
 GRACE_S = 5.0
 POLL_S = 0.1
+SCAN_S = 1.0  # while vLLM starts
 
 
 def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot, or None if there is no process."""
+    """The process's start time in clock ticks since boot; None if no process runs under the
+    pid (none, or a zombie: dead, not yet reaped by its parent)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22, after the command's ")"
+    fields = stat.rsplit(")", 1)[1].split()  # after the command's ")": state is field 3
+    return None if fields[0] == "Z" else int(fields[19])  # start time: field 22
 
 
 def descendants(pid: int) -> list[int]:
@@ -57,27 +64,46 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def start_reaper(pids: list[int]) -> subprocess.Popen[bytes] | None:
-    """Start a reaper for `pids` (each named by its start time now); keep the returned process
-    (its stdin) open for as long as the processes should live, then close its stdin."""
-    if not sys.platform.startswith("linux"):
-        return None
-    named = [f"{pid}:{start}" for pid in pids if (start := start_time(pid)) is not None]
-    # This file alone (-I: without its directory on the path), not `-m`: the engine package
-    # would import torch into a process that only waits.
-    return subprocess.Popen(
-        [sys.executable, "-I", str(Path(__file__).resolve()), *named],
-        stdin=subprocess.PIPE,
-        start_new_session=True,  # out of the worker's process group and its signals
-    )
+class Reaper:
+    """The worker's handle on its reaper."""
+
+    def __init__(self, proc: subprocess.Popen[bytes] | None) -> None:
+        self._proc = proc
+
+    @classmethod
+    def start(cls) -> Reaper:
+        """A reaper of this process's descendants (start it before they start)."""
+        if not sys.platform.startswith("linux"):
+            return cls(None)
+        script = str(Path(__file__).resolve())  # -I: without its directory on the path
+        proc = subprocess.Popen(
+            [sys.executable, "-I", script, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            start_new_session=True,  # out of the worker's process group and its signals
+        )
+        return cls(proc)
+
+    def started(self) -> None:
+        """The processes to reap have all started: note them once more, then stop looking."""
+        if self._proc is not None and self._proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                self._proc.stdin.write(b"started\n")
+                self._proc.stdin.flush()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End whatever of the noted processes is left; wait for the reaper to exit."""
+        if self._proc is not None and self._proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                self._proc.stdin.close()
+            self._proc.wait(timeout)
 
 
-def _alive(named: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    return [(pid, start) for pid, start in named if start_time(pid) == start]
+def _alive(noted: dict[int, int]) -> list[int]:
+    return [pid for pid, start in noted.items() if start_time(pid) == start]
 
 
-def _signal(named: list[tuple[int, int]], sig: signal.Signals) -> None:
-    for pid, _ in _alive(named):
+def _signal(noted: dict[int, int], sig: signal.Signals) -> None:
+    for pid in _alive(noted):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
 
@@ -85,14 +111,29 @@ def _signal(named: list[tuple[int, int]], sig: signal.Signals) -> None:
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    named = [(int(p), int(s)) for p, s in (arg.split(":") for arg in argv)]
-    while sys.stdin.buffer.read(4096):  # until the worker's end of the pipe closes
-        pass
-    _signal(named, signal.SIGTERM)
+    worker = int(argv[0])
+    noted: dict[int, int] = {}
+
+    def note() -> None:
+        for pid in descendants(worker):
+            if pid != os.getpid() and pid not in noted and (start := start_time(pid)):
+                noted[pid] = start
+
+    stdin, scanning = sys.stdin.fileno(), True
+    while True:
+        readable, _, _ = select.select([stdin], [], [], SCAN_S if scanning else None)
+        if not readable:
+            note()
+            continue
+        if not os.read(stdin, 4096):  # the worker's end of the pipe closed
+            break
+        note()
+        scanning = False
+    _signal(noted, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
-    while _alive(named) and time.monotonic() < deadline:
+    while _alive(noted) and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    _signal(named, signal.SIGKILL)
+    _signal(noted, signal.SIGKILL)
 
 
 if __name__ == "__main__":
