@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from kvbaton.cli.main import split_passthrough
+from kvbaton.cli.main import build_parser, split_passthrough
+from kvbaton.cli.worker import check_engine_flags
 from kvbaton.engine.vllm_options import GIB, mapped_args
 from kvbaton.engine.vllm_reaper import Reaper, descendants
 
@@ -43,6 +44,13 @@ def test_arguments_after_the_double_dash_are_vllm_s() -> None:
     assert ours == ["serve", "--engine", "vllm"]
     assert theirs == ["--max-num-seqs", "8"]
     assert split_passthrough(["generate", "--", "-x"]) == (["generate", "--", "-x"], [])
+
+
+@pytest.mark.parametrize("flags", [["worker", "--role", "prefill"], ["serve", "--mode", "disagg"]])
+def test_vllm_workers_are_aggregated_only_so_far(flags: list[str]) -> None:
+    args = build_parser().parse_args([*flags, "--engine", "vllm"])
+    with pytest.raises(ValueError, match="aggregated workers only"):
+        check_engine_flags(args)  # before vLLM loads a model for nothing
 
 
 def test_the_reaper_ends_the_processes_once_its_pipe_closes() -> None:

@@ -130,6 +130,8 @@ def check_engine_flags(args: argparse.Namespace) -> None:
     if getattr(args, "vllm_args", None) and args.engine != "vllm":
         raise ValueError("arguments after `--` are vLLM's, for --engine vllm")
     if args.engine == "vllm":
+        if getattr(args, "role", "agg") != "agg" or getattr(args, "mode", "agg") != "agg":
+            raise ValueError("--engine vllm runs aggregated workers only, so far")
         from kvbaton.engine.vllm_engine import vllm_missing
 
         if (missing := vllm_missing()) is not None:
