@@ -254,5 +254,8 @@ class VllmEngine:
         """Stop vLLM's engine and its processes, then the reaper."""
         try:
             await asyncio.to_thread(self._llm.shutdown)
+            # AsyncLLM.__del__ shuts down again, at interpreter exit, where that fails (its
+            # module's globals are gone) and prints a traceback: once is enough.
+            self._llm.shutdown = lambda timeout=None: None
         finally:
             await asyncio.to_thread(self._reaper.close)  # it ends what is left, then exits
