@@ -83,7 +83,11 @@ def start_frontend(discovery: Path | str, namespace: str, *extra: str) -> Deploy
 
 
 def _start(
-    command: list[str], ready_line: re.Pattern[str], discovery: Path | str | None, model: str
+    command: list[str],
+    ready_line: re.Pattern[str],
+    discovery: Path | str | None,
+    model: str,
+    ready_s: float = READY_S,
 ) -> Deployment:
     url = f"file://{discovery}" if isinstance(discovery, Path) else discovery or ""
     proc = subprocess.Popen(
@@ -117,7 +121,7 @@ def _start(
 
     deployment.reader = threading.Thread(target=read, daemon=True)
     deployment.reader.start()
-    deadline = time.monotonic() + READY_S
+    deadline = time.monotonic() + ready_s
     while not ready.wait(0.2):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_serve(proc)

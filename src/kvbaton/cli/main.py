@@ -73,8 +73,9 @@ def _runtime_flags(
 
 
 ENGINES = (
-    "torch: the built-in engine; mocker: its scheduler with a timing model instead of a "
-    "model; fixed: fixed tokens at no cost"
+    "torch: the built-in engine; vllm: vLLM's (its own engine arguments after `--`); mocker: "
+    "the built-in scheduler with a timing model instead of a model; fixed: fixed tokens at no "
+    "cost"
 )
 
 
@@ -281,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-workers", type=int, default=1, help="disagg: decode workers")
     _http_flags(serve, old_port_flag=True)
     serve.add_argument(
-        "--engine", choices=["torch", "mocker", "fixed"], default="torch", help=ENGINES
+        "--engine", choices=["torch", "vllm", "mocker", "fixed"], default="torch", help=ENGINES
     )
     add_worker_flags(serve)
     add_router_flags(serve)
@@ -306,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument(
         "--engine",
-        choices=["torch", "mocker", "fixed", "echo"],
+        choices=["torch", "vllm", "mocker", "fixed", "echo"],
         default="torch",
         help=f"{ENGINES}; echo: no LLM",
     )
@@ -358,8 +359,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """kvbaton's arguments, and those after the first `--` of `serve` and `worker` (vLLM's
+    engine arguments; another command keeps its `--`)."""
+    if argv[:1] not in (["serve"], ["worker"]) or "--" not in argv:
+        return argv, []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1 :]
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    ours, vllm_args = split_passthrough(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(ours)
+    args.vllm_args = vllm_args  # `--engine vllm`'s own engine arguments
     end_with_supervisor()
     _setup_logging(args.log_level)
     try:

@@ -80,7 +80,8 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 
     def worker(role: str) -> list[str]:
         flags = ["--role", role, "--engine", args.engine, *common, *_flags(args, WORKER_FLAGS)]
-        return [*base, "worker", *flags]
+        passthrough = getattr(args, "vllm_args", [])  # vLLM's engine arguments, after `--`
+        return [*base, "worker", *flags, *(["--", *passthrough] if passthrough else [])]
 
     if args.mode == "agg":
         workers = [(f"worker-{i}", worker("agg")) for i in range(args.workers)]

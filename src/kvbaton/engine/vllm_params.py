@@ -1,0 +1,74 @@
+"""kvbaton's sampling options as vLLM's, and vLLM's outputs as kvbaton's (`vllm_engine.py`).
+vLLM is imported when a function runs, never at import.
+
+- Every kvbaton field maps: max/min tokens, temperature, top_p/top_k/min_p, seed, the three
+  penalties, ignore_eos, stop token ids, logprobs, logit bias, and a constraint (`Guided`) to
+  vLLM's structured outputs (json schema, regex, choice, grammar).
+- Outputs stream as deltas (`RequestOutputKind.DELTA`), token ids only: vLLM does not
+  detokenize (the frontend does, and matches stop strings there).
+- A constraint replayed over a migrated request's tokens (`Guided.replay`) has no vLLM
+  counterpart: ValueError.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvbaton.protocols.llm import SamplingParams, TokenLogprob
+
+# kvbaton's constraint kind -> vLLM's StructuredOutputsParams field.
+GUIDED_FIELDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def vllm_sampling_params(params: SamplingParams) -> Any:
+    """vLLM's SamplingParams for a validated `params`; ValueError (vLLM's own validation
+    included) for options vLLM does not take."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    structured = None
+    if params.guided is not None:
+        guided = params.guided
+        if guided.replay:
+            raise ValueError("--engine vllm cannot resume a constraint (guided.replay)")
+        spec: Any = json.loads(guided.spec) if guided.kind == "choice" else guided.spec
+        structured = StructuredOutputsParams(**{GUIDED_FIELDS[guided.kind]: spec})
+    return VllmSamplingParams(
+        n=1,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=max(params.top_k, 0),  # kvbaton's -1 and 0 are off, vLLM's 0
+        min_p=params.min_p,
+        seed=params.seed,
+        repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=list(params.stop_token_ids),
+        logprobs=params.logprobs,
+        logit_bias=dict(params.logit_bias) or None,
+        structured_outputs=structured,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,
+    )
+
+
+def token_logprobs(
+    token_ids: list[int], logprobs: Any, top: int
+) -> list[list[TokenLogprob]] | None:
+    """kvbaton's logprobs for a delta's tokens: per token, the chosen one's, then the `top`
+    best by rank (which may hold the chosen one again, as kvbaton's engine gives them).
+    `logprobs`: vLLM's per-token dicts (token id -> Logprob), or None."""
+    if logprobs is None:
+        return None
+    entries: list[list[TokenLogprob]] = []
+    for token, ranked in zip(token_ids, logprobs, strict=True):
+        chosen = TokenLogprob(token, float(ranked[token].logprob))
+        best = sorted(
+            ((lp.rank, tid, lp.logprob) for tid, lp in ranked.items() if lp.rank <= top),
+        )
+        entries.append([chosen, *(TokenLogprob(tid, float(lp)) for _, tid, lp in best)])
+    return entries

@@ -1,0 +1,69 @@
+"""`--engine vllm`'s pieces that need no vLLM: kvbaton's flags as vLLM's, the `--` pass-through,
+and the reaper that ends a dead worker's engine processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from kvbaton.cli.main import build_parser, split_passthrough
+from kvbaton.cli.worker import check_engine_flags
+from kvbaton.engine.vllm_options import GIB, mapped_args
+from kvbaton.engine.vllm_reaper import Reaper, descendants
+
+pytestmark = pytest.mark.unit
+
+
+def test_flags_map_to_vllm_s_and_the_cpu_sizes_its_kv_cache() -> None:
+    flags = {"dtype": "bfloat16", "max_model_len": 2048, "num_kv_blocks": 64, "device": "cpu"}
+    argv = mapped_args("/m", flags, on_cpu=True)
+    assert argv[:2] == ["--model", "/m"]
+    pairs = dict(zip(argv[2::2], argv[3::2], strict=False))
+    assert pairs["--dtype"] == "bfloat16"
+    assert pairs["--max-model-len"] == "2048"
+    assert pairs["--num-gpu-blocks-override"] == "64"
+    assert pairs["--kv-cache-memory-bytes"] == str(GIB)  # explicit: 92% of a node fails
+    assert "--enforce-eager" in argv
+    half = mapped_args("/m", {"kv_cache_gib": 0.5}, on_cpu=False)
+    assert half[half.index("--kv-cache-memory-bytes") + 1] == str(GIB // 2)
+    assert "--enforce-eager" not in mapped_args("/m", {}, on_cpu=False)
+    assert "--kv-cache-memory-bytes" not in mapped_args("/m", {}, on_cpu=False)  # GPU: vLLM's
+
+
+def test_flags_vllm_has_no_use_for_are_refused() -> None:
+    with pytest.raises(ValueError, match="--num-threads is not for --engine vllm"):
+        mapped_args("/m", {"num_threads": 2}, on_cpu=True)
+
+
+def test_arguments_after_the_double_dash_are_vllm_s() -> None:
+    ours, theirs = split_passthrough(["serve", "--engine", "vllm", "--", "--max-num-seqs", "8"])
+    assert ours == ["serve", "--engine", "vllm"]
+    assert theirs == ["--max-num-seqs", "8"]
+    assert split_passthrough(["generate", "--", "-x"]) == (["generate", "--", "-x"], [])
+
+
+@pytest.mark.parametrize("flags", [["worker", "--role", "prefill"], ["serve", "--mode", "disagg"]])
+def test_vllm_workers_are_aggregated_only_so_far(flags: list[str]) -> None:
+    args = build_parser().parse_args([*flags, "--engine", "vllm"])
+    with pytest.raises(ValueError, match="aggregated workers only"):
+        check_engine_flags(args)  # before vLLM loads a model for nothing
+
+
+def test_the_reaper_ends_the_processes_once_its_pipe_closes() -> None:
+    """The reaper watches this process; a child started after it, and noted when told it
+    started, ends once the pipe closes (as when the worker dies)."""
+    reaper = Reaper.start()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert sleeper.pid in descendants(os.getpid())
+        reaper.started()
+        assert sleeper.poll() is None
+        reaper.close(10)
+        assert sleeper.wait(10) == -signal.SIGTERM
+    finally:
+        sleeper.kill()
+        sleeper.wait()

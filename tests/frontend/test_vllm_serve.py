@@ -1,0 +1,273 @@
+"""`kvbaton serve --engine vllm --workers 2` on SmolLM2 (issue 30, the aggregated slice): greedy
+answers equal vLLM's own offline `LLM.generate`, a left stream leaves vLLM running nothing, a
+JSON schema holds, an over-long prompt is a 400, and a worker killed with SIGKILL leaves no vLLM
+process behind.
+
+Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
+`.venv-vllm/bin/python -m pytest -m vllm tests/frontend/test_vllm_serve.py`; skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from kvbaton.engine.vllm_reaper import descendants, start_time
+from kvbaton.protocols.llm import WorkerLoad
+from kvbaton.runtime import DistributedRuntime
+from tests.frontend.conftest import _READY, Deployment, _start, serve_slot, stop_serve
+from tests.frontend.fleet import poll
+from tests.helpers import wait_until_sync
+
+MODEL_DIR = Path.home() / ".cache" / "kvbaton" / "models" / "smollm2"  # `kvbaton pull`
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.integration,
+    pytest.mark.timeout(900),  # the module's deployment starts in the first test's time
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed here: build .venv-vllm with scripts/vllm_env.sh and run "
+        ".venv-vllm/bin/python -m pytest -m vllm tests/frontend/test_vllm_serve.py",
+    ),
+    pytest.mark.skipif(not MODEL_DIR.is_dir(), reason="SmolLM2 is not pulled (`kvbaton pull`)"),
+]
+
+MAX_MODEL_LEN = 1024
+KV_CACHE_GIB = 0.25  # per worker: about 11,000 tokens of SmolLM2
+READY_S = 600.0  # two vLLM engines starting on a loaded 2-core machine
+BACKEND = "kvbaton.backend.load_metrics"
+MAX_TOKENS = 24
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+]
+
+OFFLINE = textwrap.dedent(
+    """
+    import json, sys
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if __name__ == "__main__":  # vLLM spawns its engine process: it imports this module
+        model, max_model_len, kv_bytes, max_tokens, prompts = json.loads(sys.argv[1])
+        llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=max_model_len,
+                  kv_cache_memory_bytes=kv_bytes)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        texts = []
+        for ids in prompts:  # one at a time, as the test sends them to serve
+            (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+            texts.append(out.outputs[0].text)
+        print("OFFLINE " + json.dumps(texts), flush=True)
+    """
+)
+
+
+def prompt_ids() -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    return [tokenizer.encode(text).ids for text in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def offline_texts(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """vLLM's own greedy answers (`LLM.generate`, same settings), computed before serve starts
+    so that the two do not share the cores."""
+    script = tmp_path_factory.mktemp("offline") / "offline.py"
+    script.write_text(OFFLINE)
+    spec = [str(MODEL_DIR), MAX_MODEL_LEN, int(KV_CACHE_GIB * (1 << 30)), MAX_TOKENS, prompt_ids()]
+    done = subprocess.run(
+        [sys.executable, str(script), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=READY_S,
+        cwd=script.parent,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("OFFLINE ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
+    texts: list[str] = json.loads(lines[-1].removeprefix("OFFLINE "))
+    assert all(texts), texts  # something to compare
+    return texts
+
+
+@pytest.fixture(scope="module")
+def vllm_serve(
+    offline_texts: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    command = [
+        "serve",
+        "--engine",
+        "vllm",
+        "--workers",
+        "2",
+        "--model",
+        str(MODEL_DIR),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-gib",
+        str(KV_CACHE_GIB),
+    ]
+    discovery = tmp_path_factory.mktemp("discovery")
+    deployment = _start(command, _READY, discovery, MODEL_DIR.name, ready_s=READY_S)
+    yield deployment
+    stop_serve(deployment.proc)
+
+
+@pytest.fixture
+def client(vllm_serve: Deployment) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{vllm_serve.url}/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+def test_greedy_answers_equal_vllm_offline(
+    client: openai.OpenAI, vllm_serve: Deployment, offline_texts: list[str]
+) -> None:
+    served = []
+    for ids in prompt_ids():
+        answer = client.completions.create(
+            model=vllm_serve.model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0
+        )
+        served.append(answer.choices[0].text)
+    assert served == offline_texts
+
+
+async def test_a_left_stream_leaves_vllm_running_nothing(vllm_serve: Deployment) -> None:
+    async with (
+        openai.AsyncOpenAI(base_url=f"{vllm_serve.url}/v1", api_key="none", max_retries=0) as ai,
+        DistributedRuntime(vllm_serve.discovery) as runtime,
+    ):
+        stream = await ai.completions.create(
+            model=vllm_serve.model,
+            prompt="Count to a thousand:",
+            max_tokens=400,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = 0
+        async for _ in stream:
+            chunks += 1
+            if chunks == 3:
+                break
+        running = await all_loads(runtime)
+        assert sum(load.running for load in running) >= 1, running  # vLLM's scheduler says so
+        assert all(load.kv_blocks_total > 0 for load in running), running
+        await stream.close()
+
+        async def nothing_runs() -> bool:
+            return all(load.running == load.waiting == 0 for load in await all_loads(runtime))
+
+        await poll(nothing_runs, 30, "vLLM still runs the left request")
+
+
+async def all_loads(runtime: DistributedRuntime) -> list[WorkerLoad]:
+    """Every worker's load (each instance asked directly)."""
+    client = await runtime.endpoint(BACKEND).client(response_type=WorkerLoad)
+    try:
+        await client.wait_for_instances(READY_S)
+        loads: list[WorkerLoad] = []
+        for instance in client.instance_ids():
+            loads += [load async for load in client.direct(None, instance)]
+        return loads
+    finally:
+        await client.close()
+
+
+def test_a_json_schema_gives_valid_json(client: openai.OpenAI, vllm_serve: Deployment) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    answer = client.chat.completions.create(
+        model=vllm_serve.model,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=200,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": schema, "strict": True},
+        },
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content or ""), schema)
+
+
+def test_a_prompt_over_the_context_is_a_400(client: openai.OpenAI, vllm_serve: Deployment) -> None:
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(
+            model=vllm_serve.model, prompt=[42] * (MAX_MODEL_LEN + 8), max_tokens=4
+        )
+
+
+def test_a_repeated_prompt_reports_vllm_s_cached_tokens(
+    client: openai.OpenAI, vllm_serve: Deployment
+) -> None:
+    """The same 300-token prompt twice at one worker: the second finds its whole blocks in
+    vLLM's prefix cache (never the prompt's last token: at least one is computed)."""
+    instance = httpx.get(f"{vllm_serve.url}/health").json()["models"][vllm_serve.model][0]
+    pin = {"nvext": {"backend_instance_id": instance}}
+    prompt = list(range(1000, 1300))
+    cached = []
+    for _ in range(2):
+        answer = client.completions.create(
+            model=vllm_serve.model, prompt=prompt, max_tokens=2, extra_body=pin
+        )
+        assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
+        details = answer.usage.prompt_tokens_details
+        cached.append(details.cached_tokens if details else 0)
+    assert not cached[0]
+    assert 256 <= (cached[1] or 0) < len(prompt), cached
+
+
+def test_a_killed_worker_leaves_no_vllm_process(vllm_serve: Deployment) -> None:
+    """Killed serving, then killed again while serve's restart of it loads vLLM's model (the
+    reaper notes vLLM's processes as they start). Last in the module."""
+    pid = serve_slot(vllm_serve, "worker-0")["pid"]
+    assert "VLLM::EngineCore" in named(pid), "vLLM's engine runs in a child process"
+    kill_and_check(pid)
+    wait_until_sync(
+        lambda: (
+            (p := serve_slot(vllm_serve, "worker-0")["pid"]) != pid and "VLLM::Worker" in named(p)
+        ),
+        READY_S,
+        "serve's new worker-0 loading vLLM's model",
+    )
+    kill_and_check(serve_slot(vllm_serve, "worker-0")["pid"])
+
+
+def named(pid: int) -> dict[str, int]:
+    """The process's descendants by their command's first word (vLLM names its own)."""
+    found = {}
+    for child in descendants(pid):
+        with contextlib.suppress(OSError):
+            command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0].decode()
+            found[command] = child
+    return found
+
+
+def kill_and_check(pid: int) -> None:
+    children = descendants(pid)
+    os.kill(pid, signal.SIGKILL)
+    wait_until_sync(
+        lambda: all(start_time(c) is None for c in children),
+        30,
+        f"processes {children} outliving their worker",
+    )
