@@ -7,13 +7,15 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from kvbaton.cli.main import build_parser, split_passthrough
 from kvbaton.cli.worker import check_engine_flags
 from kvbaton.engine.vllm_options import GIB, mapped_args
-from kvbaton.engine.vllm_reaper import Reaper, descendants
+from kvbaton.engine.vllm_reaper import Reaper, descendants, start_time
+from tests.helpers import wait_until_sync
 
 pytestmark = pytest.mark.unit
 
@@ -55,8 +57,13 @@ def test_vllm_workers_are_aggregated_only_so_far(flags: list[str]) -> None:
 
 def test_the_reaper_ends_the_processes_once_its_pipe_closes() -> None:
     """The reaper watches this process; a child started after it, and noted when told it
-    started, ends once the pipe closes (as when the worker dies)."""
+    started, ends once the pipe closes (as when the worker dies); one started before it (the
+    test session's servers, here) is left alone."""
+    before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    wait_until_sync(lambda: ticks_since_boot() > (start_time(before.pid) or 0), 5, "a tick")
     reaper = Reaper.start()
+    assert reaper.pid is not None
+    wait_until_sync(lambda: ticks_since_boot() > (start_time(reaper.pid) or 0), 5, "a tick")
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert sleeper.pid in descendants(os.getpid())
@@ -64,6 +71,14 @@ def test_the_reaper_ends_the_processes_once_its_pipe_closes() -> None:
         assert sleeper.poll() is None
         reaper.close(10)
         assert sleeper.wait(10) == -signal.SIGTERM
+        assert before.poll() is None
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        for proc in (sleeper, before):
+            proc.kill()
+            proc.wait()
+
+
+def ticks_since_boot() -> int:
+    """Now, in the clock ticks of /proc/PID/stat's start times."""
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return int(uptime * os.sysconf("SC_CLK_TCK"))

@@ -8,6 +8,8 @@ starts, once more when the worker writes a line (vLLM is up), then no more. When
 closes (the worker ended, however), it sends SIGTERM to each noted process still alive,
 SIGKILL to those alive `GRACE_S` later, and exits.
 
+- Only processes that started after the reaper (a clock tick later at least) are noted:
+  what the worker ran before it (anything not vLLM's) is left alone.
 - A process is noted with its start time (/proc/PID/stat): a pid the system gave to another
   process since is left alone.
 - The reaper ignores SIGINT and SIGTERM (a terminal's Ctrl-C, or a signal to the worker's
@@ -83,6 +85,10 @@ class Reaper:
         )
         return cls(proc)
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
     def started(self) -> None:
         """The processes to reap have all started: note them once more, then stop looking."""
         if self._proc is not None and self._proc.stdin is not None:
@@ -112,11 +118,13 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     worker = int(argv[0])
+    born = start_time(os.getpid()) or 0
     noted: dict[int, int] = {}
 
     def note() -> None:
         for pid in descendants(worker):
-            if pid != os.getpid() and pid not in noted and (start := start_time(pid)):
+            start = start_time(pid)
+            if pid != os.getpid() and pid not in noted and start is not None and start > born:
                 noted[pid] = start
 
     stdin, scanning = sys.stdin.fileno(), True
