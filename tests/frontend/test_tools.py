@@ -92,7 +92,7 @@ def test_the_forced_grammar_takes_a_valid_call_only(name: str, chat_model: Path)
     asked = request(tools=[ADD], tool_choice="required")
     use = tool_use(asked, fmt)
     assert use is not None
-    guided = use.guided()
+    guided = use.guided
     assert guided is not None
     tokenizer = Tokenizer(chat_model)
     lltok = llguidance.LLTokenizer(

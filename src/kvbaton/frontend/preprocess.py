@@ -125,7 +125,7 @@ def constraint(request: _Common, tools: ToolUse | None = None) -> Guided | None:
                     "(response_format, guided_*)",
                     "tool_choice",
                 )
-            return tools.guided()
+            return tools.guided
         if guided is not None:
             grammar(guided)
     except ValueError as exc:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -61,8 +62,9 @@ class ToolUse:
             return "tool_calls"
         return reason
 
+    @functools.cached_property
     def guided(self) -> Guided | None:
-        """The grammar of a forced call (None for "auto")."""
+        """The grammar of a forced call (None for "auto"); built once, when first asked."""
         if not self.forced:
             return None
         schemas = [
@@ -108,7 +110,7 @@ def tool_use(request: ChatCompletionRequest, fmt: ToolCallFormat) -> ToolUse | N
                 "tool_choice",
             )
     use = ToolUse(fmt, kind, chosen, tools, request.parallel_tool_calls)
-    guided = use.guided()
+    guided = use.guided
     if guided is not None:
         try:
             grammar(guided)
