@@ -28,6 +28,9 @@ BS = 4
 A, B, C, D = 0xA1, 0xB2, 0xC3, 0xD4
 PROMPT = list(range(1000, 1032))  # 32 tokens: 8 blocks
 REQ = RouteRequest(token_ids=PROMPT, extra_keys=None)
+# One token past PROMPT's 8 blocks: a cache can give all 8 (the last token is computed).
+PAST = [*PROMPT, 2000]
+REQ_PAST = RouteRequest(token_ids=PAST, extra_keys=None)
 
 
 # -- simple policies ------------------------------------------------------------------------
@@ -366,15 +369,27 @@ def test_kv_router_burst_on_a_cold_pool_spreads_over_all_workers() -> None:
 
 
 def test_kv_router_a_full_hit_beats_load_unless_the_weight_is_small() -> None:
-    """A caches all 8 blocks. After one request there (no prefill pending), the same request
-    costs 9 active + 8 - 8 shared = 9 on A versus w*8 + 8 on idle B: A at w=1, B at w=0.1."""
+    """A caches all 8 blocks of a 33-token prompt. After one request there (1 token of prefill
+    pending), the same request costs w*(1+1)/4 + 9 active + 9 - 8 shared = 0.5w + 10 on A
+    versus w*33/4 + 9 on idle B: A at w=1, B at w=0.1."""
     r = kv_router()
     r.indexer.apply(A, stored(PROMPT, 8))
-    r.route(REQ, [A, B]).start(A)
-    assert r.active.prefill_tokens(A) == 0
-    assert r.route(REQ, [A, B]).ranking[0] == A
-    low = RouteRequest(token_ids=PROMPT, extra_keys=None, overlap_weight=0.1)
+    r.route(REQ_PAST, [A, B]).start(A)
+    assert r.active.prefill_tokens(A) == 1
+    assert r.route(REQ_PAST, [A, B]).ranking[0] == A
+    low = RouteRequest(token_ids=PAST, extra_keys=None, overlap_weight=0.1)
     assert r.route(low, [A, B]).ranking[0] == B
+
+
+def test_kv_router_counts_no_overlap_in_the_block_of_the_last_token() -> None:
+    """A cache holding all of a prompt gives it all but the block of its last token, which is
+    computed to sample from (kvbaton's engine and vLLM alike): the predicted overlap says so."""
+    r = kv_router()
+    r.indexer.apply(A, stored(PROMPT, 8))
+    exact, past = r.route(REQ, [A]), r.route(REQ_PAST, [A])
+    assert exact.overlaps == {A: 7} and past.overlaps == {A: 8}
+    exact.start(A)
+    assert r.active.prefill_tokens(A) == BS
 
 
 def test_kv_router_first_token_and_done_drain_the_counts() -> None:
@@ -465,9 +480,9 @@ def test_kv_router_extra_keys_never_match_other_blocks() -> None:
     r = kv_router()
     r.indexer.apply(A, stored(PROMPT, 8))
     r.indexer.apply(B, stored(PROMPT, 8, salt0))
-    with_salt0 = r.route(RouteRequest(token_ids=PROMPT, extra_keys=salt0), [A, B, C])
-    plain = r.route(REQ, [A, B, C])
-    other = r.route(RouteRequest(token_ids=PROMPT, extra_keys=salted), [A, B, C])
+    with_salt0 = r.route(RouteRequest(token_ids=PAST, extra_keys=salt0), [A, B, C])
+    plain = r.route(REQ_PAST, [A, B, C])
+    other = r.route(RouteRequest(token_ids=PAST, extra_keys=salted), [A, B, C])
     assert isinstance(with_salt0, KvRoute) and isinstance(plain, KvRoute)
     assert isinstance(other, KvRoute)
     assert with_salt0.overlaps == {A: 0, B: 8, C: 0} and with_salt0.ranking[0] == B
@@ -510,17 +525,17 @@ def test_kv_router_approx_mode_learns_from_its_own_routes() -> None:
     now = [0.0]
     r = KvRouter(ApproxKvIndexer(ttl_s=60.0, clock=lambda: now[0]), BS, subscriber=None)
     assert r.mode == "kv-approx"
-    first = r.route(REQ, [A, B, C])
+    first = r.route(REQ_PAST, [A, B, C])
     worker = first.ranking[0]
     first.start(worker)
     first.first_token()
     first.done()
     for _ in range(3):
-        route = r.route(REQ, [A, B, C])
+        route = r.route(REQ_PAST, [A, B, C])
         assert isinstance(route, KvRoute) and route.overlaps[worker] == 8
         assert route.ranking[0] == worker
     now[0] += 61.0
-    route = r.route(REQ, [A, B, C])
+    route = r.route(REQ_PAST, [A, B, C])
     assert isinstance(route, KvRoute) and route.overlaps == dict.fromkeys([A, B, C], 0)
 
 
@@ -528,12 +543,12 @@ def test_kv_router_approx_mode_forgets_a_worker_that_passed_the_request_on() -> 
     """A refused the request and B served it: only B computed the prompt's KV, so only B may
     count as caching it."""
     r = KvRouter(ApproxKvIndexer(ttl_s=60.0, clock=lambda: 0.0), BS, subscriber=None)
-    route = r.route(REQ, [A, B])
+    route = r.route(REQ_PAST, [A, B])
     route.start(A)
     route.start(B)  # A refused; the request was passed on
     route.first_token()
     route.done()
-    again = r.route(REQ, [A, B])
+    again = r.route(REQ_PAST, [A, B])
     assert isinstance(again, KvRoute)
     assert again.overlaps == {A: 0, B: 8}
     assert again.ranking[0] == B

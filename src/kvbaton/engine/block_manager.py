@@ -18,6 +18,7 @@ from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 from kvbaton.engine.sequence import Sequence
+from kvbaton.llm.hashing import reusable_blocks
 from kvbaton.protocols.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEvent
 
 
@@ -72,7 +73,7 @@ class BlockManager:
         token is left to compute, since the model must run on the last one to sample."""
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = reusable_blocks(seq.num_tokens, self.block_size)
         hits = []
         for h in seq.full_block_hashes(self.block_size, max_blocks):
             block = self.cached.get(h)

@@ -34,7 +34,7 @@ from kvbaton.frontend.migration import WorkerSilentError, migrating
 from kvbaton.frontend.openai_types import NvExt
 from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
 from kvbaton.frontend.shedding import LoadMonitor, admit
-from kvbaton.llm.hashing import block_extra_keys
+from kvbaton.llm.hashing import block_extra_keys, reusable_blocks
 from kvbaton.llm.model_cards import model_cards_prefix, parse_model_card_key
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import EngineOutput, ModelCard, PreprocessedRequest
@@ -237,9 +237,11 @@ class ServedModel:
                 if self.canary is not None:
                     self.canary.used(first)
                 if self.loads is not None and not prefill:
-                    cached = route.overlaps.get(first, 0) * self.card.kv_block_size
+                    size = self.card.kv_block_size
+                    blocks = route.overlaps.get(first, 0)
                     if at_home:  # the router may not have heard of the prompt's blocks yet
-                        cached = _full_blocks(len(request.token_ids), self.card.kv_block_size)
+                        blocks = reusable_blocks(len(request.token_ids), size)
+                    cached = blocks * size
                     prefilled = self.loads.sent(first, max(0, len(request.token_ids) - cached))
             if prefill:
                 assert self.prefill.router is not None
@@ -314,11 +316,6 @@ class ServedModel:
 
 def _nothing() -> None:
     pass
-
-
-def _full_blocks(prompt_tokens: int, block_size: int) -> int:
-    """Tokens of a prompt that a prefix cache holding all of it gives (the last is computed)."""
-    return (prompt_tokens - 1) // block_size * block_size
 
 
 async def wait_for_live(

@@ -34,6 +34,12 @@ def block_extra_keys(cache_salt: str | None = None) -> tuple[Any, ...] | None:
     return ("salt", cache_salt) if cache_salt else None
 
 
+def reusable_blocks(prompt_tokens: int, block_size: int) -> int:
+    """How many full blocks of a prompt a prefix cache can give: at least its last token is
+    computed, to sample from (kvbaton's engine and vLLM alike)."""
+    return max(0, prompt_tokens - 1) // block_size
+
+
 def hash_blocks(
     token_ids: Sequence[int],
     block_size: int,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from kvbaton.llm.hashing import hash_blocks
+from kvbaton.llm.hashing import hash_blocks, reusable_blocks
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.router.active import ActiveSequences
 from kvbaton.router.cost import DEFAULT_OVERLAP_WEIGHT, Candidate, kv_cost, rank
@@ -76,8 +76,12 @@ class KvRouter(Router):
         if self.subscriber is not None:
             await self.subscriber.close()
 
-    def candidates(self, block_hashes: list[int], workers: list[int]) -> list[Candidate]:
-        matches = self.indexer.find_matches(block_hashes)
+    def candidates(
+        self, block_hashes: list[int], workers: list[int], reusable: int | None = None
+    ) -> list[Candidate]:
+        """Each worker's standing for a prompt whose full blocks hash to `block_hashes`: its
+        overlap counts the first `reusable` of them at most (None: all)."""
+        matches = self.indexer.find_matches(block_hashes[:reusable])
         active = self.active
         out = []
         for w in workers:
@@ -108,8 +112,9 @@ class KvRouter(Router):
         temperature: float | None = None,
     ) -> tuple[list[int], dict[int, int]]:
         """`workers` best first for a prompt of `num_tokens` tokens whose full blocks hash to
-        `block_hashes`, and each one's overlap in blocks (None: the router's settings)."""
-        cands = self.candidates(block_hashes, workers)
+        `block_hashes`, and each one's overlap in blocks (None: the router's settings): the
+        blocks a prefix cache can give the prompt (`reusable_blocks`)."""
+        cands = self.candidates(block_hashes, workers, reusable_blocks(num_tokens, self.block_size))
         weight = self.overlap_weight if overlap_weight is None else overlap_weight
         costs = [kv_cost(c, num_tokens, self.block_size, weight) for c in cands]
         temperature = self.temperature if temperature is None else temperature
