@@ -55,13 +55,15 @@ def test_vllm_workers_are_aggregated_only_so_far(flags: list[str]) -> None:
         check_engine_flags(args)  # before vLLM loads a model for nothing
 
 
-def test_the_reaper_ends_the_processes_once_its_pipe_closes() -> None:
+def test_the_reaper_ends_the_processes_once_its_pipe_closes(tmp_path: Path) -> None:
     """The reaper watches this process; a child started after it, and noted when told it
-    started, ends once the pipe closes (as when the worker dies); one started before it (the
-    test session's servers, here) is left alone."""
+    started, ends once the pipe closes (as when the worker dies), and the directory it was
+    given goes; one started before it (the test session's servers, here) is left alone."""
     before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     wait_until_sync(lambda: ticks_since_boot() > (start_time(before.pid) or 0), 5, "a tick")
-    reaper = Reaper.start()
+    endpoints = tmp_path / "endpoints"
+    (endpoints / "sub").mkdir(parents=True)
+    reaper = Reaper.start(remove=(endpoints,))
     assert reaper.pid is not None
     wait_until_sync(lambda: ticks_since_boot() > (start_time(reaper.pid) or 0), 5, "a tick")
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -72,6 +74,7 @@ def test_the_reaper_ends_the_processes_once_its_pipe_closes() -> None:
         reaper.close(10)
         assert sleeper.wait(10) == -signal.SIGTERM
         assert before.poll() is None
+        assert not endpoints.exists()
     finally:
         for proc in (sleeper, before):
             proc.kill()

@@ -1,7 +1,8 @@
-"""`kvbaton serve --engine vllm --workers 2` on SmolLM2 (issue 30, the aggregated slice): greedy
-answers equal vLLM's own offline `LLM.generate`, a left stream leaves vLLM running nothing, a
-JSON schema holds, an over-long prompt is a 400, and a worker killed with SIGKILL leaves no vLLM
-process behind.
+"""`kvbaton serve --engine vllm --workers 2` on SmolLM2 (issue 30, aggregated): greedy answers
+equal vLLM's own offline `LLM.generate`, a left stream leaves vLLM running nothing, a JSON schema
+holds, an over-long prompt is a 400, the KV router sends a shared prefix back to the worker whose
+vLLM cached it (predicting the cached tokens vLLM reports), a stream whose worker is killed
+migrates, and a worker killed with SIGKILL leaves no vLLM process behind.
 
 Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
 `.venv-vllm/bin/python -m pytest -m vllm tests/frontend/test_vllm_serve.py`; skipped elsewhere.
@@ -19,9 +20,11 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
+import msgspec
 import openai
 import pytest
 
@@ -50,6 +53,7 @@ KV_CACHE_GIB = 0.25  # per worker: about 11,000 tokens of SmolLM2
 READY_S = 600.0  # two vLLM engines starting on a loaded 2-core machine
 BACKEND = "kvbaton.backend.load_metrics"
 MAX_TOKENS = 24
+VLLM_BLOCK = 128  # vLLM's block size on a CPU, by default
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -222,7 +226,7 @@ def test_a_repeated_prompt_reports_vllm_s_cached_tokens(
 ) -> None:
     """The same 300-token prompt twice at one worker: the second finds its whole blocks in
     vLLM's prefix cache (never the prompt's last token: at least one is computed)."""
-    instance = httpx.get(f"{vllm_serve.url}/health").json()["models"][vllm_serve.model][0]
+    instance = health(vllm_serve.url, vllm_serve.model)[0]
     pin = {"nvext": {"backend_instance_id": instance}}
     prompt = list(range(1000, 1300))
     cached = []
@@ -235,6 +239,105 @@ def test_a_repeated_prompt_reports_vllm_s_cached_tokens(
         cached.append(details.cached_tokens if details else 0)
     assert not cached[0]
     assert 256 <= (cached[1] or 0) < len(prompt), cached
+
+
+def test_a_shared_prefix_goes_back_to_the_worker_whose_vllm_cached_it(
+    vllm_serve: Deployment,
+) -> None:
+    """vLLM's KV events, re-hashed the kvbaton way, feed the KV router: a second prompt sharing
+    a 600-token prefix goes where the first went, vLLM finds 4 of its 128-token blocks cached,
+    and the router predicted just as many."""
+    url, model = vllm_serve.url, vllm_serve.model
+    prefix = list(range(2000, 2600))
+    worker, cached = complete_ids(url, model, [*prefix, *range(5000, 5040)])
+    assert cached == 0
+    wait_until_sync(
+        lambda: metric(url, "kvbaton_router_indexed_blocks", worker=worker) >= 5,
+        30,
+        "the router hearing of the first prompt's blocks",
+    )
+    predicted = metric(url, "kvbaton_router_overlap_blocks_sum")
+    again, cached = complete_ids(url, model, [*prefix, *range(6000, 6040)])
+    predicted = metric(url, "kvbaton_router_overlap_blocks_sum") - predicted
+    assert again == worker
+    assert cached >= 512
+    assert predicted * VLLM_BLOCK == cached
+
+
+def complete_ids(url: str, model: str, prompt: list[int]) -> tuple[str, int]:
+    """(the worker that served `prompt`, the prompt tokens vLLM found cached)."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        raw = client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=2)
+    usage = raw.parse().usage
+    assert usage is not None and usage.prompt_tokens == len(prompt)
+    details = usage.prompt_tokens_details
+    return raw.headers["x-kvbaton-worker"], (details.cached_tokens or 0) if details else 0
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the frontend's samples of `name` with `labels` (0 if none)."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.split("{")[0] == name and all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def test_a_stream_whose_worker_is_killed_migrates(vllm_serve: Deployment) -> None:
+    """A greedy stream's worker is killed after its first tokens: the stream goes on at the
+    other worker, from where it was, to its full length; serve brings the worker back."""
+    url, model = vllm_serve.url, vllm_serve.model
+    prompt, max_tokens = "List the numbers from one to two hundred:", 96
+    greedy: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        reference = client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, **greedy
+        )
+        raw = client.completions.with_raw_response.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            **greedy,
+        )
+        worker = raw.headers["x-kvbaton-worker"]
+        texts: list[str] = []
+        finishes: list[str] = []
+        usage, before = None, ""
+        for chunk in raw.parse():
+            for choice in chunk.choices:
+                texts.append(choice.text)
+                finishes += [choice.finish_reason] if choice.finish_reason else []
+            usage = chunk.usage or usage
+            if len(texts) == 4:
+                before = "".join(texts)
+                os.kill(worker_pid(vllm_serve, worker), signal.SIGKILL)
+    assert before and reference.choices[0].text.startswith(before)  # killed mid-stream
+    assert finishes == ["length"]
+    assert usage is not None and usage.completion_tokens == max_tokens
+    assert "".join(texts).startswith(before)
+    wait_until_sync(  # the killed worker back, for what follows
+        lambda: int(worker, 16) not in (up := health(url, model)) and len(up) == 2,
+        READY_S,
+        "serve's restart of the killed worker",
+    )
+
+
+def health(url: str, model: str) -> list[int]:
+    """The instances of `model` the frontend lists as live."""
+    listed: list[int] = httpx.get(f"{url}/health").json()["models"].get(model, [])
+    return listed
+
+
+def worker_pid(deployment: Deployment, instance: str) -> int:
+    """The process of the worker instance `instance` (hex): file discovery keeps each lease's
+    owner in its record under `.leases/` (its ttl, then its pid)."""
+    root = Path(deployment.discovery.removeprefix("file://"))
+    _ttl, pid = msgspec.msgpack.decode((root / ".leases" / instance).read_bytes())
+    assert isinstance(pid, int)
+    return pid
 
 
 def test_a_killed_worker_leaves_no_vllm_process(vllm_serve: Deployment) -> None:

@@ -62,11 +62,12 @@ async def _engine(
         from kvbaton.workers.fixed_engine import FixedTokensEngine
 
         return FixedTokensEngine(args.model, [int(t) for t in args.fixed_tokens.split(",")]), None
-    if args.engine == "vllm":  # no KV events yet: the router routes it by load
+    publisher = KvEventPublisher()
+    if args.engine == "vllm":
         from kvbaton.engine.vllm_engine import VllmEngine
 
-        return await VllmEngine.create(args.model, values, args.vllm_args), None
-    publisher = KvEventPublisher()
+        vllm = await VllmEngine.create(args.model, values, args.vllm_args, publisher.on_event)
+        return vllm, publisher
     if args.engine == "mocker":
         from kvbaton.mocker import MockerTiming, create_mocker_engine
         from kvbaton.mocker.runner import mocker_config

@@ -14,8 +14,9 @@
   last step, through a stat logger vLLM calls with each batch of outputs. vLLM sends none when
   it goes idle, so while this process has no request unfinished, waiting, running and the
   blocks in use are 0 (vLLM counts cached blocks no request holds as free too).
-- No KV events and no dump (the worker publishes none: the router routes vLLM workers by load
-  only); `clear_kv_blocks` resets vLLM's prefix cache and cannot say how many blocks went (0).
+- KV events: vLLM's own, subscribed to (`vllm_kv_events.py`) and re-hashed the kvbaton way
+  into a mirror of its prefix cache (`vllm_kv_mirror.py`), which answers the dump too.
+  `clear_kv_blocks` resets vLLM's prefix cache: the blocks the mirror held went.
 - vLLM's EngineCore runs in child processes: a reaper (`vllm_reaper.py`) ends them if this
   process dies without shutting the engine down.
 - vLLM is imported in `create`, never at import: without it, `create` raises ValueError naming
@@ -27,17 +28,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvbaton.engine.connector import EngineRequest
 from kvbaton.engine.engine import EngineStats
+from kvbaton.engine.vllm_kv_events import VllmKvEvents
+from kvbaton.engine.vllm_kv_mirror import KvMirror
 from kvbaton.engine.vllm_options import mapped_args
 from kvbaton.engine.vllm_params import token_logprobs, vllm_sampling_params
 from kvbaton.engine.vllm_reaper import Reaper
 from kvbaton.llm.model_files import resolve_model
-from kvbaton.protocols.kv import KvDump
+from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput, Usage
 
 log = logging.getLogger(__name__)
@@ -101,10 +104,13 @@ def _stat_logger(load: _Load) -> Any:
     return Recorder
 
 
-def engine_args(model_dir: Path, flags: dict[str, Any], passthrough: Sequence[str]) -> Any:
+def engine_args(
+    model_dir: Path, flags: dict[str, Any], passthrough: Sequence[str], kv_events: Any = None
+) -> Any:
     """vLLM's AsyncEngineArgs: kvbaton's flags mapped (`vllm_options.py`), then the
-    pass-through arguments parsed by vLLM's own parser over them (they win). ValueError for
-    arguments vLLM rejects (its parser printed why, in one line)."""
+    pass-through arguments parsed by vLLM's own parser over them (they win), but for the KV
+    events' config `kv_events` (the worker's). ValueError for arguments vLLM rejects (its
+    parser printed why, in one line)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -120,11 +126,21 @@ def engine_args(model_dir: Path, flags: dict[str, Any], passthrough: Sequence[st
         raise ValueError(f"vLLM rejected the arguments {list(passthrough)} (see above)") from exc
     args = AsyncEngineArgs.from_cli_args(namespace)
     args.disable_log_stats = True  # its own loggers off; `_stat_logger` records the load
+    if kv_events is not None:
+        args.kv_events_config = kv_events
     return args
 
 
 class VllmEngine:
-    def __init__(self, llm: Any, model_dir: Path, load: _Load, reaper: Reaper) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        model_dir: Path,
+        load: _Load,
+        reaper: Reaper,
+        kv_events: VllmKvEvents,
+        on_kv_event: Callable[[KvEvent], None],
+    ) -> None:
         self._llm = llm
         self.model_dir = model_dir
         self._load = load
@@ -133,26 +149,36 @@ class VllmEngine:
         self.block_size: int = config.cache_config.block_size
         self._num_blocks: int = config.cache_config.num_gpu_blocks or 0
         self._reaper = reaper
+        self._kv_events = kv_events
+        self._mirror = KvMirror(self.block_size, on_kv_event)
+        kv_events.start(self._mirror)
 
     @classmethod
     async def create(
-        cls, model: str, flags: dict[str, Any], passthrough: Sequence[str] = ()
+        cls,
+        model: str,
+        flags: dict[str, Any],
+        passthrough: Sequence[str] = (),
+        on_kv_event: Callable[[KvEvent], None] = lambda event: None,
     ) -> VllmEngine:
         """Start vLLM's engine (its processes; the model loads there) off the event loop.
         `flags`: kvbaton's engine flags given (`vllm_options.py`); `passthrough`: vLLM's own
-        command-line arguments. ValueError if vLLM is missing or rejects the options."""
+        command-line arguments; `on_kv_event`: called with each KV event, on the event loop.
+        ValueError if vLLM is missing or rejects the options."""
         if (missing := vllm_missing()) is not None:
             raise ValueError(missing)
         model_dir = resolve_model(model)
         load = _Load()
+        kv_events = VllmKvEvents()
 
         def start() -> Any:
             from vllm.v1.engine.async_llm import AsyncLLM
 
-            args = engine_args(model_dir, flags, passthrough)
+            args = engine_args(model_dir, flags, passthrough, kv_events.config())
             return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(load)])
 
-        reaper = Reaper.start()  # before vLLM's processes: a kill while they start ends them
+        # Before vLLM's processes: a kill while they start ends them.
+        reaper = Reaper.start(remove=(kv_events.directory,))
         try:
             llm = await asyncio.to_thread(start)
         except BaseException as exc:
@@ -162,7 +188,7 @@ class VllmEngine:
                 raise ValueError(f"vLLM did not start: {exc} (its log above says why)") from exc
             raise
         reaper.started()
-        return cls(llm, model_dir, load, reaper)
+        return cls(llm, model_dir, load, reaper, kv_events, on_kv_event)
 
     async def add_request(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         """Outputs of one request, the last with a finish reason and usage. ValueError at once
@@ -241,17 +267,19 @@ class VllmEngine:
         )
 
     async def clear_kv_blocks(self) -> int:
-        """Reset vLLM's prefix cache (it refuses while requests run); how many blocks went is
-        not known: 0."""
+        """Reset vLLM's prefix cache (it refuses while requests run: 0); how many blocks went."""
+        cached = len(self._mirror)
         if not await self._llm.reset_prefix_cache():
             log.warning("vLLM did not reset its prefix cache (requests were running)")
-        return 0
+            return 0
+        return cached
 
     async def kv_dump(self) -> KvDump:
-        return KvDump(last_event_id=-1, block_hashes=[])
+        return self._mirror.dump()
 
     async def shutdown(self) -> None:
         """Stop vLLM's engine and its processes, then the reaper."""
+        await self._kv_events.close()
         try:
             await asyncio.to_thread(self._llm.shutdown)
             # AsyncLLM.__del__ shuts down again, at interpreter exit, where that fails (its

@@ -6,7 +6,8 @@ starts vLLM, the worker starts this file as a script (`python -I vllm_reaper.py 
 with a pipe on its stdin. The reaper notes the worker's descendants: every `SCAN_S` while vLLM
 starts, once more when the worker writes a line (vLLM is up), then no more. When the pipe
 closes (the worker ended, however), it sends SIGTERM to each noted process still alive,
-SIGKILL to those alive `GRACE_S` later, and exits.
+SIGKILL to those alive `GRACE_S` later, removes the directories it was given (vLLM's ipc
+endpoints), and exits.
 
 - Only processes that started after the reaper (a clock tick later at least) are noted:
   what the worker ran before it (anything not vLLM's) is left alone.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,13 +75,14 @@ class Reaper:
         self._proc = proc
 
     @classmethod
-    def start(cls) -> Reaper:
-        """A reaper of this process's descendants (start it before they start)."""
+    def start(cls, remove: tuple[Path, ...] = ()) -> Reaper:
+        """A reaper of this process's descendants (start it before they start), and of the
+        directories `remove`."""
         if not sys.platform.startswith("linux"):
             return cls(None)
         script = str(Path(__file__).resolve())  # -I: without its directory on the path
         proc = subprocess.Popen(
-            [sys.executable, "-I", script, str(os.getpid())],
+            [sys.executable, "-I", script, str(os.getpid()), *map(str, remove)],
             stdin=subprocess.PIPE,
             start_new_session=True,  # out of the worker's process group and its signals
         )
@@ -117,7 +120,7 @@ def _signal(noted: dict[int, int], sig: signal.Signals) -> None:
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    worker = int(argv[0])
+    worker, remove = int(argv[0]), argv[1:]
     born = start_time(os.getpid()) or 0
     noted: dict[int, int] = {}
 
@@ -142,6 +145,8 @@ def main(argv: list[str]) -> None:
     while _alive(noted) and time.monotonic() < deadline:
         time.sleep(POLL_S)
     _signal(noted, signal.SIGKILL)
+    for directory in remove:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":
