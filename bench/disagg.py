@@ -66,7 +66,7 @@ from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model, served_na
 from kvbaton.mocker.timing import MockerTiming
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
-from serving import log, pct, sse_chunks, stop
+from serving import descendants, log, pct, sse_chunks, stop
 
 MODES = ("agg", "disagg")
 STARTUP_S = 180.0
@@ -282,17 +282,6 @@ async def wait_blocks_free(discovery: str, mode: str) -> dict[str, int]:
         if not any(used.values()) or time.monotonic() > deadline:
             return used
         await asyncio.sleep(0.5)
-
-
-def descendants(pid: int) -> list[int]:
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return []
-    out = [int(c) for c in children]
-    for c in list(out):
-        out += descendants(c)
-    return out
 
 
 def cpu_seconds(serve_pid: int) -> dict[str, float]:

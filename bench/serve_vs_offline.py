@@ -47,9 +47,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import httpx
 
 from kvbaton.engine import LLM, SamplingParams
 from kvbaton.engine.connector import EngineRequest
@@ -57,10 +54,15 @@ from kvbaton.llm.model_files import served_name
 from serving import (
     STARTUP_S,
     Frontend,
+    Request,
+    descendants,
+    loadavg,
     log,
+    machine_seconds,
     pct,
+    process_seconds,
     run_benchmark,
-    sse_chunks,
+    serve_run,
     start_serve,
     stop,
     wait_for_workers,
@@ -108,37 +110,6 @@ def parse_variant(spec: str) -> Variant:
 
 
 # -- what else runs ----------------------------------------------------------------------------
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def machine_seconds() -> dict[str, float]:
-    """CPU seconds since boot: all processes' (`all`: user, nice, system, irq, softirq), and
-    what the hypervisor gave other machines while this one wanted to run (`steal`)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
-    return {"all": busy / TICK, "steal": fields[7] / TICK}
-
-
-def process_seconds(pid: int) -> float:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(stat[11]) + int(stat[12])) / TICK
-
-
-def descendants(pid: int) -> list[int]:
-    try:
-        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-    return [c for child in children for c in (child, *descendants(child))]
-
-
 def role_of(pid: int) -> str | None:
     try:
         words = [w.decode() for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
@@ -177,14 +148,6 @@ def pin(serve_pid: int, role: str, cpus: set[int]) -> int:
 
 
 # -- one measurement ---------------------------------------------------------------------------
-@dataclass
-class Request:
-    sent: float = 0.0
-    first: float = 0.0
-    last: float = 0.0
-    tokens: int = 0
-
-
 @dataclass
 class Figures:
     tok_s: float
@@ -283,41 +246,6 @@ def offline_run(llm: LLM, batch: list[list[int]], concurrency: int, tokens: int)
             if out.finish_reason is not None and todo:
                 add()
     return list(requests.values())
-
-
-async def serve_run(
-    url: str, model: str, batch: list[list[int]], concurrency: int, tokens: int
-) -> list[Request]:
-    """Closed loop over HTTP: `concurrency` streams, each sending its next request as one ends."""
-    todo = list(batch)
-    done: list[Request] = []
-    limits = httpx.Limits(max_connections=concurrency + 1)
-    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
-
-        async def stream() -> None:
-            while todo:
-                prompt = todo.pop(0)
-                body: dict[str, Any] = {
-                    "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                }  # fmt: skip
-                r = Request(sent=time.perf_counter())
-                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-                    if response.status_code != 200:
-                        error = await response.aread()
-                        raise RuntimeError(f"HTTP {response.status_code}: {error!r}")
-                    async for now, chunk in sse_chunks(response):
-                        if chunk["choices"] and chunk["choices"][0].get("text"):
-                            r.first = r.first or now
-                            r.last = now
-                        if chunk.get("usage"):
-                            r.tokens = chunk["usage"]["completion_tokens"]
-                if r.tokens != tokens:
-                    raise RuntimeError(f"{r.tokens} output tokens, not {tokens}")
-                done.append(r)
-
-        await asyncio.gather(*(stream() for _ in range(concurrency)))
-    return done
 
 
 # -- a deployment ------------------------------------------------------------------------------

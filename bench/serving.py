@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -142,3 +143,79 @@ def run_benchmark(run: Callable[[Any], Coroutine[Any, Any, int]], args: Any) -> 
     except KeyboardInterrupt:
         log("interrupted")
         sys.exit(130)
+
+
+# -- measuring: CPU seconds from /proc, a closed loop of streamed completions ----------------
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def machine_seconds() -> dict[str, float]:
+    """CPU seconds since boot: all processes' (`all`: user, nice, system, irq, softirq), and
+    what the hypervisor gave other machines while this one wanted to run (`steal`)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
+    return {"all": busy / TICK, "steal": fields[7] / TICK}
+
+
+def process_seconds(pid: int) -> float:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(stat[11]) + int(stat[12])) / TICK
+
+
+def descendants(pid: int) -> list[int]:
+    """The process's children (started by any of its threads), theirs, and so on."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            children += [int(c) for c in (task / "children").read_text().split()]
+    return [c for child in children for c in (child, *descendants(child))]
+
+
+@dataclass
+class Request:
+    sent: float = 0.0
+    first: float = 0.0
+    last: float = 0.0
+    tokens: int = 0
+
+
+async def serve_run(
+    url: str, model: str, batch: list[list[int]], concurrency: int, tokens: int
+) -> list[Request]:
+    """Closed loop over HTTP: `concurrency` streams, each sending its next request as one ends."""
+    todo = list(batch)
+    done: list[Request] = []
+    limits = httpx.Limits(max_connections=concurrency + 1)
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+
+        async def stream() -> None:
+            while todo:
+                prompt = todo.pop(0)
+                body: dict[str, Any] = {
+                    "model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                }  # fmt: skip
+                r = Request(sent=time.perf_counter())
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                    if response.status_code != 200:
+                        error = await response.aread()
+                        raise RuntimeError(f"HTTP {response.status_code}: {error!r}")
+                    async for now, chunk in sse_chunks(response):
+                        if chunk["choices"] and chunk["choices"][0].get("text"):
+                            r.first = r.first or now
+                            r.last = now
+                        if chunk.get("usage"):
+                            r.tokens = chunk["usage"]["completion_tokens"]
+                if r.tokens != tokens:
+                    raise RuntimeError(f"{r.tokens} output tokens, not {tokens}")
+                done.append(r)
+
+        await asyncio.gather(*(stream() for _ in range(concurrency)))
+    return done

