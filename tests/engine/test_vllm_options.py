@@ -13,6 +13,7 @@ import pytest
 
 from kvbaton.cli.main import build_parser, split_passthrough
 from kvbaton.cli.worker import check_engine_flags
+from kvbaton.engine.vllm_cpu_pin import aggregated_binding, first_bound_core
 from kvbaton.engine.vllm_options import GIB, mapped_args
 from kvbaton.engine.vllm_reaper import Reaper, descendants, start_time
 from tests.helpers import wait_until_sync
@@ -48,10 +49,10 @@ def test_arguments_after_the_double_dash_are_vllm_s() -> None:
     assert split_passthrough(["generate", "--", "-x"]) == (["generate", "--", "-x"], [])
 
 
-@pytest.mark.parametrize("flags", [["worker", "--role", "prefill"], ["serve", "--mode", "disagg"]])
-def test_vllm_workers_are_aggregated_only_so_far(flags: list[str]) -> None:
-    args = build_parser().parse_args([*flags, "--engine", "vllm"])
-    with pytest.raises(ValueError, match="aggregated workers only"):
+def test_vllm_workers_disaggregate_in_the_prefill_first_order_only() -> None:
+    flags = ["serve", "--engine", "vllm", "--mode", "disagg", "--transfer-order", "decode-first"]
+    args = build_parser().parse_args(flags)
+    with pytest.raises(ValueError, match="prefill-first order only"):
         check_engine_flags(args)  # before vLLM loads a model for nothing
 
 
@@ -85,3 +86,21 @@ def ticks_since_boot() -> int:
     """Now, in the clock ticks of /proc/PID/stat's start times."""
     uptime = float(Path("/proc/uptime").read_text().split()[0])
     return int(uptime * os.sysconf("SC_CLK_TCK"))
+
+
+@pytest.mark.parametrize(("bind", "core"), [("4-7|8-11", 4), ("2,3", 2), ("auto", None)])
+def test_the_model_thread_goes_back_to_the_first_core_of_its_binding(
+    bind: str, core: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
+    assert first_bound_core() == (core if core is not None else min(os.sched_getaffinity(0)))
+
+
+def test_a_disaggregated_engine_is_bound_as_an_aggregated_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every core but the last (kept for vLLM's KV loads); one core: that one."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 1, 2})
+    assert aggregated_binding() == "1,2"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
+    assert aggregated_binding() == "5"

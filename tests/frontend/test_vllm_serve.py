@@ -11,13 +11,9 @@ Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,104 +27,34 @@ import pytest
 from kvbaton.engine.vllm_reaper import descendants, start_time
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
-from tests.frontend.conftest import _READY, Deployment, _start, serve_slot, stop_serve
+from tests.frontend.conftest import Deployment, serve_slot, stop_serve
 from tests.frontend.fleet import poll
+from tests.frontend.vllm_helpers import (
+    MAX_MODEL_LEN,
+    MAX_TOKENS,
+    READY_S,
+    VLLM_MARKS,
+    offline_texts,
+    prompt_ids,
+    serve_vllm,
+)
 from tests.helpers import wait_until_sync
 
-MODEL_DIR = Path.home() / ".cache" / "kvbaton" / "models" / "smollm2"  # `kvbaton pull`
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.integration,
-    pytest.mark.timeout(900),  # the module's deployment starts in the first test's time
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed here: build .venv-vllm with scripts/vllm_env.sh and run "
-        ".venv-vllm/bin/python -m pytest -m vllm tests/frontend/test_vllm_serve.py",
-    ),
-    pytest.mark.skipif(not MODEL_DIR.is_dir(), reason="SmolLM2 is not pulled (`kvbaton pull`)"),
-]
-
-MAX_MODEL_LEN = 1024
-KV_CACHE_GIB = 0.25  # per worker: about 11,000 tokens of SmolLM2
-READY_S = 600.0  # two vLLM engines starting on a loaded 2-core machine
+pytestmark = VLLM_MARKS
 BACKEND = "kvbaton.backend.load_metrics"
-MAX_TOKENS = 24
 VLLM_BLOCK = 128  # vLLM's block size on a CPU, by default
-TEXTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "Water boils at a temperature of",
-]
-
-OFFLINE = textwrap.dedent(
-    """
-    import json, sys
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    if __name__ == "__main__":  # vLLM spawns its engine process: it imports this module
-        model, max_model_len, kv_bytes, max_tokens, prompts = json.loads(sys.argv[1])
-        llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=max_model_len,
-                  kv_cache_memory_bytes=kv_bytes)
-        params = SamplingParams(temperature=0, max_tokens=max_tokens)
-        texts = []
-        for ids in prompts:  # one at a time, as the test sends them to serve
-            (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-            texts.append(out.outputs[0].text)
-        print("OFFLINE " + json.dumps(texts), flush=True)
-    """
-)
-
-
-def prompt_ids() -> list[list[int]]:
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
-    return [tokenizer.encode(text).ids for text in TEXTS]
 
 
 @pytest.fixture(scope="module")
-def offline_texts(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """vLLM's own greedy answers (`LLM.generate`, same settings), computed before serve starts
-    so that the two do not share the cores."""
-    script = tmp_path_factory.mktemp("offline") / "offline.py"
-    script.write_text(OFFLINE)
-    spec = [str(MODEL_DIR), MAX_MODEL_LEN, int(KV_CACHE_GIB * (1 << 30)), MAX_TOKENS, prompt_ids()]
-    done = subprocess.run(
-        [sys.executable, str(script), json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=READY_S,
-        cwd=script.parent,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("OFFLINE ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
-    texts: list[str] = json.loads(lines[-1].removeprefix("OFFLINE "))
-    assert all(texts), texts  # something to compare
-    return texts
+def offline() -> list[str]:
+    return offline_texts()
 
 
 @pytest.fixture(scope="module")
 def vllm_serve(
-    offline_texts: list[str], tmp_path_factory: pytest.TempPathFactory
+    offline: list[str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
-    command = [
-        "serve",
-        "--engine",
-        "vllm",
-        "--workers",
-        "2",
-        "--model",
-        str(MODEL_DIR),
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--kv-cache-gib",
-        str(KV_CACHE_GIB),
-    ]
-    discovery = tmp_path_factory.mktemp("discovery")
-    deployment = _start(command, _READY, discovery, MODEL_DIR.name, ready_s=READY_S)
+    deployment = serve_vllm(tmp_path_factory.mktemp("discovery"), "--workers", "2")
     yield deployment
     stop_serve(deployment.proc)
 
@@ -140,7 +66,7 @@ def client(vllm_serve: Deployment) -> Iterator[openai.OpenAI]:
 
 
 def test_greedy_answers_equal_vllm_offline(
-    client: openai.OpenAI, vllm_serve: Deployment, offline_texts: list[str]
+    client: openai.OpenAI, vllm_serve: Deployment, offline: list[str]
 ) -> None:
     served = []
     for ids in prompt_ids():
@@ -148,7 +74,7 @@ def test_greedy_answers_equal_vllm_offline(
             model=vllm_serve.model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0
         )
         served.append(answer.choices[0].text)
-    assert served == offline_texts
+    assert served == offline
 
 
 async def test_a_left_stream_leaves_vllm_running_nothing(vllm_serve: Deployment) -> None:

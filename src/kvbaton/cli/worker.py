@@ -11,6 +11,7 @@ from kvbaton.runtime import DistributedRuntime
 
 if TYPE_CHECKING:  # the worker's modules are imported when it starts (none for echo)
     from kvbaton.disagg.decode_side import DecodeSide
+    from kvbaton.disagg.engine_prefill import EnginePrefillSide
     from kvbaton.disagg.prefill_side import PrefillSide
     from kvbaton.kv_transfer import KvPool
     from kvbaton.workers.kv_publisher import KvEventPublisher
@@ -31,7 +32,7 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> N
     # A prefill or decode worker's pool lives in shared memory, for peers on this host.
     pool = KvPool(shared=args.role != "agg" and args.kv_transfer != "tcp")
     try:
-        engine, publisher = await _engine(args, pool)
+        engine, publisher = await _engine(args, pool, runtime.settings.host)
         try:
             worker = LLMWorker(
                 runtime,
@@ -52,9 +53,10 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> N
 
 
 async def _engine(
-    args: argparse.Namespace, pool: KvPool
+    args: argparse.Namespace, pool: KvPool, host: str
 ) -> tuple[ServingEngine, KvEventPublisher | None]:
-    """The engine the flags ask for, and the publisher of its KV events (if it has any)."""
+    """The engine the flags ask for, and the publisher of its KV events (if it has any).
+    `host`: where this worker serves (vLLM's KV connector listens there too)."""
     from kvbaton.workers.kv_publisher import KvEventPublisher
 
     values = {n: getattr(args, n) for n in ENGINE_FLAGS if getattr(args, n) is not None}
@@ -64,9 +66,14 @@ async def _engine(
         return FixedTokensEngine(args.model, [int(t) for t in args.fixed_tokens.split(",")]), None
     publisher = KvEventPublisher()
     if args.engine == "vllm":
-        from kvbaton.engine.vllm_engine import VllmEngine
+        from kvbaton.engine.vllm_engine import Disaggregated, VllmEngine
 
-        vllm = await VllmEngine.create(args.model, values, args.vllm_args, publisher.on_event)
+        disaggregated = None
+        if args.role != "agg":
+            disaggregated = Disaggregated.on(args.role, host, args.kv_hold_timeout)
+        vllm = await VllmEngine.create(
+            args.model, values, args.vllm_args, publisher.on_event, disaggregated
+        )
         return vllm, publisher
     if args.engine == "mocker":
         from kvbaton.mocker import MockerTiming, create_mocker_engine
@@ -96,17 +103,24 @@ async def _side(
     engine: ServingEngine,
     pool: KvPool,
     component: str,
-) -> PrefillSide | DecodeSide | None:
+) -> PrefillSide | EnginePrefillSide | DecodeSide | None:
     """The worker's side of disaggregation, for an engine with a KV cache (the built-in one,
     the mocker)."""
     from kvbaton.disagg.decode_side import DecodeSide
+    from kvbaton.disagg.engine_prefill import EnginePrefillSide
     from kvbaton.disagg.prefill_side import PrefillSide
     from kvbaton.engine.async_engine import AsyncEngine
+    from kvbaton.engine.vllm_engine import VllmEngine
     from kvbaton.kv_transfer import KvTransferAgent
 
+    if isinstance(engine, VllmEngine):  # it moves its KV itself
+        if args.role != "prefill":
+            return None
+        named = f"{args.namespace}.{component}"
+        return EnginePrefillSide(runtime, engine, named, engine.block_size)
     if not isinstance(engine, AsyncEngine):
         if args.role != "agg":
-            raise ValueError(f"--role {args.role} needs --engine torch or mocker")
+            raise ValueError(f"--role {args.role} needs --engine torch, mocker or vllm")
         return None
     view = engine.engine.kv_cache()
     pool.attach(view.buffer, view.layout, view.num_blocks, view.block_bytes, view.num_layers)
@@ -131,8 +145,8 @@ def check_engine_flags(args: argparse.Namespace) -> None:
     if getattr(args, "vllm_args", None) and args.engine != "vllm":
         raise ValueError("arguments after `--` are vLLM's, for --engine vllm")
     if args.engine == "vllm":
-        if getattr(args, "role", "agg") != "agg" or getattr(args, "mode", "agg") != "agg":
-            raise ValueError("--engine vllm runs aggregated workers only, so far")
+        if getattr(args, "transfer_order", "prefill-first") != "prefill-first":
+            raise ValueError("--engine vllm disaggregates in the prefill-first order only")
         from kvbaton.engine.vllm_engine import vllm_missing
 
         if (missing := vllm_missing()) is not None:

@@ -1,7 +1,8 @@
 """The engine's KV connector: what code that moves KV (disaggregation, KV tiers) sees of the
 engine (docs/architecture.md, "The engine's KV connector").
 
-- Scheduler side: `EngineRequest`'s `kv_source`, `hold_kv` and `kv_sink`.
+- Scheduler side: `EngineRequest`'s `kv_source`, `hold_kv` and `kv_sink`; for an engine that
+  moves KV itself (vLLM), `hold_kv` and `engine_params`, and the held output's `engine_params`.
 - Worker side: `KvSource.load`, on a load thread of its own; `KvCacheView`.
 - A load ends exactly once, by return or exception; a failed one's blocks stay out of use
   until its `writes_end` is set.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvbaton.protocols.llm import EngineOutput, SamplingParams
 
@@ -84,6 +85,9 @@ class EngineRequest:
     hold_kv: bool = False  # it ends after its first token, its blocks held until `release_kv`
     kv_source: KvSource | None = None  # admitted with blocks for the uncached part (`KvLoad`)
     kv_sink: KvSink | None = None  # told of each layer of its prompt's KV a step writes
+    # Its prompt's KV at a peer engine that moves KV itself, in that engine's terms (vLLM's
+    # kv_transfer_params from the prefill worker).
+    engine_params: dict[str, Any] | None = None
 
 
 class Staging(Protocol):

@@ -1,13 +1,27 @@
 """vLLM's V1 async engine (`AsyncLLM`) behind kvbaton's engine interface (`ServingEngine` in
-`workers/llm_worker.py`), for `--engine vllm`: aggregated workers only, so far.
+`workers/llm_worker.py`), for `--engine vllm`: aggregated workers, and prefill and decode
+workers in the prefill-first order, vLLM's NIXL connector moving the KV.
 
 - Requests arrive tokenized: a rendered token input (`tokens_input`), sampling options mapped
   by `vllm_params.py`, outputs streamed as deltas. The last output has a finish reason ("stop",
   "length", "abort") and the usage, with the prompt tokens vLLM found in its prefix cache
   (`num_cached_tokens`).
 - `add_request` raises ValueError at once for a request vLLM could never run (a prompt longer
-  than the context, options vLLM rejects, the KV connector's fields); vLLM's own validation
-  errors while streaming come out as ValueError too.
+  than the context, options vLLM rejects, kvbaton's KV hand-off: a KV source or sink, tokens
+  sampled elsewhere); vLLM's own validation errors while streaming come out as ValueError too.
+- Disaggregated (`create(..., disaggregated=...)`): vLLM's NixlConnector, a producer on a
+  prefill worker, a consumer on a decode worker (on a CPU, from host memory); its side channel
+  listens on the worker's host at a free port.
+- A held request (`hold_kv`) is a prefill for a remote decode: its first token, and a last
+  output with `kv_blocks` empty and vLLM's `engine_params`. vLLM keeps the blocks until the
+  decode worker read them, or for the hold timeout. A constrained request's first token is
+  not given (the decode worker's constraint starts from scratch and samples it again).
+- A request with `engine_params` reads its prompt's KV from the prefill worker's vLLM, then
+  computes the first token's (`output_token_ids`, appended to the prompt) as an aggregated
+  engine does a sampled token's: greedy answers are the aggregated ones.
+- On a CPU, a disaggregated engine's OpenMP team is bound as an aggregated one's, and the core
+  pin vLLM's NIXL connector puts on its model thread is undone once it is up
+  (`vllm_cpu_pin.py`): the same threads compute the same numbers.
 - Closing a request's stream early aborts it in vLLM (vLLM's `generate` does, on
   GeneratorExit).
 - Load: vLLM's scheduler stats (waiting, running, KV usage, prefix cache counters), as of its
@@ -28,12 +42,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import socket
+import sys
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvbaton.engine.connector import EngineRequest
 from kvbaton.engine.engine import EngineStats
+from kvbaton.engine.vllm_cpu_pin import aggregated_binding, unpin_model_threads
 from kvbaton.engine.vllm_kv_events import VllmKvEvents
 from kvbaton.engine.vllm_kv_mirror import KvMirror
 from kvbaton.engine.vllm_options import mapped_args
@@ -131,6 +151,52 @@ def engine_args(
     return args
 
 
+@dataclasses.dataclass(frozen=True)
+class Disaggregated:
+    """vLLM's NIXL connector for a prefill (`role` "prefill": vLLM's producer) or decode
+    worker (its consumer), the KV moved from host memory on a CPU; its side channel on `host`
+    at `port`; a held request's blocks freed after `hold_timeout_s` if no decode worker read
+    them."""
+
+    role: str
+    host: str
+    port: int
+    hold_timeout_s: float
+
+    @classmethod
+    def on(cls, role: str, host: str, hold_timeout_s: float) -> Disaggregated:
+        """The settings for a side channel at a port free on `host` now (vLLM binds it as
+        its engine starts, moments later)."""
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port: int = probe.getsockname()[1]
+        return cls(role, host, port, hold_timeout_s)
+
+    def config(self) -> Any:
+        from vllm.config import KVTransferConfig
+        from vllm.platforms import current_platform
+
+        return KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role="kv_producer" if self.role == "prefill" else "kv_consumer",
+            kv_buffer_device="cpu" if current_platform.is_cpu() else "cuda",
+        )
+
+    def environment(self) -> dict[str, str]:
+        """vLLM's settings from the environment; on a CPU, unless the user set it, the
+        OpenMP binding of an aggregated worker (`aggregated_binding`)."""
+        from vllm.platforms import current_platform
+
+        env = {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port),
+            "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(max(1, round(self.hold_timeout_s))),
+        }
+        if current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = aggregated_binding()
+        return env
+
+
 class VllmEngine:
     def __init__(
         self,
@@ -140,8 +206,10 @@ class VllmEngine:
         reaper: Reaper,
         kv_events: VllmKvEvents,
         on_kv_event: Callable[[KvEvent], None],
+        disaggregated: bool,
     ) -> None:
         self._llm = llm
+        self.disaggregated = disaggregated
         self.model_dir = model_dir
         self._load = load
         config = llm.vllm_config
@@ -160,11 +228,13 @@ class VllmEngine:
         flags: dict[str, Any],
         passthrough: Sequence[str] = (),
         on_kv_event: Callable[[KvEvent], None] = lambda event: None,
+        disaggregated: Disaggregated | None = None,
     ) -> VllmEngine:
         """Start vLLM's engine (its processes; the model loads there) off the event loop.
         `flags`: kvbaton's engine flags given (`vllm_options.py`); `passthrough`: vLLM's own
-        command-line arguments; `on_kv_event`: called with each KV event, on the event loop.
-        ValueError if vLLM is missing or rejects the options."""
+        command-line arguments; `on_kv_event`: called with each KV event, on the event loop;
+        `disaggregated`: its KV connector's settings (None: none, aggregated). ValueError if
+        vLLM is missing or rejects the options."""
         if (missing := vllm_missing()) is not None:
             raise ValueError(missing)
         model_dir = resolve_model(model)
@@ -175,6 +245,9 @@ class VllmEngine:
             from vllm.v1.engine.async_llm import AsyncLLM
 
             args = engine_args(model_dir, flags, passthrough, kv_events.config())
+            if disaggregated is not None:
+                args.kv_transfer_config = disaggregated.config()
+                os.environ.update(disaggregated.environment())  # its processes inherit them
             return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(load)])
 
         # Before vLLM's processes: a kill while they start ends them.
@@ -188,18 +261,38 @@ class VllmEngine:
                 raise ValueError(f"vLLM did not start: {exc} (its log above says why)") from exc
             raise
         reaper.started()
-        return cls(llm, model_dir, load, reaper, kv_events, on_kv_event)
+        if disaggregated is not None and sys.platform.startswith("linux"):
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                unpin_model_threads()
+        return cls(llm, model_dir, load, reaper, kv_events, on_kv_event, disaggregated is not None)
 
     async def add_request(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
-        """Outputs of one request, the last with a finish reason and usage. ValueError at once
-        for a request vLLM could never run; closing the iterator early aborts the request."""
-        if request.hold_kv or request.kv_source or request.kv_sink or request.output_token_ids:
-            raise ValueError("--engine vllm runs whole requests only (no KV hand-off yet)")
-        n = len(request.prompt_token_ids)
+        """Outputs of one request, the last with a finish reason and usage (or, held, with
+        vLLM's `engine_params`). ValueError at once for a request vLLM could never run; closing
+        the iterator early aborts the request."""
+        if request.kv_source or request.kv_sink:
+            raise ValueError("--engine vllm takes no kvbaton KV hand-off (vLLM moves its KV)")
+        sampled = request.output_token_ids
+        if sampled and not request.engine_params:
+            raise ValueError("--engine vllm continues sampled tokens only with their prompt's KV")
+        if (request.hold_kv or request.engine_params) and not self.disaggregated:
+            raise ValueError("this vLLM worker is aggregated: it has no KV connector")
+        n = len(request.prompt_token_ids) + len(sampled)
         if not 0 < n < self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; the context is {self.max_model_len}")
-        params = vllm_sampling_params(request.params.validate())
-        return self._outputs(request, params)
+        sampling, transfer = request.params.validate(), request.engine_params
+        if request.hold_kv and sampling.max_tokens > 1:  # the prefill for a remote decode
+            sampling = msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0)
+            transfer = {"do_remote_decode": True}
+        elif sampled:  # after the prefill worker's first token
+            sampling = msgspec.structs.replace(
+                sampling,
+                max_tokens=sampling.max_tokens - len(sampled),
+                min_tokens=max(0, sampling.min_tokens - len(sampled)),
+            )
+        return self._outputs(request, vllm_sampling_params(sampling, transfer))
 
     async def _outputs(
         self, request: EngineRequest, params: Any
@@ -208,9 +301,12 @@ class VllmEngine:
         from vllm.inputs.engine import tokens_input
 
         # Rendered already (no tokenizer work); the salt goes into its prefix cache's hashes.
-        prompt = tokens_input(list(request.prompt_token_ids), cache_salt=request.cache_salt)
+        # Tokens sampled at the prefill worker extend the prompt: their KV is computed here,
+        # one step, as an aggregated engine computes a sampled token's.
+        sampled = request.output_token_ids
+        prompt = tokens_input([*request.prompt_token_ids, *sampled], cache_salt=request.cache_salt)
         top = request.params.logprobs or 0
-        generated = 0
+        generated = len(sampled)
         outputs = self._llm.generate(prompt, params, request.request_id)
         try:
             async for out in outputs:
@@ -221,20 +317,35 @@ class VllmEngine:
                 finished = out.finished
                 if finished and reason not in FINISH_REASONS:
                     raise RuntimeError(f"vLLM ended the request: {reason}")
+                held = finished and request.hold_kv and out.kv_transfer_params is not None
+                if held and request.params.guided is not None:
+                    token_ids = []  # the decode worker's constraint starts at the first token
+                logprobs = (
+                    token_logprobs(token_ids, choice.logprobs, top)
+                    if request.params.logprobs is not None
+                    else None
+                )
+                usage = Usage(
+                    prompt_tokens=len(request.prompt_token_ids),
+                    completion_tokens=len(token_ids) if held else generated,
+                    cached_tokens=out.num_cached_tokens or 0,
+                )
+                if held:  # the prompt's KV waits in vLLM for the decode worker's read
+                    yield EngineOutput(
+                        request_id=request.request_id,
+                        token_ids=token_ids,
+                        kv_blocks=[],
+                        engine_params=out.kv_transfer_params,
+                        usage=usage,
+                        logprobs=logprobs,
+                    )
+                    return
                 yield EngineOutput(
                     request_id=request.request_id,
                     token_ids=token_ids,
                     finish_reason=FINISH_REASONS[reason] if finished else None,
-                    usage=Usage(
-                        prompt_tokens=len(request.prompt_token_ids),
-                        completion_tokens=generated,
-                        cached_tokens=out.num_cached_tokens or 0,
-                    )
-                    if finished
-                    else None,
-                    logprobs=token_logprobs(token_ids, choice.logprobs, top)
-                    if request.params.logprobs is not None
-                    else None,
+                    usage=usage if finished else None,
+                    logprobs=logprobs,
                 )
                 if finished:
                     return
@@ -244,10 +355,10 @@ class VllmEngine:
             await outputs.aclose()  # aborts the request in vLLM if it had not finished
 
     def release_kv(self, request_id: str) -> None:
-        """No request holds KV (aggregated only)."""
+        """vLLM frees a held request's blocks itself: once read, or after the hold timeout."""
 
     def reclaim_kv_blocks(self) -> None:
-        """No KV load can fail (aggregated only)."""
+        """No kvbaton KV load runs here."""
 
     def stats(self) -> EngineStats:
         """vLLM's scheduler as of its last step (see the module's docstring)."""

@@ -8,6 +8,8 @@ vLLM is imported when a function runs, never at import.
   detokenize (the frontend does, and matches stop strings there).
 - A constraint replayed over a migrated request's tokens (`Guided.replay`) has no vLLM
   counterpart: ValueError.
+- KV connector parameters (disaggregation) go in `extra_args["kv_transfer_params"]`, where
+  vLLM's connectors read them.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from kvbaton.protocols.llm import SamplingParams, TokenLogprob
 GUIDED_FIELDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
-def vllm_sampling_params(params: SamplingParams) -> Any:
-    """vLLM's SamplingParams for a validated `params`; ValueError (vLLM's own validation
-    included) for options vLLM does not take."""
+def vllm_sampling_params(params: SamplingParams, kv_transfer: dict[str, Any] | None = None) -> Any:
+    """vLLM's SamplingParams for a validated `params`, with `kv_transfer` as vLLM's KV
+    connector's parameters; ValueError (vLLM's own validation included) for options vLLM
+    does not take."""
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -53,6 +56,7 @@ def vllm_sampling_params(params: SamplingParams) -> Any:
         structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,
+        extra_args={"kv_transfer_params": dict(kv_transfer)} if kv_transfer else None,
     )
 
 

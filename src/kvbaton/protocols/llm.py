@@ -155,6 +155,9 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     # One entry per new token: the chosen token's logprob, then the top alternatives.
     logprobs: list[list[TokenLogprob]] | None = None
     kv_blocks: list[int] | None = None
+    # With `kv_blocks` from an engine that moves KV itself: its own transfer parameters
+    # (vLLM's kv_transfer_params; the blocks are its own, `kv_blocks` empty).
+    engine_params: dict[str, Any] | None = None
     disaggregated_params: DisaggregatedParams | None = None
     kv_target: KvTarget | None = None
 

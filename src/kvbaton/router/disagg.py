@@ -58,10 +58,11 @@ class Disaggregated:
             if answer is not None and answer.disaggregated_params is None:
                 yield answer  # it stopped at its first token
                 return
-            if answer is not None:  # its first token, for the client
-                params = answer.disaggregated_params
+            if answer is not None:  # its first token, for the client (none: the decode
+                params = answer.disaggregated_params  # worker's engine samples it again)
                 request = msgspec.structs.replace(request, disaggregated_params=params)
-                yield msgspec.structs.replace(answer, usage=None, disaggregated_params=None)
+                if answer.token_ids:
+                    yield msgspec.structs.replace(answer, usage=None, disaggregated_params=None)
             stream = self.decode.ordered(request, route.ranking, request_id=self.request_id)
             async for out in follow(stream, route, self.served_by):
                 taken = True

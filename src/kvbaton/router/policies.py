@@ -119,13 +119,13 @@ async def follow(
     stream: ResponseStream, route: Route, served_by: list[int]
 ) -> AsyncGenerator[EngineOutput, None]:
     """A worker's outputs, its route kept up to date (the worker that produced the first
-    token goes to `served_by`); the route is done at the end."""
+    token, or a last output without one, goes to `served_by`); the route is done at the end."""
     try:
         await route.send(stream)
         assert stream.instance_id is not None
         taken = False
         async for out in stream:
-            if not taken and (out.token_ids or out.finish_reason):
+            if not taken and (out.token_ids or out.is_last):
                 taken = True
                 route.start(stream.instance_id)  # a refusal may have passed it on
                 served_by.append(stream.instance_id)

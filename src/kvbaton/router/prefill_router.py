@@ -52,7 +52,8 @@ class PrefillRouter:
         served_by: list[int],
     ) -> EngineOutput:
         """The prefill worker's answer: the first token, with `disaggregated_params` unless the
-        request stopped there (or was written to a `kv_target`). PrefillError if none
+        request stopped there (or was written to a `kv_target`); no token where the decode
+        worker's engine samples the first one itself (`engine_params`). PrefillError if none
         answered."""
         route = self.router.route(hints, candidates)
         stream = self.client.ordered(
@@ -64,7 +65,9 @@ class PrefillRouter:
                 answer = out
         except Exception as exc:
             raise PrefillError(f"prefill failed: {exc}") from exc
-        if answer is None or not answer.token_ids:
+        params = answer.disaggregated_params if answer is not None else None
+        by_engine = params is not None and params.engine_params is not None
+        if answer is None or not (answer.token_ids or by_engine):
             raise PrefillError("the prefill worker's answer ended without the first token")
         return answer
 

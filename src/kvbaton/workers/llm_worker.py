@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvbaton.disagg.decode_side import DecodeSide
+from kvbaton.disagg.engine_prefill import EnginePrefillSide
 from kvbaton.disagg.prefill_side import PrefillSide
 from kvbaton.engine.connector import ConnectedEngine, EngineRequest, outputs_of
 from kvbaton.engine.engine import EngineStats
@@ -77,13 +78,14 @@ class LLMWorker:
         component: str = "backend",
         kv_events: KvEventPublisher | None = None,
         role: str = "agg",
-        side: PrefillSide | DecodeSide | None = None,
+        side: PrefillSide | EnginePrefillSide | DecodeSide | None = None,
     ) -> None:
         """`kv_events`: the publisher the engine was given as its KV event callback; `side`:
-        its side of disaggregation (a prefill worker's, or a decode or agg worker's)."""
+        its side of disaggregation (a prefill worker's, or a decode or agg worker's; none
+        where the engine moves KV itself, but a prefill worker's)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}")
-        if (role == "prefill") != isinstance(side, PrefillSide):
+        if (role == "prefill") != isinstance(side, PrefillSide | EnginePrefillSide):
             raise ValueError("a prefill worker, and only one, takes a prefill side")
         self.runtime = runtime
         self.engine = engine
@@ -136,7 +138,7 @@ class LLMWorker:
         if request.model != self.served_name:
             raise ValueError(f"this worker serves {self.served_name!r}, not {request.model!r}")
         params, side = request.disaggregated_params, self.side
-        if isinstance(side, PrefillSide):
+        if isinstance(side, PrefillSide | EnginePrefillSide):
             if request.bootstrap or params is not None:
                 raise ValueError("a prefill worker takes no bootstrap or disaggregated_params")
             return side.outputs(engine_request, request.kv_target)
@@ -145,11 +147,20 @@ class LLMWorker:
         if params is not None:
             if request.bootstrap:
                 raise ValueError("disaggregated_params come in the prefill-first order only")
-            if params.num_tokens != len(request.token_ids) or not params.first_token_ids:
+            by_engine = params.engine_params is not None  # its engine moves the KV (vLLM)
+            if params.num_tokens != len(request.token_ids) or not (
+                params.first_token_ids or by_engine
+            ):
                 raise ValueError("disaggregated_params do not match the request's prompt")
+            if by_engine and side is not None:
+                raise ValueError("the prompt's KV waits in an engine this one cannot read")
+        if side is None and request.bootstrap:
+            raise ValueError("this worker takes no decode-first request (its engine has no side)")
         if side is None or (params is None and not request.bootstrap):
-            # Prefilled here (with params: the tokens sampled there still count).
+            # Prefilled here (with params: the tokens sampled there still count), or read by
+            # the engine itself (`engine_params`).
             engine_request.output_token_ids = list(params.first_token_ids if params else [])
+            engine_request.engine_params = params.engine_params if params else None
             return outputs_of(self.engine, engine_request)
         if params is not None:
             return side.fetched(engine_request, params)
@@ -210,7 +221,7 @@ class LLMWorker:
             created=int(time.time()),
             kv_events=self.kv_events is not None,
             role=self.role,
-            kv_pool=self.side.agent.info() if self.side else None,
+            kv_pool=self.side.agent.info() if self.side and self.side.agent else None,
         )
 
     async def serve(self) -> None:
