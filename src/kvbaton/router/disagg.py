@@ -58,10 +58,10 @@ class Disaggregated:
             if answer is not None and answer.disaggregated_params is None:
                 yield answer  # it stopped at its first token
                 return
-            if answer is not None:  # its first token, for the client (none: the decode
-                params = answer.disaggregated_params  # worker's engine samples it again)
+            if answer is not None:  # its first token, for the client
+                params = answer.disaggregated_params
                 request = msgspec.structs.replace(request, disaggregated_params=params)
-                if answer.token_ids:
+                if answer.token_ids:  # (none: the decode worker's engine samples it)
                     yield msgspec.structs.replace(answer, usage=None, disaggregated_params=None)
             stream = self.decode.ordered(request, route.ranking, request_id=self.request_id)
             async for out in follow(stream, route, self.served_by):
