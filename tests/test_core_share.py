@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from kvbaton.cli.core_share import CoreShare, core_share
+from kvbaton.cli.core_share import CoreShare, core_share, vllm_worker_cores
 
 pytestmark = pytest.mark.unit
 
@@ -50,3 +50,19 @@ def test_the_share_is_frozen() -> None:
     share = core_share("torch", 2, 2, None)
     with pytest.raises(dataclasses.FrozenInstanceError):
         share.worker_threads = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("workers", "cores", "shares"),
+    [
+        (1, [0, 1], None),  # vLLM's own binding
+        (2, [1, 0], ["0", "1"]),
+        (2, [0, 1, 2, 3], ["0,1", "2,3"]),
+        (3, [4, 5, 6, 7], ["4", "5", "6,7"]),
+        (3, [0, 1], ["0", "1", "0"]),  # more workers than cores: in turn
+    ],
+)
+def test_vllm_workers_get_a_slice_of_the_cores_each(
+    workers: int, cores: list[int], shares: list[str] | None
+) -> None:
+    assert vllm_worker_cores(workers, cores) == shares

@@ -104,3 +104,9 @@ def test_a_disaggregated_engine_is_bound_as_an_aggregated_one(
     assert aggregated_binding() == "1,2"
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
     assert aggregated_binding() == "5"
+
+
+def test_cpu_cores_are_for_vllm_workers() -> None:
+    args = build_parser().parse_args(["worker", "--engine", "torch", "--cpu-cores", "0"])
+    with pytest.raises(ValueError, match="--cpu-cores is for --engine vllm"):
+        check_engine_flags(args)

@@ -313,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--namespace", default="kvbaton")
     worker.add_argument("--component", help="(default: prefill for --role prefill, else backend)")
+    worker.add_argument(
+        "--cpu-cores",
+        metavar="LIST",
+        help="--engine vllm on a CPU: the cores its compute threads are bound to, as vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND (e.g. 0-3); serve gives each of several vLLM workers its share",
+    )
     add_worker_flags(worker)
     _runtime_flags(worker, system_port=True)
     worker.set_defaults(func=cmd_worker)

@@ -28,7 +28,7 @@ import urllib.error
 import urllib.request
 from functools import partial
 
-from kvbaton.cli.core_share import core_share
+from kvbaton.cli.core_share import core_share, vllm_worker_cores
 from kvbaton.cli.frontend_flags import (
     API_KEY_ENV,
     FRONTEND_FLAGS,
@@ -78,16 +78,21 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         *(["--enforce-disagg"] if args.enforce_disagg else []),
     ]
 
-    def worker(role: str) -> list[str]:
+    slots = [("worker", "agg", args.workers)] if args.mode == "agg" else [
+        ("prefill", "prefill", args.prefill_workers), ("decode", "decode", args.decode_workers)
+    ]  # fmt: skip
+    roles = [(f"{name}-{i}", role) for name, role, count in slots for i in range(count)]
+    cores = None  # vLLM's workers: one slice of the cores each, unless the user bound them
+    if args.engine == "vllm" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = vllm_worker_cores(len(roles), list(os.sched_getaffinity(0)))
+    passthrough = getattr(args, "vllm_args", [])  # vLLM's engine arguments, after `--`
+
+    def worker(role: str, index: int) -> list[str]:
         flags = ["--role", role, "--engine", args.engine, *common, *_flags(args, WORKER_FLAGS)]
-        passthrough = getattr(args, "vllm_args", [])  # vLLM's engine arguments, after `--`
+        flags += ["--cpu-cores", cores[index]] if cores else []
         return [*base, "worker", *flags, *(["--", *passthrough] if passthrough else [])]
 
-    if args.mode == "agg":
-        workers = [(f"worker-{i}", worker("agg")) for i in range(args.workers)]
-    else:
-        workers = [(f"prefill-{i}", worker("prefill")) for i in range(args.prefill_workers)]
-        workers += [(f"decode-{i}", worker("decode")) for i in range(args.decode_workers)]
+    workers = [(name, worker(role, i)) for i, (name, role) in enumerate(roles)]
     return [("frontend", frontend), *workers]
 
 

@@ -4,6 +4,7 @@ mocker or the fixed stand-in, or an echo worker of the bare runtime)."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
 from kvbaton.llm.model_files import served_name
@@ -68,6 +69,8 @@ async def _engine(
     if args.engine == "vllm":
         from kvbaton.engine.vllm_engine import Disaggregated, VllmEngine
 
+        if args.cpu_cores:  # vLLM's processes inherit it
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_cores
         disaggregated = None
         if args.role != "agg":
             disaggregated = Disaggregated.on(args.role, host, args.kv_hold_timeout)
@@ -144,6 +147,8 @@ def check_engine_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--{given[0].replace('_', '-')} is for --engine mocker")
     if getattr(args, "vllm_args", None) and args.engine != "vllm":
         raise ValueError("arguments after `--` are vLLM's, for --engine vllm")
+    if getattr(args, "cpu_cores", None) and args.engine != "vllm":
+        raise ValueError("--cpu-cores is for --engine vllm")
     if args.engine == "vllm":
         if getattr(args, "transfer_order", "prefill-first") != "prefill-first":
             raise ValueError("--engine vllm disaggregates in the prefill-first order only")

@@ -4,8 +4,8 @@
 vLLM 0.32's NIXL connector, made on the model runner's main thread, pins that thread to the last
 core of each NUMA node (`sched_setaffinity`), for its KV loads. That thread is also the master
 of the runner's OpenMP team, which vLLM bound to its cores before: on two cores the team's two
-threads then share the last one. Measured on the 2-core machine (SmolLM2, a prefill and a decode
-worker, 8 tokens): decode 13.5 s with the pin, 0.94 s without; prefill 1.7 s, 0.15 s.
+threads then share the last one. Timed by hand on the 2-core machine (SmolLM2, a prefill and a
+decode worker, 8 tokens): decode 13.5 s with the pin, 0.94 s without; prefill 1.7 s, 0.15 s.
 
 - With the connector, vLLM's automatic binding also reserves a core for the KV loads: on two
   cores it cannot, and binds the team to both, where an aggregated engine has one thread. A
