@@ -4,7 +4,8 @@
   private directory of this worker (`KVEventsConfig`); this process subscribes on its event
   loop, from before the first request. The vLLM reaper removes the directory.
 - A batch's sequence number that skips (vLLM's publisher dropped batches at its high-water
-  mark), or a batch that does not decode, clears the mirror (`KvMirror.lost`).
+  mark), or a batch that does not decode, clears the mirror (`KvMirror.lost`); so does a
+  subscription that fails, which ends (logged).
 - Only the device pool's events count (medium GPU, also on a CPU), of the first KV cache group
   (kvbaton serves models with one).
 - vLLM and pyzmq are imported when the subscription starts, never at import.
@@ -87,6 +88,9 @@ class VllmKvEvents:
                         )
                     elif isinstance(event, BlockRemoved):
                         mirror.removed(event.block_hashes)
+        except Exception:  # no more removals would come: forget the blocks, never over-count
+            log.exception("KV events from vLLM stopped; the router forgets this worker's blocks")
+            mirror.cleared()
         finally:
             sock.close(linger=0)
             context.term()
