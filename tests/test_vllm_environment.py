@@ -21,6 +21,7 @@ VENV = ROOT / ".venv-vllm"
 VLLM_TESTS = [
     "tests/frontend/test_vllm_serve.py",
     "tests/frontend/test_vllm_disagg.py",
+    "tests/planner/test_vllm_local.py",
     "tests/engine/test_vllm_params.py",
     "tests/engine/test_vllm_options.py",
 ]
