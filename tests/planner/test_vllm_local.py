@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from kvbaton.engine.vllm_reaper import descendants, start_time
 from kvbaton.llm.model_files import served_name
 from kvbaton.planner.connectors.local import LocalConnector
@@ -55,9 +57,6 @@ async def test_the_local_connector_scales_a_vllm_worker_up_and_down(
         outputs = [out async for out in generate.round_robin(request)]
         token_ids = [t for out in outputs for t in out.token_ids]
         assert outputs[-1].finish_reason == "length" and len(token_ids) == MAX_TOKENS
-
-        from tokenizers import Tokenizer
-
         tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
         assert tokenizer.decode(token_ids) == expected
 
