@@ -46,7 +46,6 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvbaton.engine import LLM, SamplingParams
 from kvbaton.engine.connector import EngineRequest
@@ -61,6 +60,7 @@ from serving import (
     machine_seconds,
     pct,
     process_seconds,
+    role_of,
     run_benchmark,
     serve_run,
     start_serve,
@@ -110,18 +110,6 @@ def parse_variant(spec: str) -> Variant:
 
 
 # -- what else runs ----------------------------------------------------------------------------
-def role_of(pid: int) -> str | None:
-    try:
-        words = [w.decode() for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-    except OSError:
-        return None
-    if "frontend" in words:
-        return "frontend"
-    if "worker" in words:
-        return "worker"
-    return None
-
-
 def cpu_snapshot(serve_pid: int | None) -> dict[str, float]:
     """CPU seconds so far: the machine's (`all`, `steal`), this process's (`client`), serve's own
     process's and its children's by role."""

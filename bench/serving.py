@@ -178,6 +178,23 @@ def descendants(pid: int) -> list[int]:
     return [c for child in children for c in (child, *descendants(child))]
 
 
+def role_of(pid: int, unknown: str | None = None) -> str | None:
+    """A process's role from its command line: vLLM's own names (VLLM::EngineCore, ...), the
+    vLLM reaper, kvbaton's frontend and worker; `unknown` for any other; None if it is gone."""
+    try:
+        words = [w.decode() for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    except OSError:
+        return None
+    if words[0].startswith("VLLM::"):
+        return words[0].removeprefix("VLLM::")
+    if any(w.endswith("vllm_reaper.py") for w in words):
+        return "reaper"
+    for role in ("frontend", "worker"):
+        if role in words:
+            return role
+    return unknown
+
+
 @dataclass
 class Request:
     sent: float = 0.0

@@ -44,6 +44,7 @@ from serving import (
     log,
     pct,
     process_seconds,
+    role_of,
     run_benchmark,
     serve_run,
     start_serve,
@@ -71,28 +72,11 @@ class System:
     log: Path | None = None  # where its output goes (vllm serve's)
 
 
-def role_of(pid: int) -> str | None:
-    """A process's role from its command line: vLLM's own names (VLLM::EngineCore, ...),
-    kvbaton's frontend and worker, the vLLM reaper."""
-    try:
-        words = [w.decode() for w in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-    except OSError:
-        return None
-    if words[0].startswith("VLLM::"):
-        return words[0].removeprefix("VLLM::")
-    if any(w.endswith("vllm_reaper.py") for w in words):
-        return "reaper"
-    for role in ("frontend", "worker"):
-        if role in words:
-            return role
-    return "other"
-
-
 def cpu_by_role(root: int, root_role: str) -> dict[str, float]:
     """CPU seconds so far of `root` (as `root_role`) and of each descendant, by role."""
     out = {root_role: process_seconds(root)}
     for pid in descendants(root):
-        if (role := role_of(pid)) is not None:
+        if (role := role_of(pid, unknown="other")) is not None:
             out[role] = out.get(role, 0.0) + process_seconds(pid)
     return out
 
