@@ -126,6 +126,11 @@ class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     cached_tokens: int = 0  # prompt tokens the prefill worker found in its prefix cache
     engine_params: dict[str, Any] | None = None  # an engine's own (vLLM's kv_transfer_params)
 
+    @property
+    def by_engine(self) -> bool:
+        """The engine moves the KV itself (`engine_params`), not kvbaton's pools."""
+        return self.engine_params is not None
+
 
 class KvTarget(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Decode-first: the blocks a decode worker allocated for a prompt, for a prefill worker to

@@ -66,8 +66,7 @@ class PrefillRouter:
         except Exception as exc:
             raise PrefillError(f"prefill failed: {exc}") from exc
         params = answer.disaggregated_params if answer is not None else None
-        by_engine = params is not None and params.engine_params is not None
-        if answer is None or not (answer.token_ids or by_engine):
+        if answer is None or not (answer.token_ids or (params is not None and params.by_engine)):
             raise PrefillError("the prefill worker's answer ended without the first token")
         return answer
 

@@ -147,12 +147,11 @@ class LLMWorker:
         if params is not None:
             if request.bootstrap:
                 raise ValueError("disaggregated_params come in the prefill-first order only")
-            by_engine = params.engine_params is not None  # its engine moves the KV (vLLM)
             if params.num_tokens != len(request.token_ids) or not (
-                params.first_token_ids or by_engine
+                params.first_token_ids or params.by_engine
             ):
                 raise ValueError("disaggregated_params do not match the request's prompt")
-            if by_engine and side is not None:
+            if params.by_engine and side is not None:
                 raise ValueError("the prompt's KV waits in an engine this one cannot read")
         if side is None and request.bootstrap:
             raise ValueError("this worker takes no decode-first request (its engine has no side)")
