@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbaton.engine.config import EngineConfig
-from kvbaton.engine.connector import EngineRequest, KvLoad, KvLoadFailed
+from kvbaton.engine.connector import EngineRequest, KvCacheView, KvLoad, KvLoadFailed, KvTier
 from kvbaton.engine.engine import EngineStats, LLMEngine
 from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput
@@ -99,6 +99,7 @@ class AsyncEngine:
         config: EngineConfig,
         on_kv_event: Callable[[KvEvent], None] | None = None,
         cache_buffer: Callable[[int], memoryview] | None = None,
+        kv_tier: Callable[[KvCacheView], KvTier] | None = None,
     ) -> AsyncEngine:
         """Load the model off the event loop, then start the step thread.
 
@@ -110,7 +111,9 @@ class AsyncEngine:
         """
         loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvbaton-load")
         try:
-            load = loader.submit(LLMEngine, config, on_kv_event, None, cache_buffer)
+            load = loader.submit(
+                LLMEngine, config, on_kv_event, None, cache_buffer, kv_tier=kv_tier
+            )
             engine = await asyncio.wrap_future(load)
         finally:
             await asyncio.to_thread(loader.shutdown)  # its thread, and its OpenMP pool, end
@@ -208,6 +211,8 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join, 30)
         if self._loads is not None:
             self._loads.shutdown(wait=False, cancel_futures=True)
+        if self.engine.tier is not None:
+            await asyncio.to_thread(self.engine.tier.close)
 
     # -- the step thread ---------------------------------------------------------------------
     def _deliver(self, request_id: str, item: EngineOutput | BaseException) -> None:

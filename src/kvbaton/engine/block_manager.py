@@ -8,6 +8,8 @@ Invariants:
 - `cached` maps a hash to the one block registered under it; a block holds at most one hash.
 - A sequence frees its blocks in reverse order, so its tail blocks are evicted first.
 - Events are numbered 0, 1, 2, ... with no gap, in the order the cache changed.
+- With `keep_evicted`, every evicted (hash, block) waits in `evicted` until taken, its block's
+  bytes unchanged until the step after its eviction runs.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         on_event: Callable[[KvEvent], None] | None = None,
+        keep_evicted: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
@@ -50,6 +53,7 @@ class BlockManager:
         self._next_event_id = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
+        self.evicted: list[tuple[int, int]] | None = [] if keep_evicted else None
 
     # -- queries -----------------------------------------------------------------------------
     @property
@@ -125,6 +129,8 @@ class BlockManager:
                 del self.cached[old]
                 self.block_hash[block] = None
                 evicted.append(old)
+                if self.evicted is not None:
+                    self.evicted.append((old, block))
             self.ref_counts[block] = 1
             seq.block_table.append(block)
         if evicted:
@@ -161,6 +167,11 @@ class BlockManager:
         self.cached.clear()
         self._emit(lambda i: AllBlocksCleared(event_id=i))
         return count
+
+    def take_evicted(self) -> list[tuple[int, int]]:
+        """The (hash, block) evicted since the last call (none without `keep_evicted`)."""
+        taken, self.evicted = self.evicted or [], [] if self.evicted is not None else None
+        return taken
 
     def dump(self) -> KvDump:
         return KvDump(last_event_id=self._next_event_id - 1, block_hashes=list(self.cached))

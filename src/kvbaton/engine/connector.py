@@ -4,6 +4,8 @@ engine (docs/architecture.md, "The engine's KV connector").
 - Scheduler side: `EngineRequest`'s `kv_source`, `hold_kv` and `kv_sink`; for an engine that
   moves KV itself (vLLM), `hold_kv` and `engine_params`, and the held output's `engine_params`.
 - Worker side: `KvSource.load`, on a load thread of its own; `KvCacheView`.
+- Tiers below the pool (`KvTier`, kv_tiers/): the engine offers it the full blocks it is about
+  to reuse, and loads from it the prompt blocks it lacks that the tier has.
 - A load ends exactly once, by return or exception; a failed one's blocks stay out of use
   until its `writes_end` is set.
 """
@@ -15,18 +17,20 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvbaton.protocols.llm import EngineOutput, SamplingParams
+from kvbaton.protocols.llm import EngineOutput, KvTierStats, SamplingParams
 
 
 @dataclass(frozen=True)
 class KvLoad:
     """Load the prompt's KV of blocks `first_block...` (positions in the prompt's block table)
-    into `dst_blocks`, local blocks in the same order."""
+    into `dst_blocks`, local blocks in the same order. From a tier: `block_hashes`, the loaded
+    blocks' hashes (full blocks only; the rest of the prompt is computed after)."""
 
     request_id: str
     source: KvSource
     first_block: int
     dst_blocks: list[int]
+    block_hashes: list[int] = field(default_factory=list)
 
 
 class KvLoadFailed(Exception):
@@ -51,6 +55,30 @@ class KvSource(Protocol):
         """(On a load thread; may block, ends within its own timeout.) Move the KV into
         `load.dst_blocks`; the tokens sampled at the source that the request did not come
         with. Raises (`KvLoadFailed`) if the KV did not arrive: the prompt is computed here."""
+        ...
+
+
+class KvTier(KvSource, Protocol):
+    """Storage below the engine's pool: a block's KV by its chained hash.
+    - `offload` copies what it keeps before it returns: the blocks are overwritten after.
+    - `lookup` and `offload` run on the engine's thread and never wait on I/O."""
+
+    def lookup(self, block_hashes: list[int]) -> int:
+        """How many of the leading blocks it holds (a later `load` may still miss)."""
+        ...
+
+    def offload(self, blocks: list[tuple[int, int]]) -> None:
+        """Keep the KV of full blocks (hash, block id) that the pool is about to reuse."""
+        ...
+
+    def forget(self) -> None:
+        """Drop what this process keeps of blocks (`clear_kv_blocks`)."""
+        ...
+
+    def stats(self) -> KvTierStats: ...
+
+    def close(self) -> None:
+        """Stop: blocks still waiting to be written are written (within a bound) or dropped."""
         ...
 
 

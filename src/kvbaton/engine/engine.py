@@ -2,7 +2,10 @@
 single-threaded; `AsyncEngine` runs it on a thread of its own for workers.
 
 The run is a `StepRunner`: the model runner (a forward pass and a sampler), or a stand-in with
-the same face (the mocker's timing model). Scheduler and block manager are the same for both."""
+the same face (the mocker's timing model). Scheduler and block manager are the same for both.
+
+With a KV tier (`connector.KvTier`), a step hands it the blocks its schedule evicted before
+anything writes them: before the loads it admitted start, and before its forward pass."""
 
 from __future__ import annotations
 
@@ -14,12 +17,12 @@ from typing import Protocol
 
 from kvbaton.engine.block_manager import BlockManager
 from kvbaton.engine.config import EngineConfig
-from kvbaton.engine.connector import EngineRequest, KvCacheView, KvLoad
+from kvbaton.engine.connector import EngineRequest, KvCacheView, KvLoad, KvTier
 from kvbaton.engine.scheduler import Scheduler, SchedulerOutput
 from kvbaton.engine.sequence import Sequence, SequenceStatus
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.protocols.kv import KvDump, KvEvent
-from kvbaton.protocols.llm import EngineOutput, SamplingParams, Usage
+from kvbaton.protocols.llm import EngineOutput, KvTierStats, SamplingParams, Usage
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ class EngineStats:
     # Prompt tokens of admitted requests looked up in the prefix cache, and found there, so far.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    kv_tiers: KvTierStats | None = None
 
 
 class StepRunner(Protocol):
@@ -61,11 +65,12 @@ class LLMEngine:
         runner: StepRunner | None = None,
         cache_buffer: Callable[[int], memoryview] | None = None,
         host_mirror: bool = False,
+        kv_tier: Callable[[KvCacheView], KvTier] | None = None,
     ) -> None:
         """With no `runner`, the model runner on `config.model` with a KV cache of
         `config.num_kv_blocks` blocks (else as many as `kv_cache_gib` holds), its blocks in the
         host buffer `cache_buffer(nbytes)` gives if given (`ModelRunner.allocate_cache`); a
-        given runner needs `num_kv_blocks`."""
+        given runner needs `num_kv_blocks`. `kv_tier(view)`: the tier below the pool."""
         self.config = config
         self.model_dir = resolve_model(config.model)
         model_runner = None
@@ -84,14 +89,20 @@ class LLMEngine:
         self.guided = model_runner.guided if model_runner else None  # a stand-in ignores it
         self.max_model_len = runner.max_model_len
         self.blocks = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, on_kv_event
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            on_kv_event,
+            keep_evicted=kv_tier is not None,
         )
+        self.tier = kv_tier(self.kv_cache()) if kv_tier is not None else None
         self.scheduler = Scheduler(
             self.blocks,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
             self.max_model_len,
+            self.tier,
         )
         self.eos_token_ids = runner.eos_token_ids
         self.vocab_size = runner.vocab_size
@@ -223,6 +234,8 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         scheduled = self.scheduler.schedule()
+        if self.tier is not None and self.blocks.evicted:
+            self.tier.offload(self.blocks.take_evicted())
         if self.on_kv_loads is not None and self.scheduler.loads:
             self.on_kv_loads(self.take_kv_loads())  # they overlap the forward pass
         try:
@@ -230,7 +243,7 @@ class LLMEngine:
         except BaseException:
             # Blocks of this step were registered before their KV was written: forget every
             # cached prefix rather than serve a wrong one.
-            self.clear_kv_blocks()
+            self.blocks.clear_kv_blocks()
             raise
         finished = {s.request_id for s in self.scheduler.update(scheduled, sampled)}
         self.last_step_tokens = scheduled.num_tokens
@@ -294,6 +307,9 @@ class LLMEngine:
         )
 
     def clear_kv_blocks(self) -> int:
+        """Forget every cached prefix, the pool's and what this process keeps in its tier."""
+        if self.tier is not None:
+            self.tier.forget()
         return self.blocks.clear_kv_blocks()
 
     def kv_dump(self) -> KvDump:
@@ -321,4 +337,5 @@ class LLMEngine:
             active_prefill_tokens=prefill,
             prefix_cache_queries=self.blocks.prefix_queries,
             prefix_cache_hits=self.blocks.prefix_hits,
+            kv_tiers=self.tier.stats() if self.tier is not None else None,
         )

@@ -19,6 +19,10 @@ blocks a writer may still write (`writes_end` not set) leaves them quarantined, 
 table and of the free list, until `reclaim` finds its `writes_end` set; the sequence computes
 its prompt in other blocks.
 
+KV tiers: a waiting sequence without a `kv_source` whose next prompt blocks after the prefix
+cache's are in the `tier` is admitted the same way, loading those blocks only (`KvLoad`'s
+`block_hashes`); once loaded it computes the rest of its prompt.
+
 Invariants:
 - a held sequence's blocks and slot are freed exactly once: by the first of `release` and
   `abort`; the other then frees nothing.
@@ -31,8 +35,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvbaton.engine.block_manager import BlockManager
-from kvbaton.engine.connector import KvLoad
+from kvbaton.engine.connector import KvLoad, KvSource, KvTier
 from kvbaton.engine.sequence import Sequence, SequenceStatus
+from kvbaton.llm.hashing import reusable_blocks
 
 
 @dataclass(frozen=True)
@@ -60,8 +65,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
         max_model_len: int,
+        tier: KvTier | None = None,
     ) -> None:
         self.blocks = block_manager
+        self.tier = tier
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -137,14 +144,21 @@ class Scheduler:
             hits = self.blocks.match_prefix(seq) if not seq.block_table else []
             cached = len(hits) * self.blocks.block_size
             if seq.kv_source is not None and cached < seq.num_prompt_tokens:
-                if not self._admit_load(seq, hits):
+                remote = seq.num_prompt_tokens - cached
+                if not self._admit_load(seq, hits, seq.kv_source, remote):
+                    break
+                continue
+            stored = self._tier_blocks(seq, len(hits))
+            if stored and self.tier is not None:
+                num_tokens = len(stored) * self.blocks.block_size
+                if not self._admit_load(seq, hits, self.tier, num_tokens, stored):
                     break
                 continue
             n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens - cached, budget)
             if n == 0 or not self.blocks.allocate(seq, n, hits):
                 break
             self.waiting.popleft()
-            self.blocks.note_prefix_lookup(seq.num_tokens, cached)
+            self.blocks.note_prefix_lookup(seq.num_prompt_tokens, cached)
             seq.num_computed_tokens += cached
             if seq.num_cached_tokens == 0:
                 seq.num_cached_tokens = cached
@@ -154,19 +168,33 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(scheduled, preempted)
 
-    def _admit_load(self, seq: Sequence, hits: list[int]) -> bool:
-        assert seq.kv_source is not None
-        remote = seq.num_prompt_tokens - len(hits) * self.blocks.block_size
-        if not self.blocks.allocate(seq, remote, hits, register=False):
+    def _tier_blocks(self, seq: Sequence, num_hits: int) -> list[int]:
+        """Hashes of the prompt blocks after the `num_hits` cached ones that the tier holds."""
+        if self.tier is None or seq.kv_source is not None or seq.block_table:
+            return []
+        bs = self.blocks.block_size
+        hashes = seq.full_block_hashes(bs, reusable_blocks(seq.num_tokens, bs))[num_hits:]
+        return hashes[: self.tier.lookup(hashes)] if hashes else []
+
+    def _admit_load(
+        self,
+        seq: Sequence,
+        hits: list[int],
+        source: KvSource,
+        num_tokens: int,
+        block_hashes: list[int] | None = None,
+    ) -> bool:
+        """Admit `seq` to load `num_tokens` after its prefix-cache hits from `source`."""
+        if not self.blocks.allocate(seq, num_tokens, hits, register=False):
             return False
         self.waiting.popleft()
-        self.blocks.note_prefix_lookup(seq.num_prompt_tokens, len(hits) * self.blocks.block_size)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.blocks.block_size
+        cached = len(hits) * self.blocks.block_size
+        self.blocks.note_prefix_lookup(seq.num_prompt_tokens, cached)
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
         seq.status = SequenceStatus.LOADING
         self.loading[seq.request_id] = seq
-        self.loads.append(
-            KvLoad(seq.request_id, seq.kv_source, len(hits), seq.block_table[len(hits) :])
-        )
+        dst = seq.block_table[len(hits) :]
+        self.loads.append(KvLoad(seq.request_id, source, len(hits), dst, block_hashes or []))
         return True
 
     def finish_load(
@@ -185,7 +213,7 @@ class Scheduler:
         seq = self.loading.pop(request_id, None)
         if seq is None:
             return None
-        seq.kv_source = None
+        from_tier, seq.kv_source = seq.kv_source is None, None
         if not ok and writes_end is not None and not writes_end.is_set():
             hits = seq.num_computed_tokens // self.blocks.block_size  # blocks before the load's
             self.quarantined.append((writes_end, seq.block_table[hits:]))
@@ -193,8 +221,13 @@ class Scheduler:
         if seq.is_finished:
             self.blocks.deallocate(seq)
             return None
-        if ok:
+        if ok and from_tier:  # its full blocks loaded, counted as cached; the rest is computed
+            loaded = len(seq.block_table) * self.blocks.block_size
+            seq.num_cached_tokens += loaded - seq.num_computed_tokens
+            seq.num_computed_tokens = loaded
+        elif ok:
             seq.num_computed_tokens = seq.num_prompt_tokens
+        if ok:
             self.blocks.register_computed(seq)
         for token in token_ids or []:
             seq.token_ids.append(token)

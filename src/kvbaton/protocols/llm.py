@@ -222,6 +222,30 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
         return msgspec.json.decode(data, type=cls)
 
 
+class KvTierStats(msgspec.Struct, kw_only=True):
+    """A worker's KV tiers below its pool (`--kv-offload-gib`, `--kv-disk-dir`); counts are
+    since it started."""
+
+    host_blocks: int = 0
+    host_bytes: int = 0
+    host_capacity_bytes: int = 0
+    # The disk tier's root, shared by the workers of a host: as of this worker's last scan of it,
+    # plus what it wrote since.
+    disk_blocks: int = 0
+    disk_bytes: int = 0
+    disk_capacity_bytes: int = 0
+    disk_writable: bool = False
+    offloaded_blocks: int = 0  # evicted from the pool and kept below it
+    written_blocks: int = 0  # of which written to disk
+    dropped_blocks: int = 0  # of which not written (too many waiting, the disk off or failing)
+    rejected_blocks: int = 0  # disk files that failed verification, removed
+    hit_blocks_host: int = 0  # blocks loaded into the pool from memory
+    hit_blocks_disk: int = 0  # ... from disk
+    loads: int = 0
+    load_failures: int = 0  # loads that missed a block: those prompts were computed
+    load_seconds: float = 0.0
+
+
 class WorkerLoad(msgspec.Struct, kw_only=True):
     """A worker's `load_metrics` answer: its engine's stats (`EngineStats`) and its id."""
 
@@ -242,3 +266,4 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     # writes still running once the forward pass had ended, and those of cached blocks).
     kv_handoffs: int = 0
     kv_handoff_wait_seconds: float = 0.0
+    kv_tiers: KvTierStats | None = None  # None: no tier below the pool
