@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvbaton.llm.model_files import served_name
+from kvbaton.llm.model_files import resolve_model, served_name
 from kvbaton.runtime import DistributedRuntime
 
 if TYPE_CHECKING:  # the worker's modules are imported when it starts (none for echo)
     from kvbaton.disagg.decode_side import DecodeSide
     from kvbaton.disagg.engine_prefill import EnginePrefillSide
     from kvbaton.disagg.prefill_side import PrefillSide
+    from kvbaton.kv_tiers import TierSettings
     from kvbaton.kv_transfer import KvPool
     from kvbaton.workers.kv_publisher import KvEventPublisher
     from kvbaton.workers.llm_worker import ServingEngine
@@ -93,11 +95,26 @@ async def _engine(
     from kvbaton.engine import AsyncEngine, EngineConfig
 
     config = EngineConfig(**values)
-    # Off the CPU the blocks peers move are a host mirror of the cache: only for roles that
-    # disaggregate (on the CPU the cache itself lives in the pool's buffer).
+    tiers = tier_settings(args)
+    # Off the CPU the blocks peers move (and tiers copy) are a host mirror of the cache: only
+    # for roles that disaggregate, or with tiers (on the CPU the cache itself lives in the
+    # pool's buffer).
     mirror = not config.device.startswith("cpu")
-    cache_buffer = pool.allocate if args.role != "agg" or not mirror else None
-    return await AsyncEngine.create(config, publisher.on_event, cache_buffer), publisher
+    cache_buffer = pool.allocate if args.role != "agg" or not mirror or tiers.enabled else None
+    kv_tier = tiers.for_model(resolve_model(config.model)) if tiers.enabled else None
+    engine = await AsyncEngine.create(config, publisher.on_event, cache_buffer, kv_tier)
+    return engine, publisher
+
+
+def tier_settings(args: argparse.Namespace) -> TierSettings:
+    from kvbaton.kv_tiers import TierSettings
+
+    disk_dir = getattr(args, "kv_disk_dir", None)
+    return TierSettings(
+        host_bytes=int((getattr(args, "kv_offload_gib", None) or 0) * 2**30),
+        disk_dir=Path(disk_dir).expanduser() if disk_dir else None,
+        disk_bytes=int((getattr(args, "kv_disk_gib", None) or DEFAULT_DISK_GIB) * 2**30),
+    )
 
 
 async def _side(
@@ -149,6 +166,14 @@ def check_engine_flags(args: argparse.Namespace) -> None:
         raise ValueError("arguments after `--` are vLLM's, for --engine vllm")
     if getattr(args, "cpu_cores", None) and args.engine != "vllm":
         raise ValueError("--cpu-cores is for --engine vllm")
+    tiers = [f for f in TIER_FLAGS if getattr(args, f, None) is not None]
+    if tiers and args.engine != "torch":
+        raise ValueError(f"--{tiers[0].replace('_', '-')} is for --engine torch")
+    if getattr(args, "kv_disk_gib", None) is not None and not getattr(args, "kv_disk_dir", None):
+        raise ValueError("--kv-disk-gib needs --kv-disk-dir")
+    for flag in ("kv_offload_gib", "kv_disk_gib"):
+        if (getattr(args, flag, None) or 0) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must not be negative")
     if args.engine == "vllm":
         if getattr(args, "transfer_order", "prefill-first") != "prefill-first":
             raise ValueError("--engine vllm disaggregates in the prefill-first order only")
@@ -204,6 +229,19 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         "blocks layer by layer as it computes them (layers), or whole blocks once the prompt is "
         "computed (blocks)",
     )
+    tiers = parser.add_argument_group("KV tiers below the pool (--engine torch)")
+    tiers.add_argument(
+        "--kv-offload-gib",
+        type=float,
+        help="host memory for blocks evicted from the KV pool (default 0: none)",
+    )
+    tiers.add_argument(
+        "--kv-disk-dir",
+        help="a directory for blocks evicted from the KV pool, shared by the workers of a host",
+    )
+    tiers.add_argument(
+        "--kv-disk-gib", type=float, help=f"the disk tier's size (default {DEFAULT_DISK_GIB:g})"
+    )
     mocker = parser.add_argument_group("mocker (timing defaults: Dynamo's mocker)")
     mocker.add_argument("--speedup-ratio", type=float, help="divide step times by it (default 1)")
     mocker.add_argument("--mocker-prefill", metavar="A,B,C", help="prefill ms = A*t^2 + B*t + C")
@@ -226,6 +264,15 @@ ENGINE_FLAGS = (
     "matmul",
 )
 MOCKER_FLAGS = ("speedup_ratio", "mocker_prefill", "mocker_decode")
+TIER_FLAGS = ("kv_offload_gib", "kv_disk_dir", "kv_disk_gib")
+DEFAULT_DISK_GIB = 10.0
 DISAGG_FLAGS = ("kv_transfer", "kv_transfer_timeout", "kv_hold_timeout", "kv_push")
 # What `serve` passes on to its workers.
-WORKER_FLAGS = (*ENGINE_FLAGS, *MOCKER_FLAGS, *DISAGG_FLAGS, "served_model_name", "fixed_tokens")
+WORKER_FLAGS = (
+    *ENGINE_FLAGS,
+    *MOCKER_FLAGS,
+    *DISAGG_FLAGS,
+    *TIER_FLAGS,
+    "served_model_name",
+    "fixed_tokens",
+)

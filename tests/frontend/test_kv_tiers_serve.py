@@ -1,0 +1,129 @@
+"""`kvbaton serve --kv-disk-dir` with two workers on one host (real processes, the official
+`openai` client): a prompt evicted from one worker's pool is served by the other worker from
+the shared disk tier, and by the first worker's restarted process after a SIGKILL, with the
+greedy answer of its first computation, its blocks counted as cached tokens and as disk hits
+in the worker's load report."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvbaton.llm.hashing import hash_blocks, reusable_blocks
+from kvbaton.protocols.llm import WorkerLoad
+from kvbaton.runtime import DistributedRuntime
+from tests.frontend.conftest import Deployment, serve_slot, start_serve, stop_serve
+from tests.helpers import wait_until, wait_until_sync
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BLOCK_SIZE = 16
+POOL_BLOCKS = 32
+PROMPT = [random.Random(0).randrange(10, 300) for _ in range(200)]
+CACHED = reusable_blocks(len(PROMPT), BLOCK_SIZE) * BLOCK_SIZE
+RESTART_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kv-disk")
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    chat_model: Path, disk: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    served = start_serve(
+        chat_model,
+        tmp_path_factory.mktemp("discovery"),
+        "--workers", "2",
+        "--router-mode", "direct",
+        "--block-size", str(BLOCK_SIZE),
+        "--num-kv-blocks", str(POOL_BLOCKS),
+        "--kv-disk-dir", str(disk),
+        "--kv-disk-gib", "1",
+    )  # fmt: skip
+    yield served
+    stop_serve(served.proc)
+
+
+def instances(deployment: Deployment) -> list[int]:
+    models = httpx.get(f"{deployment.url}/health").json()["models"]
+    return [int(i, 16) for i in models.get(deployment.model, [])]
+
+
+def complete(deployment: Deployment, prompt: list[int], worker: int) -> tuple[str, int]:
+    """The greedy completion of `prompt` on `worker`, and its cached prompt tokens."""
+    client = openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="none")
+    out = client.completions.create(
+        model=deployment.model,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"nvext": {"backend_instance_id": worker}},
+    )
+    assert out.usage is not None
+    details = out.usage.prompt_tokens_details
+    return out.choices[0].text, (details.cached_tokens or 0) if details else 0
+
+
+def evict(deployment: Deployment, worker: int) -> None:
+    """Prompts unrelated to PROMPT until the worker's pool reused all its blocks."""
+    for seed in range(1, 4):
+        rng = random.Random(seed)
+        complete(deployment, [rng.randrange(10, 300) for _ in range(200)], worker)
+
+
+def offloaded(disk: Path) -> bool:
+    """Every reusable block of PROMPT has its file on the disk tier."""
+    names = [f"{h:016x}" for h in hash_blocks(PROMPT, BLOCK_SIZE)[: CACHED // BLOCK_SIZE]]
+    return all(any(disk.glob(f"*/{name[:2]}/{name}.kvb")) for name in names)
+
+
+async def disk_hits(deployment: Deployment, worker: int) -> int:
+    async with DistributedRuntime(deployment.discovery) as runtime:
+        client = await runtime.endpoint("kvbaton.backend.load_metrics").client(
+            response_type=WorkerLoad
+        )
+        try:
+            load: WorkerLoad = await anext(client.direct(None, worker, timeout=10))
+        finally:
+            await client.close()
+    assert load.kv_tiers is not None
+    return load.kv_tiers.hit_blocks_disk
+
+
+async def test_a_worker_serves_a_prefix_another_offloaded(
+    deployment: Deployment, disk: Path
+) -> None:
+    first, second = instances(deployment)
+    answer, cached = complete(deployment, PROMPT, first)
+    assert cached == 0
+    evict(deployment, first)
+    wait_until_sync(lambda: offloaded(disk), 30, "the prompt offloaded")
+    assert complete(deployment, PROMPT, second) == (answer, CACHED)
+    assert await disk_hits(deployment, second) == CACHED // BLOCK_SIZE
+
+
+async def test_a_restarted_worker_serves_a_known_prefix_from_disk(
+    deployment: Deployment,
+) -> None:
+    slot = serve_slot(deployment, "worker-0")
+    old = set(instances(deployment))
+    answer, _ = complete(deployment, PROMPT, min(old))
+    evict(deployment, min(old))
+    evict(deployment, max(old))  # neither pool keeps it
+    os.kill(int(slot["pid"]), signal.SIGKILL)
+    await wait_until(
+        lambda: len(set(instances(deployment)) - old) == 1, RESTART_S, "the worker back"
+    )
+    (restarted,) = set(instances(deployment)) - old
+    assert complete(deployment, PROMPT, restarted) == (answer, CACHED)
+    assert await disk_hits(deployment, restarted) == CACHED // BLOCK_SIZE
