@@ -103,6 +103,12 @@ async def _engine(
     cache_buffer = pool.allocate if args.role != "agg" or not mirror or tiers.enabled else None
     kv_tier = tiers.for_model(resolve_model(config.model)) if tiers.enabled else None
     engine = await AsyncEngine.create(config, publisher.on_event, cache_buffer, kv_tier)
+    if kv_tier is not None:
+        from prometheus_client import REGISTRY
+
+        from kvbaton.workers.tier_metrics import TierCollector
+
+        REGISTRY.register(TierCollector(lambda: engine.stats().kv_tiers))
     return engine, publisher
 
 
