@@ -16,8 +16,14 @@ pytestmark = pytest.mark.unit
 @pytest.mark.parametrize(
     ("flags", "error"),
     [
-        (["--engine", "mocker", "--kv-disk-dir", "d"], "--kv-disk-dir is for --engine torch"),
-        (["--engine", "vllm", "--kv-offload-gib", "1"], "--kv-offload-gib is for --engine torch"),
+        (
+            ["--engine", "fixed", "--kv-disk-dir", "d"],
+            "--kv-disk-dir is for --engine torch or mocker",
+        ),
+        (
+            ["--engine", "vllm", "--kv-offload-gib", "1"],
+            "--kv-offload-gib is for --engine torch or mocker",
+        ),
         (["--kv-disk-gib", "1"], "--kv-disk-gib needs --kv-disk-dir"),
         (["--kv-offload-gib", "-1"], "--kv-offload-gib must not be negative"),
     ],

@@ -67,7 +67,7 @@ def prompt(seed: int, length: int = 40) -> list[int]:
 def evict_all(eng: LLMEngine, seed: int = 1000) -> None:
     """Run prompts unrelated to any other until every block the pool held was reused."""
     for i in range(3):
-        greedy(eng, prompt(seed + i, eng.blocks.num_blocks * BLOCK_SIZE // 2), 1)
+        greedy(eng, prompt(seed + i, eng.blocks.num_blocks * eng.config.block_size // 2), 1)
 
 
 def block_hashes(tokens: list[int]) -> list[int]:

@@ -85,12 +85,16 @@ async def _engine(
         from kvbaton.mocker.runner import mocker_config
         from kvbaton.mocker.timing import parse_coefficients
 
+        default = MockerTiming()
         timing = MockerTiming(
-            **({"prefill": parse_coefficients(args.mocker_prefill)} if args.mocker_prefill else {}),
-            **({"decode": parse_coefficients(args.mocker_decode)} if args.mocker_decode else {}),
+            prefill=parse_coefficients(args.mocker_prefill)
+            if args.mocker_prefill
+            else default.prefill,
+            decode=parse_coefficients(args.mocker_decode) if args.mocker_decode else default.decode,
             speedup_ratio=args.speedup_ratio or 1.0,
         )
-        engine = await create_mocker_engine(mocker_config(**values), timing, publisher.on_event)
+        config = mocker_config(**values)
+        engine = await create_mocker_engine(config, timing, publisher.on_event, tier_settings(args))
         return engine, publisher
     from kvbaton.engine import AsyncEngine, EngineConfig
 
@@ -173,8 +177,8 @@ def check_engine_flags(args: argparse.Namespace) -> None:
     if getattr(args, "cpu_cores", None) and args.engine != "vllm":
         raise ValueError("--cpu-cores is for --engine vllm")
     tiers = [f for f in TIER_FLAGS if getattr(args, f, None) is not None]
-    if tiers and args.engine != "torch":
-        raise ValueError(f"--{tiers[0].replace('_', '-')} is for --engine torch")
+    if tiers and args.engine not in ("torch", "mocker"):
+        raise ValueError(f"--{tiers[0].replace('_', '-')} is for --engine torch or mocker")
     if getattr(args, "kv_disk_gib", None) is not None and not getattr(args, "kv_disk_dir", None):
         raise ValueError("--kv-disk-gib needs --kv-disk-dir")
     for flag in ("kv_offload_gib", "kv_disk_gib"):
@@ -235,7 +239,7 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         "blocks layer by layer as it computes them (layers), or whole blocks once the prompt is "
         "computed (blocks)",
     )
-    tiers = parser.add_argument_group("KV tiers below the pool (--engine torch)")
+    tiers = parser.add_argument_group("KV tiers below the pool (--engine torch or mocker)")
     tiers.add_argument(
         "--kv-offload-gib",
         type=float,

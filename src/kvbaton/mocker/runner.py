@@ -23,7 +23,9 @@ from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.engine import LLMEngine
 from kvbaton.engine.scheduler import SchedulerOutput
 from kvbaton.engine.sequence import Sequence
+from kvbaton.kv_tiers import TierSettings
 from kvbaton.llm.model_files import resolve_model
+from kvbaton.mocker.tiers import mocker_tiers
 from kvbaton.mocker.timing import MockerTiming
 from kvbaton.protocols.kv import KvEvent
 
@@ -127,8 +129,13 @@ async def create_mocker_engine(
     config: EngineConfig,
     timing: MockerTiming,
     on_kv_event: Callable[[KvEvent], None] | None = None,
+    tiers: TierSettings | None = None,
 ) -> AsyncEngine:
-    runner = MockerRunner(resolve_model(config.model), timing, config.max_model_len)
-    engine = LLMEngine(config, on_kv_event, runner)
+    model_dir = resolve_model(config.model)
+    runner = MockerRunner(model_dir, timing, config.max_model_len)
+    kv_tier = None
+    if tiers is not None and tiers.enabled:
+        kv_tier = mocker_tiers(tiers, model_dir, config.block_size, timing)
+    engine = LLMEngine(config, on_kv_event, runner, kv_tier=kv_tier)
     runner.blocks = engine.blocks
     return AsyncEngine(engine)

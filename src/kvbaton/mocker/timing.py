@@ -1,6 +1,8 @@
 """How long the mocker's steps take. The defaults are those of Dynamo's mocker, so that results
 compare with it: a step costs its prefill time (t = the step's prefill tokens) plus its decode
-time (u = the fraction of KV blocks in use), divided by the speedup ratio."""
+time (u = the fraction of KV blocks in use), divided by the speedup ratio. A load from the KV
+tiers costs the modeled KV's bytes over the tier's bandwidth (`host_gbps`, `disk_gbps`), divided
+by the speedup ratio too."""
 
 from __future__ import annotations
 
@@ -12,10 +14,14 @@ class MockerTiming:
     prefill: tuple[float, float, float] = (4.21e-7, 0.01518, 16.5)  # ms = a*t^2 + b*t + c
     decode: tuple[float, float, float] = (-25.74, 54.01, 5.74)  # ms = max(1, a*u^2 + b*u + c)
     speedup_ratio: float = 1.0
+    host_gbps: float = 10.0  # GB/s a load from host memory moves
+    disk_gbps: float = 2.0  # ... from disk (an NVMe drive's sequential read)
 
     def __post_init__(self) -> None:
         if self.speedup_ratio <= 0:
             raise ValueError(f"speedup_ratio must be positive (got {self.speedup_ratio})")
+        if self.host_gbps <= 0 or self.disk_gbps <= 0:
+            raise ValueError("host_gbps and disk_gbps must be positive")
         if len(self.prefill) != 3 or len(self.decode) != 3:
             raise ValueError("prefill and decode take three coefficients each: a, b, c")
 
@@ -33,6 +39,11 @@ class MockerTiming:
         if decodes:
             ms += self.decode_ms(kv_usage)
         return ms / 1000.0 / self.speedup_ratio
+
+    def load_seconds(self, host_bytes: int, disk_bytes: int) -> float:
+        """A load of `host_bytes` from host memory and `disk_bytes` from disk."""
+        seconds = host_bytes / (self.host_gbps * 1e9) + disk_bytes / (self.disk_gbps * 1e9)
+        return seconds / self.speedup_ratio
 
 
 def parse_coefficients(text: str) -> tuple[float, float, float]:
