@@ -170,7 +170,9 @@ class BlockManager:
 
     def take_evicted(self) -> list[tuple[int, int]]:
         """The (hash, block) evicted since the last call (none without `keep_evicted`)."""
-        taken, self.evicted = self.evicted or [], [] if self.evicted is not None else None
+        if not self.evicted:
+            return []
+        taken, self.evicted = self.evicted, []
         return taken
 
     def dump(self) -> KvDump:

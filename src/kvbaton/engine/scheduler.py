@@ -158,7 +158,7 @@ class Scheduler:
             if n == 0 or not self.blocks.allocate(seq, n, hits):
                 break
             self.waiting.popleft()
-            self.blocks.note_prefix_lookup(seq.num_prompt_tokens, cached)
+            self.blocks.note_prefix_lookup(seq.num_tokens, cached)
             seq.num_computed_tokens += cached
             if seq.num_cached_tokens == 0:
                 seq.num_cached_tokens = cached
@@ -213,7 +213,8 @@ class Scheduler:
         seq = self.loading.pop(request_id, None)
         if seq is None:
             return None
-        from_tier, seq.kv_source = seq.kv_source is None, None
+        from_tier = seq.kv_source is None  # a peer's load names its source on the sequence
+        seq.kv_source = None
         if not ok and writes_end is not None and not writes_end.is_set():
             hits = seq.num_computed_tokens // self.blocks.block_size  # blocks before the load's
             self.quarantined.append((writes_end, seq.block_table[hits:]))
