@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvbaton.kv_tiers.tiers import DEFAULT_DISK_BYTES
 from kvbaton.llm.model_files import resolve_model, served_name
 from kvbaton.runtime import DistributedRuntime
 
@@ -120,10 +121,11 @@ def tier_settings(args: argparse.Namespace) -> TierSettings:
     from kvbaton.kv_tiers import TierSettings
 
     disk_dir = getattr(args, "kv_disk_dir", None)
+    disk_gib = getattr(args, "kv_disk_gib", None)
     return TierSettings(
         host_bytes=int((getattr(args, "kv_offload_gib", None) or 0) * 2**30),
         disk_dir=Path(disk_dir).expanduser() if disk_dir else None,
-        disk_bytes=int((getattr(args, "kv_disk_gib", None) or DEFAULT_DISK_GIB) * 2**30),
+        disk_bytes=int(disk_gib * 2**30) if disk_gib is not None else DEFAULT_DISK_BYTES,
     )
 
 
@@ -250,7 +252,9 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         help="a directory for blocks evicted from the KV pool, shared by the workers of a host",
     )
     tiers.add_argument(
-        "--kv-disk-gib", type=float, help=f"the disk tier's size (default {DEFAULT_DISK_GIB:g})"
+        "--kv-disk-gib",
+        type=float,
+        help=f"the disk tier's size (default {DEFAULT_DISK_BYTES / 2**30:g})",
     )
     mocker = parser.add_argument_group("mocker (timing defaults: Dynamo's mocker)")
     mocker.add_argument("--speedup-ratio", type=float, help="divide step times by it (default 1)")
@@ -275,7 +279,6 @@ ENGINE_FLAGS = (
 )
 MOCKER_FLAGS = ("speedup_ratio", "mocker_prefill", "mocker_decode")
 TIER_FLAGS = ("kv_offload_gib", "kv_disk_dir", "kv_disk_gib")
-DEFAULT_DISK_GIB = 10.0
 DISAGG_FLAGS = ("kv_transfer", "kv_transfer_timeout", "kv_hold_timeout", "kv_push")
 # What `serve` passes on to its workers.
 WORKER_FLAGS = (

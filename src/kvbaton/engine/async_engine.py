@@ -34,7 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbaton.engine.config import EngineConfig
-from kvbaton.engine.connector import EngineRequest, KvCacheView, KvLoad, KvLoadFailed, KvTier
+from kvbaton.engine.connector import (
+    EmitEvent,
+    EngineRequest,
+    KvCacheView,
+    KvLoad,
+    KvLoadFailed,
+    KvTier,
+)
 from kvbaton.engine.engine import EngineStats, LLMEngine
 from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput
@@ -99,7 +106,7 @@ class AsyncEngine:
         config: EngineConfig,
         on_kv_event: Callable[[KvEvent], None] | None = None,
         cache_buffer: Callable[[int], memoryview] | None = None,
-        kv_tier: Callable[[KvCacheView], KvTier] | None = None,
+        kv_tier: Callable[[KvCacheView, EmitEvent], KvTier] | None = None,
     ) -> AsyncEngine:
         """Load the model off the event loop, then start the step thread.
 

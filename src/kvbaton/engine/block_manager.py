@@ -7,13 +7,16 @@ Invariants:
   (a BlockRemoved event).
 - `cached` maps a hash to the one block registered under it; a block holds at most one hash.
 - A sequence frees its blocks in reverse order, so its tail blocks are evicted first.
-- Events are numbered 0, 1, 2, ... with no gap, in the order the cache changed.
+- Events are numbered 0, 1, 2, ... with no gap, in the order the cache changed; `emit` numbers
+  and hands on an event under one lock, so a tier's thread may emit too, and `dump` is taken
+  as of one event id under it.
 - With `keep_evicted`, every evicted (hash, block) waits in `evicted` until taken, its block's
   bytes unchanged until the step after its eviction runs.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -51,6 +54,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._on_event = on_event
         self._next_event_id = 0
+        self._emit_lock = threading.Lock()
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
         self.evicted: list[tuple[int, int]] | None = [] if keep_evicted else None
@@ -134,7 +138,7 @@ class BlockManager:
             self.ref_counts[block] = 1
             seq.block_table.append(block)
         if evicted:
-            self._emit(lambda i: BlockRemoved(event_id=i, block_hashes=evicted))
+            self.emit(lambda i: BlockRemoved(event_id=i, block_hashes=evicted))
         if self.enable_prefix_caching and register:
             filled = seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
             self._register_full_blocks(seq, filled // self.block_size)
@@ -165,7 +169,7 @@ class BlockManager:
         for block in self.cached.values():
             self.block_hash[block] = None
         self.cached.clear()
-        self._emit(lambda i: AllBlocksCleared(event_id=i))
+        self.emit(lambda i: AllBlocksCleared(event_id=i))
         return count
 
     def take_evicted(self) -> list[tuple[int, int]]:
@@ -175,8 +179,13 @@ class BlockManager:
         taken, self.evicted = self.evicted, []
         return taken
 
-    def dump(self) -> KvDump:
-        return KvDump(last_event_id=self._next_event_id - 1, block_hashes=list(self.cached))
+    def dump(self, below: Callable[[KvDump], None] | None = None) -> KvDump:
+        """The cached blocks, and what `below` (a tier) adds, as of the last event."""
+        with self._emit_lock:
+            dump = KvDump(last_event_id=self._next_event_id - 1, block_hashes=list(self.cached))
+            if below is not None:
+                below(dump)
+            return dump
 
     # -- internals ---------------------------------------------------------------------------
     def _new_blocks_needed(
@@ -210,7 +219,7 @@ class BlockManager:
         bs = self.block_size
         tokens = seq.token_ids[start * bs : (start + len(run)) * bs]
         parent = hashes[start - 1] if start > 0 else None
-        self._emit(
+        self.emit(
             lambda i: BlockStored(
                 event_id=i,
                 block_hashes=run,
@@ -220,7 +229,9 @@ class BlockManager:
             )
         )
 
-    def _emit(self, make: Callable[[int], KvEvent]) -> None:
-        if self._on_event is not None:
-            self._on_event(make(self._next_event_id))
-        self._next_event_id += 1
+    def emit(self, make: Callable[[int], KvEvent]) -> None:
+        """Number an event (`make(event_id)`) and hand it on. Any thread."""
+        with self._emit_lock:
+            if self._on_event is not None:
+                self._on_event(make(self._next_event_id))
+            self._next_event_id += 1

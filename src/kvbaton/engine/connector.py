@@ -13,11 +13,15 @@ engine (docs/architecture.md, "The engine's KV connector").
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput, KvTierStats, SamplingParams
+
+# Number a KV event (`make(event_id)`) in the engine's stream and hand it on (any thread).
+EmitEvent = Callable[[Callable[[int], KvEvent]], None]
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,9 @@ class KvSource(Protocol):
 class KvTier(KvSource, Protocol):
     """Storage below the engine's pool: a block's KV by its chained hash.
     - `offload` copies what it keeps before it returns: the blocks are overwritten after.
-    - `lookup` and `offload` run on the engine's thread and never wait on I/O."""
+    - `lookup` and `offload` run on the engine's thread and never wait on I/O.
+    - It reports blocks it gains and loses as KV events of its tier (host, disk) through the
+      `EmitEvent` it was built with, and adds what it holds to the engine's dump."""
 
     def lookup(self, block_hashes: list[int]) -> int:
         """How many of the leading blocks it holds (a later `load` may still miss)."""
@@ -76,6 +82,10 @@ class KvTier(KvSource, Protocol):
         ...
 
     def stats(self) -> KvTierStats: ...
+
+    def fill_dump(self, dump: KvDump) -> None:
+        """Add the blocks it holds (as of the dump's last event)."""
+        ...
 
     def close(self) -> None:
         """Stop: blocks still waiting to be written are written (within a bound) or dropped."""

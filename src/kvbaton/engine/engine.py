@@ -17,7 +17,7 @@ from typing import Protocol
 
 from kvbaton.engine.block_manager import BlockManager
 from kvbaton.engine.config import EngineConfig
-from kvbaton.engine.connector import EngineRequest, KvCacheView, KvLoad, KvTier
+from kvbaton.engine.connector import EmitEvent, EngineRequest, KvCacheView, KvLoad, KvTier
 from kvbaton.engine.scheduler import Scheduler, SchedulerOutput
 from kvbaton.engine.sequence import Sequence, SequenceStatus
 from kvbaton.llm.model_files import resolve_model
@@ -65,12 +65,12 @@ class LLMEngine:
         runner: StepRunner | None = None,
         cache_buffer: Callable[[int], memoryview] | None = None,
         host_mirror: bool = False,
-        kv_tier: Callable[[KvCacheView], KvTier] | None = None,
+        kv_tier: Callable[[KvCacheView, EmitEvent], KvTier] | None = None,
     ) -> None:
         """With no `runner`, the model runner on `config.model` with a KV cache of
         `config.num_kv_blocks` blocks (else as many as `kv_cache_gib` holds), its blocks in the
         host buffer `cache_buffer(nbytes)` gives if given (`ModelRunner.allocate_cache`); a
-        given runner needs `num_kv_blocks`. `kv_tier(view)`: the tier below the pool."""
+        given runner needs `num_kv_blocks`. `kv_tier(view, emit)`: the tier below the pool."""
         self.config = config
         self.model_dir = resolve_model(config.model)
         model_runner = None
@@ -95,7 +95,7 @@ class LLMEngine:
             on_kv_event,
             keep_evicted=kv_tier is not None,
         )
-        self.tier = kv_tier(self.kv_cache()) if kv_tier is not None else None
+        self.tier = kv_tier(self.kv_cache(), self.blocks.emit) if kv_tier is not None else None
         self.scheduler = Scheduler(
             self.blocks,
             config.max_num_seqs,
@@ -314,7 +314,7 @@ class LLMEngine:
 
     def kv_dump(self) -> KvDump:
         """Every cached block, as of the last event sent."""
-        return self.blocks.dump()
+        return self.blocks.dump(self.tier.fill_dump if self.tier is not None else None)
 
     def stats(self) -> EngineStats:
         """Call from the thread that steps the engine (it reads the queues)."""

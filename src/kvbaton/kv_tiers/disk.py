@@ -10,6 +10,8 @@ Files: `<root>/<store key, hex>/<hash, hex[:2]>/<hash, 16 hex digits>.kvb` (`blo
   nine tenths of it.
 - A full disk (ENOSPC, EDQUOT), or a capacity below one block, turns writing off for this
   process, with one warning; reads go on.
+- `on_change(stored, removed)` hears of the blocks of its store that this process added (a new
+  file) or removed (LRU, a rejected file); `store` names the store across processes and hosts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import errno
 import itertools
 import logging
 import os
+import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from kvbaton.kv_tiers import block_file
@@ -30,7 +34,14 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class DiskTier:
-    def __init__(self, root: Path, store_key: bytes, kv_bytes: int, capacity_bytes: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        store_key: bytes,
+        kv_bytes: int,
+        capacity_bytes: int,
+        on_change: Callable[[list[int], list[int]], None] | None = None,
+    ) -> None:
         self.root = root
         self.store_key = store_key
         self.kv_bytes = kv_bytes
@@ -38,7 +49,9 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.dir = root / store_key.hex()
         self.tmp = root / "tmp"
+        self.on_change = on_change
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.store = f"{socket.gethostname()}:{self.dir.resolve()}"
         self.tmp.mkdir(exist_ok=True)
         self._names = itertools.count()
         self.writable = True
@@ -69,6 +82,7 @@ class DiskTier:
             self.rejected += 1
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+            self._changed([], [block_hash])
             return None
         with contextlib.suppress(FileNotFoundError):
             os.utime(path)
@@ -101,9 +115,14 @@ class DiskTier:
             return False
         self.num_files += 1
         self.num_bytes += self.file_bytes
+        self._changed([block_hash], [])
         if self.num_bytes > self.capacity_bytes:
             self._remove_oldest()
         return True
+
+    def hashes(self) -> list[int]:
+        """The blocks of its store, as the directory lists them now."""
+        return [int(p.stem, 16) for p in self.dir.glob(f"*/*{SUFFIX}")]
 
     # -- internals ---------------------------------------------------------------------------
     def _stop_writing(self, why: str) -> None:
@@ -129,15 +148,23 @@ class DiskTier:
         total = sum(size for _, size, _ in files)
         target = self.capacity_bytes * 9 // 10
         kept = len(files)
+        removed = []
         for _, size, path in files:
             if total <= target:
                 break
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 self.removed += 1
+                if path.parent.parent == self.dir:
+                    removed.append(int(path.stem, 16))
             total -= size
             kept -= 1
         self.num_files, self.num_bytes = kept, total
+        self._changed([], removed)
+
+    def _changed(self, stored: list[int], removed: list[int]) -> None:
+        if self.on_change is not None and (stored or removed):
+            self.on_change(stored, removed)
 
     def _remove_orphans(self) -> None:
         """Temporary files whose writer is gone."""

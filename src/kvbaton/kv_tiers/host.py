@@ -28,18 +28,26 @@ class HostTier:
     def num_bytes(self) -> int:
         return self._bytes
 
-    def put(self, block_hash: int, kv: bytes) -> None:
-        """Keep `kv` (if it fits at all), evicting the least recently used blocks."""
+    def put(self, block_hash: int, kv: bytes) -> list[int]:
+        """Keep `kv` (if it fits at all), evicting the least recently used blocks: their
+        hashes."""
         if len(kv) > self.capacity_bytes:
-            return
+            return []
+        evicted = []
         with self._lock:
             old = self._blocks.pop(block_hash, None)
             self._bytes -= len(old) if old is not None else 0
             while self._blocks and self._bytes + len(kv) > self.capacity_bytes:
-                _, evicted = self._blocks.popitem(last=False)
-                self._bytes -= len(evicted)
+                h, gone = self._blocks.popitem(last=False)
+                self._bytes -= len(gone)
+                evicted.append(h)
             self._blocks[block_hash] = kv
             self._bytes += len(kv)
+        return evicted
+
+    def hashes(self) -> list[int]:
+        with self._lock:
+            return list(self._blocks)
 
     def get(self, block_hash: int) -> bytes | None:
         """The block's KV (now the most recently used), or None."""
@@ -49,7 +57,10 @@ class HostTier:
                 self._blocks.move_to_end(block_hash)
             return kv
 
-    def clear(self) -> None:
+    def clear(self) -> list[int]:
+        """Drop every block; their hashes."""
         with self._lock:
+            gone = list(self._blocks)
             self._blocks.clear()
             self._bytes = 0
+        return gone

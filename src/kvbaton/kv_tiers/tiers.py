@@ -7,6 +7,9 @@
   block missing or rejected fails the whole load: the engine computes the prompt from its
   pool's hits on, so a bad block costs time, never tokens.
 - `close` lets the writer finish what waits, for at most `CLOSE_TIMEOUT_S`.
+- KV events of tier host and disk say what each tier gained and lost, in the engine's stream:
+  a block offloaded to memory, one written to disk (not before: a router must not count a
+  block that no other worker can read yet), ones removed by either LRU or rejected.
 """
 
 from __future__ import annotations
@@ -19,15 +22,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbaton.engine.connector import KvCacheView, KvLoad, KvLoadFailed
+from kvbaton.engine.connector import EmitEvent, KvCacheView, KvLoad, KvLoadFailed
 from kvbaton.kv_tiers.disk import DiskTier
 from kvbaton.kv_tiers.host import HostTier
 from kvbaton.kv_tiers.store_key import store_key
+from kvbaton.protocols.kv import DISK, HOST, BlockRemoved, BlockStored, KvDump
 from kvbaton.protocols.llm import KvTierStats
 
 log = logging.getLogger(__name__)
 
 MAX_WAITING_BYTES = 256 * 2**20
+DEFAULT_DISK_BYTES = 10 * 2**30
 CLOSE_TIMEOUT_S = 10.0
 
 
@@ -37,22 +42,22 @@ class TierSettings:
 
     host_bytes: int = 0
     disk_dir: Path | None = None
-    disk_bytes: int = 0
+    disk_bytes: int = DEFAULT_DISK_BYTES
 
     @property
     def enabled(self) -> bool:
         return self.host_bytes > 0 or self.disk_dir is not None
 
-    def for_model(self, model_dir: Path) -> Callable[[KvCacheView], KvTiers]:
-        """The tiers of an engine on `model_dir`, given its cache."""
+    def for_model(self, model_dir: Path) -> Callable[[KvCacheView, EmitEvent], KvTiers]:
+        """The tiers of an engine on `model_dir`, given its cache and its event stream."""
 
-        def build(view: KvCacheView) -> KvTiers:
+        def build(view: KvCacheView, emit: EmitEvent) -> KvTiers:
             host = HostTier(self.host_bytes) if self.host_bytes > 0 else None
             disk = None
             if self.disk_dir is not None:
                 key = store_key(model_dir, view.layout)
                 disk = DiskTier(self.disk_dir, key, view.block_bytes, self.disk_bytes)
-            return KvTiers(view, host, disk)
+            return KvTiers(view, host, disk, emit)
 
         return build
 
@@ -63,11 +68,15 @@ class KvTiers:
         view: KvCacheView,
         host: HostTier | None,
         disk: DiskTier | None,
+        emit: EmitEvent | None = None,
         max_waiting_bytes: int = MAX_WAITING_BYTES,
     ) -> None:
         if view.buffer is None or view.block_bytes == 0:
             raise ValueError("KV tiers need a cache whose blocks have bytes in host memory")
         self.view = view
+        self._emit = emit
+        if disk is not None:
+            disk.on_change = self._disk_changed
         self.buffer = view.buffer
         self.host = host
         self.disk = disk
@@ -103,13 +112,16 @@ class KvTiers:
     def offload(self, blocks: list[tuple[int, int]]) -> None:
         self.view.stage_out([block for _, block in blocks])
         size = self.view.block_bytes
+        kept: list[int] = []
+        evicted: list[int] = []
         for h, block in blocks:
             if self.host is not None and self.host.get(h) is not None:
                 continue  # kept already (and on disk, or dropped, since)
             kv = bytes(self.buffer[block * size : (block + 1) * size])
             self._stats.offloaded_blocks += 1
             if self.host is not None:
-                self.host.put(h, kv)
+                evicted += self.host.put(h, kv)
+                kept.append(h)
             if self.disk is None:
                 continue
             with self._lock:
@@ -121,10 +133,43 @@ class KvTiers:
                 self._waiting[h] = kv
                 self._waiting_bytes += size
             self._writes.put(h)
+        self._report(HOST, kept, evicted)  # in this order: a block kept, then evicted, is gone
 
     def forget(self) -> None:
         if self.host is not None:
-            self.host.clear()
+            self._report(HOST, [], self.host.clear())
+
+    def fill_dump(self, dump: KvDump) -> None:
+        if self.host is not None:
+            dump.host_block_hashes = self.host.hashes()
+        if self.disk is not None:
+            dump.store = self.disk.store
+            dump.store_block_hashes = self.disk.hashes()
+
+    def _disk_changed(self, stored: list[int], removed: list[int]) -> None:
+        self._report(DISK, stored, removed)
+
+    def _report(self, tier: str, stored: list[int], removed: list[int]) -> None:
+        """KV events of `tier`: blocks it gained, then blocks it lost."""
+        if self._emit is None:
+            return
+        store = self.disk.store if tier == DISK and self.disk is not None else None
+        if stored:
+            self._emit(
+                lambda i: BlockStored(
+                    event_id=i,
+                    block_hashes=stored,
+                    parent_hash=None,
+                    token_ids=[],
+                    block_size=0,
+                    tier=tier,
+                    store=store,
+                )
+            )
+        if removed:
+            self._emit(
+                lambda i: BlockRemoved(event_id=i, block_hashes=removed, tier=tier, store=store)
+            )
 
     def stats(self) -> KvTierStats:
         s = self._stats

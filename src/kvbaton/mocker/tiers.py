@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvbaton.engine.connector import KvCacheView, KvLoad
+from kvbaton.engine.connector import EmitEvent, KvCacheView, KvLoad
 from kvbaton.kv_tiers import KvTiers, TierSettings
 from kvbaton.kv_tiers.block_file import HEADER_BYTES
 from kvbaton.kv_tiers.disk import DiskTier
@@ -40,11 +40,12 @@ class MockerTiers(KvTiers):
         view: KvCacheView,
         host: HostTier | None,
         disk: DiskTier | None,
+        emit: EmitEvent | None,
         timing: MockerTiming,
         block_bytes: int,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        super().__init__(view, host, disk)
+        super().__init__(view, host, disk, emit)
         self.timing = timing
         self.block_bytes = block_bytes  # modeled
         self._sleep = sleep
@@ -65,11 +66,11 @@ def mocker_tiers(
     block_size: int,
     timing: MockerTiming,
     sleep: Callable[[float], None] = time.sleep,
-) -> Callable[[KvCacheView], MockerTiers]:
+) -> Callable[[KvCacheView, EmitEvent], MockerTiers]:
     """The tiers of a mocker engine (its own view of `STAMP_BYTES` a block)."""
     modeled = modeled_block_bytes(model_dir, block_size)
 
-    def build(engine_view: KvCacheView) -> MockerTiers:
+    def build(engine_view: KvCacheView, emit: EmitEvent) -> MockerTiers:
         view = KvCacheView(
             f"mocker:{block_size}",
             engine_view.num_blocks,
@@ -84,6 +85,6 @@ def mocker_tiers(
             capacity = settings.disk_bytes // modeled * (HEADER_BYTES + STAMP_BYTES)
             key = store_key(model_dir, view.layout)
             disk = DiskTier(settings.disk_dir, key, STAMP_BYTES, capacity)
-        return MockerTiers(view, host, disk, timing, modeled, sleep)
+        return MockerTiers(view, host, disk, emit, timing, modeled, sleep)
 
     return build

@@ -10,21 +10,29 @@ import msgspec
 
 from kvbaton.protocols.llm import WorkerLoad
 
+DEVICE, HOST, DISK = "device", "host", "disk"  # a block's tier: the pool, or below it
 
-class BlockStored(msgspec.Struct, tag="stored", kw_only=True):
+
+class BlockStored(msgspec.Struct, tag="stored", kw_only=True, omit_defaults=True):
     """Full blocks became cached, in order: each one's parent is the one before it, the first
-    one's parent is `parent_hash` (None at the start of a sequence)."""
+    one's parent is `parent_hash` (None at the start of a sequence). In a tier below the pool
+    (`tier` host or disk) they come with no tokens and no parent (`block_size` 0); disk blocks
+    are in `store`, shared by the workers of a host that name the same one."""
 
     event_id: int
     block_hashes: list[int]
     parent_hash: int | None
     token_ids: list[int]  # len(block_hashes) * block_size tokens
     block_size: int
+    tier: str = DEVICE
+    store: str | None = None
 
 
-class BlockRemoved(msgspec.Struct, tag="removed", kw_only=True):
+class BlockRemoved(msgspec.Struct, tag="removed", kw_only=True, omit_defaults=True):
     event_id: int
     block_hashes: list[int]
+    tier: str = DEVICE
+    store: str | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag="cleared", kw_only=True):
@@ -35,10 +43,14 @@ KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KvDump(msgspec.Struct, kw_only=True):
-    """Every block a worker's cache holds, as of event `last_event_id` (-1: before any)."""
+    """Every block a worker's cache holds, as of event `last_event_id` (-1: before any); with
+    tiers, those of its host tier and of its disk `store` too."""
 
     last_event_id: int
     block_hashes: list[int]
+    host_block_hashes: list[int] = msgspec.field(default_factory=list)
+    store: str | None = None
+    store_block_hashes: list[int] = msgspec.field(default_factory=list)
 
 
 class KvEventBatch(msgspec.Struct, kw_only=True, omit_defaults=True):
