@@ -6,11 +6,13 @@ import argparse
 
 from kvbaton.router import DEFAULT_OVERLAP_WEIGHT, ROUTER_MODES, RouterSettings
 from kvbaton.router.disagg import TRANSFER_ORDERS
+from kvbaton.router.indexer import TierCredits
 
 ROUTER_FLAGS = (
     "router_mode",
     "kv_overlap_score_weight",
     "router_temperature",
+    "kv_tier_credits",
     "max_local_prefill_tokens",
     "transfer_order",
 )
@@ -34,6 +36,13 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="kv: 0 picks the cheapest worker; above 0 draws by softmax of the costs",
+    )
+    group.add_argument(
+        "--kv-tier-credits",
+        metavar="HOST,DISK",
+        default="0.75,0.25",
+        help="kv: a block a worker can load from its host memory or disk tier, as a share of "
+        "one in its pool (default %(default)s, Dynamo's)",
     )
     group.add_argument(
         "--no-kv-events",
@@ -69,7 +78,17 @@ def router_settings(args: argparse.Namespace) -> RouterSettings:
         kv_events=args.kv_events,
         overlap_weight=args.kv_overlap_score_weight,
         temperature=args.router_temperature,
+        tier_credits=parse_tier_credits(args.kv_tier_credits),
         enforce_disagg=args.enforce_disagg,
         max_local_prefill_tokens=args.max_local_prefill_tokens,
         transfer_order=args.transfer_order,
     )
+
+
+def parse_tier_credits(text: str) -> TierCredits:
+    """ "HOST,DISK" -> TierCredits (ValueError if not two numbers with 0 <= DISK <= HOST <= 1)."""
+    try:
+        host, disk = (float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--kv-tier-credits takes HOST,DISK, not {text!r}") from None
+    return TierCredits(host, disk)

@@ -4,12 +4,12 @@ for."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvbaton.protocols.llm import ModelCard
 from kvbaton.router.cost import DEFAULT_OVERLAP_WEIGHT
 from kvbaton.router.disagg import TRANSFER_ORDERS
-from kvbaton.router.indexer import ApproxKvIndexer, KvIndexer
+from kvbaton.router.indexer import ApproxKvIndexer, KvIndexer, TierCredits
 from kvbaton.router.kv_events import KvEventSubscriber
 from kvbaton.router.kv_router import KvRouter
 from kvbaton.router.metrics import RouterMetrics
@@ -45,6 +45,7 @@ class RouterSettings:
     kv_events: bool = True  # False: kv mode indexes the requests it routed (approximate)
     overlap_weight: float = DEFAULT_OVERLAP_WEIGHT
     temperature: float = 0.0
+    tier_credits: TierCredits = field(default_factory=TierCredits)
     approx_ttl_s: float = 120.0
     # Disaggregation (once prefill workers exist): refuse (503) rather than run a request
     # whole on a decode worker while none does; prefill on the decode worker when the part of
@@ -89,6 +90,7 @@ def make_router(
         temperature=settings.temperature,
         subscriber=subscriber,
         component=card.component,
+        tier_credits=settings.tier_credits,
     )
 
 

@@ -1,7 +1,8 @@
 """The KV router's cost of sending a request to a worker, and the ranking built from it.
 
 cost = overlap_weight * prefill_blocks + decode_blocks, where
-- prefill_blocks: the request's prompt blocks the worker does not cache, plus the prefill the
+- prefill_blocks: the request's prompt blocks the worker does not cache (less the credited
+  blocks it can load from the tiers below its pool: `tier_blocks`), plus the prefill the
   worker already has pending, in blocks;
 - decode_blocks: the blocks the worker's active requests hold, plus the blocks this request adds
   (its blocks less the leading ones its active requests already hold).
@@ -37,10 +38,11 @@ class Candidate:
     active_blocks: int  # blocks held by the worker's active requests
     shared_blocks: int  # leading blocks of the request its active requests already hold
     tree_size: int  # blocks the worker caches
+    tier_blocks: float = 0.0  # blocks after `overlap_blocks` it can load from its tiers, credited
 
 
 def kv_cost(c: Candidate, prompt_tokens: int, block_size: int, overlap_weight: float) -> float:
-    new_tokens = max(0, prompt_tokens - c.overlap_blocks * block_size)
+    new_tokens = max(0.0, prompt_tokens - (c.overlap_blocks + c.tier_blocks) * block_size)
     prefill_blocks = (new_tokens + c.pending_prefill_tokens) / block_size
     request_blocks = -(-prompt_tokens // block_size)
     decode_blocks = c.active_blocks + request_blocks - c.shared_blocks

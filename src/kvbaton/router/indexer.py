@@ -11,6 +11,12 @@ Invariants: `find_matches` reports, for each worker caching the request's first 
 leading blocks of the request it caches, no more; a worker's slot is in no node once it is
 removed, so a removed worker is never reported; `tree_size(w)` is the number of blocks indexed
 for w.
+
+KV tiers (events of tier host or disk): a worker's host-memory blocks are its own; disk blocks
+belong to a store that every worker naming it shares (the workers of a host on one directory).
+`credited_overlaps` walks the request's blocks for each worker: a block in its pool counts 1,
+else in its host tier `credits.host`, else in its store `credits.disk`; the first block it
+cannot get ends its walk.
 """
 
 from __future__ import annotations
@@ -18,8 +24,30 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
-from kvbaton.protocols.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from kvbaton.protocols.kv import (
+    DEVICE,
+    DISK,
+    HOST,
+    AllBlocksCleared,
+    BlockStored,
+    KvDump,
+    KvEvent,
+)
+
+
+@dataclass(frozen=True)
+class TierCredits:
+    """What a block in a tier below the pool is worth to the router, a pool block being 1
+    (Dynamo's defaults, to start)."""
+
+    host: float = 0.75
+    disk: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.disk <= self.host <= 1):
+            raise ValueError("tier credits must satisfy 0 <= disk <= host <= 1")
 
 
 class KvIndexer:
@@ -29,15 +57,45 @@ class KvIndexer:
         self._worker_at: dict[int, int] = {}  # bit -> worker id
         self._free_slots: list[int] = []
         self._blocks: dict[int, set[int]] = {}  # worker id -> hashes it caches
+        self._host: dict[int, set[int]] = {}  # worker id -> hashes in its host tier
+        self._stores: dict[str, set[int]] = {}  # disk store -> hashes in it
+        self._store_of: dict[int, str] = {}  # worker id -> its disk store
 
     # -- updates -----------------------------------------------------------------------------
     def apply(self, worker_id: int, event: KvEvent) -> None:
-        if isinstance(event, BlockStored):
-            self.store(worker_id, event.block_hashes)
-        elif isinstance(event, BlockRemoved):
-            self.remove(worker_id, event.block_hashes)
-        elif isinstance(event, AllBlocksCleared):
+        if isinstance(event, AllBlocksCleared):
             self.clear(worker_id)
+            return
+        tier = event.tier
+        if tier == DEVICE:
+            if isinstance(event, BlockStored):
+                self.store(worker_id, event.block_hashes)
+            else:
+                self.remove(worker_id, event.block_hashes)
+            return
+        if tier == HOST:
+            hashes = self._host.setdefault(worker_id, set())
+        elif tier == DISK and event.store is not None:
+            self._store_of[worker_id] = event.store
+            hashes = self._stores.setdefault(event.store, set())
+        else:
+            return  # a tier this router does not know
+        if isinstance(event, BlockStored):
+            hashes.update(event.block_hashes)
+        else:
+            hashes.difference_update(event.block_hashes)
+
+    def load_dump(self, worker_id: int, dump: KvDump) -> None:
+        """Replace what is indexed of the worker by its dump (its store's blocks too)."""
+        self.clear(worker_id)
+        self.store(worker_id, dump.block_hashes)
+        if dump.host_block_hashes:
+            self._host[worker_id] = set(dump.host_block_hashes)
+        else:
+            self._host.pop(worker_id, None)
+        if dump.store is not None:
+            self._store_of[worker_id] = dump.store
+            self._stores[dump.store] = set(dump.store_block_hashes)
 
     def store(self, worker_id: int, block_hashes: Iterable[int]) -> None:
         bit = 1 << self._slot(worker_id)
@@ -70,7 +128,11 @@ class KvIndexer:
             self.remove(worker_id, list(owned))
 
     def remove_worker(self, worker_id: int) -> None:
-        """Forget the worker and free its slot."""
+        """Forget the worker and free its slot (and its store once no worker names it)."""
+        self._host.pop(worker_id, None)
+        store = self._store_of.pop(worker_id, None)
+        if store is not None and store not in self._store_of.values():
+            self._stores.pop(store, None)
         if worker_id not in self._slot_of:
             return
         self.clear(worker_id)
@@ -117,6 +179,37 @@ class KvIndexer:
             if worker is not None:
                 scores[worker] = depth
             mask ^= low
+
+    @property
+    def has_tiers(self) -> bool:
+        """Some worker reported blocks below its pool."""
+        return bool(self._store_of) or any(self._host.values())
+
+    def credited_overlaps(
+        self, block_hashes: Sequence[int], workers: Iterable[int], credits: TierCredits
+    ) -> dict[int, float]:
+        """Worker id -> the leading blocks of `block_hashes` it can get, each counted by its
+        tier's credit (workers with at least one)."""
+        nodes = self._nodes
+        out: dict[int, float] = {}
+        for worker in workers:
+            slot = self._slot_of.get(worker)
+            bit = 0 if slot is None else 1 << slot
+            host = self._host.get(worker, set())
+            store = self._stores.get(self._store_of.get(worker, ""), set())
+            total = 0.0
+            for h in block_hashes:
+                if nodes.get(h, 0) & bit:
+                    total += 1.0
+                elif h in host:
+                    total += credits.host
+                elif h in store:
+                    total += credits.disk
+                else:
+                    break
+            if total:
+                out[worker] = total
+        return out
 
     def tree_size(self, worker_id: int) -> int:
         return len(self._blocks.get(worker_id, ()))

@@ -117,8 +117,7 @@ class KvEventSubscriber:
                 first: KvEventBatch = await anext(stream)
                 dump_stream = self._dumps.direct(None, worker, timeout=SYNC_TIMEOUT_S)
                 dump: KvDump = await anext(dump_stream)
-            self.indexer.clear(worker)
-            self.indexer.store(worker, dump.block_hashes)
+            self.indexer.load_dump(worker, dump)
             self.dumps += 1
             expected = dump.last_event_id + 1
             log.debug("worker %x: %d blocks from its dump", worker, len(dump.block_hashes))

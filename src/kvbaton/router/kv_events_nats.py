@@ -160,8 +160,7 @@ class NatsKvEvents:
                 reason = str(exc) or type(exc).__name__
                 log.info("kv dump of worker %x: %s; retrying", worker_id, reason)
                 await asyncio.sleep(RESYNC_DELAY_S)
-        self.indexer.clear(worker_id)
-        self.indexer.store(worker_id, dump.block_hashes)
+        self.indexer.load_dump(worker_id, dump)
         self._on_dump()
         log.debug("worker %x: %d blocks from its dump", worker_id, len(dump.block_hashes))
         worker.sync = None

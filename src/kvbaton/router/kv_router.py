@@ -13,7 +13,7 @@ from kvbaton.llm.hashing import hash_blocks, reusable_blocks
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.router.active import ActiveSequences
 from kvbaton.router.cost import DEFAULT_OVERLAP_WEIGHT, Candidate, kv_cost, rank
-from kvbaton.router.indexer import ApproxKvIndexer, KvIndexer
+from kvbaton.router.indexer import ApproxKvIndexer, KvIndexer, TierCredits
 from kvbaton.router.kv_events import KvEventSubscriber
 from kvbaton.router.metrics import RouterMetrics
 from kvbaton.router.policies import Route, Router, RouteRequest
@@ -47,8 +47,10 @@ class KvRouter(Router):
         subscriber: KvEventSubscriber | None = None,
         seed: int | None = None,
         component: str = "",
+        tier_credits: TierCredits | None = None,
     ) -> None:
-        """`subscriber`: the workers' KV events feeding `indexer` (and their loads)."""
+        """`subscriber`: the workers' KV events feeding `indexer` (and their loads);
+        `tier_credits`: what a block below a worker's pool is worth (`TierCredits()`)."""
         super().__init__(model, metrics, component)
         if overlap_weight < 0 or temperature < 0:
             raise ValueError("overlap_weight and temperature must be >= 0")
@@ -56,6 +58,7 @@ class KvRouter(Router):
         self.block_size = block_size
         self.overlap_weight = overlap_weight
         self.temperature = temperature
+        self.tier_credits = tier_credits or TierCredits()
         self.subscriber = subscriber
         # worker id -> its last load report
         self.loads: dict[int, WorkerLoad] = subscriber.loads if subscriber else {}
@@ -82,6 +85,11 @@ class KvRouter(Router):
         """Each worker's standing for a prompt whose full blocks hash to `block_hashes`: its
         overlap counts the first `reusable` of them at most (None: all)."""
         matches = self.indexer.find_matches(block_hashes[:reusable])
+        credited: dict[int, float] = {}
+        if self.indexer.has_tiers:
+            credited = self.indexer.credited_overlaps(
+                block_hashes[:reusable], workers, self.tier_credits
+            )
         active = self.active
         out = []
         for w in workers:
@@ -95,6 +103,7 @@ class KvRouter(Router):
                 Candidate(
                     worker_id=w,
                     overlap_blocks=matches.get(w, 0),
+                    tier_blocks=max(0.0, credited.get(w, 0.0) - matches.get(w, 0)),
                     pending_prefill_tokens=pending,
                     active_blocks=blocks,
                     shared_blocks=active.shared_prefix_blocks(w, block_hashes),
