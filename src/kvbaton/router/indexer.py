@@ -211,6 +211,16 @@ class KvIndexer:
                 out[worker] = total
         return out
 
+    def tier_sizes(self, worker_id: int) -> dict[str, int]:
+        """Blocks indexed below the worker's pool, by tier (disk: its store's)."""
+        sizes = {}
+        if worker_id in self._host:
+            sizes[HOST] = len(self._host[worker_id])
+        store = self._store_of.get(worker_id)
+        if store is not None:
+            sizes[DISK] = len(self._stores.get(store, ()))
+        return sizes
+
     def tree_size(self, worker_id: int) -> int:
         return len(self._blocks.get(worker_id, ()))
 

@@ -1,5 +1,6 @@
 """The router's Prometheus metrics: decision time, overlap found, worker chosen, and the
-blocks its KV index holds per worker (read from the index when scraped)."""
+blocks its KV index holds per worker, in its pool and in the tiers below it (read from the
+index when scraped)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ class IndexView(Protocol):
 
     def tree_size(self, worker_id: int) -> int: ...
 
+    def tier_sizes(self, worker_id: int) -> dict[str, int]: ...
+
 
 class _IndexedBlocks(Collector):
     def __init__(self) -> None:
@@ -29,10 +32,18 @@ class _IndexedBlocks(Collector):
             "Blocks the router's KV index holds for each worker",
             labels=["model", "component", "worker"],
         )
+        tiers = GaugeMetricFamily(
+            "kvbaton_router_indexed_tier_blocks",
+            "Blocks the router's KV index holds below each worker's pool (disk: its store's)",
+            labels=["model", "component", "worker", "tier"],
+        )
         for (model, component), index in list(self.indexes.items()):
             for worker in index.workers:
                 family.add_metric([model, component, f"{worker:x}"], index.tree_size(worker))
+                for tier, size in index.tier_sizes(worker).items():
+                    tiers.add_metric([model, component, f"{worker:x}", tier], size)
         yield family
+        yield tiers
 
 
 class RouterMetrics:
