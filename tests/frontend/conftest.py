@@ -172,6 +172,18 @@ async def worker_load(runtime: DistributedRuntime, endpoint: str) -> WorkerLoad:
         await client.close()
 
 
+async def load_of(discovery: str, worker: int) -> WorkerLoad:
+    """The load report of one backend worker of a deployment (by instance id)."""
+    async with DistributedRuntime(discovery) as runtime:
+        client = await runtime.endpoint("kvbaton.backend.load_metrics").client(
+            response_type=WorkerLoad
+        )
+        try:
+            return await anext(client.direct(None, worker, timeout=10))  # type: ignore[no-any-return]
+        finally:
+            await client.close()
+
+
 def stop_serve(proc: subprocess.Popen[bytes]) -> int:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)

@@ -17,9 +17,7 @@ import openai
 import pytest
 
 from kvbaton.llm.hashing import hash_blocks, reusable_blocks
-from kvbaton.protocols.llm import WorkerLoad
-from kvbaton.runtime import DistributedRuntime
-from tests.frontend.conftest import Deployment, serve_slot, start_serve, stop_serve
+from tests.frontend.conftest import Deployment, load_of, serve_slot, start_serve, stop_serve
 from tests.helpers import wait_until, wait_until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -88,16 +86,9 @@ def offloaded(disk: Path) -> bool:
 
 
 async def disk_hits(deployment: Deployment, worker: int) -> int:
-    async with DistributedRuntime(deployment.discovery) as runtime:
-        client = await runtime.endpoint("kvbaton.backend.load_metrics").client(
-            response_type=WorkerLoad
-        )
-        try:
-            load: WorkerLoad = await anext(client.direct(None, worker, timeout=10))
-        finally:
-            await client.close()
-    assert load.kv_tiers is not None
-    return load.kv_tiers.hit_blocks_disk
+    tiers = (await load_of(deployment.discovery, worker)).kv_tiers
+    assert tiers is not None
+    return tiers.hit_blocks_disk
 
 
 async def test_a_worker_serves_a_prefix_another_offloaded(
