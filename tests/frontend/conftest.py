@@ -149,15 +149,21 @@ def kvbaton_status(discovery: str) -> str:
     ).stdout
 
 
+def live_instances(url: str, model: str) -> list[int]:
+    """The instance ids the frontend at `url` lists as live for `model` (its /health)."""
+    models = httpx.get(f"{url}/health").json()["models"]
+    return [int(i, 16) for i in models.get(model, [])]
+
+
 def wait_for_health(url: str, model: str, instances: int) -> None:
     """Until the frontend at `url` lists `instances` live instances of `model`."""
     deadline = time.monotonic() + READY_S
     while True:
-        models = httpx.get(f"{url}/health").json()["models"]
-        if len(models.get(model, [])) == instances:
+        live = live_instances(url, model)
+        if len(live) == instances:
             return
         if time.monotonic() > deadline:
-            raise AssertionError(f"{model} never had {instances} instances: {models}")
+            raise AssertionError(f"{model} never had {instances} instances: {live}")
         time.sleep(0.1)
 
 

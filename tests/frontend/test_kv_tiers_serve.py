@@ -12,12 +12,18 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from kvbaton.llm.hashing import hash_blocks, reusable_blocks
-from tests.frontend.conftest import Deployment, load_of, serve_slot, start_serve, stop_serve
+from tests.frontend.conftest import (
+    Deployment,
+    live_instances,
+    load_of,
+    serve_slot,
+    start_serve,
+    stop_serve,
+)
 from tests.helpers import wait_until, wait_until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -50,11 +56,6 @@ def deployment(
     )  # fmt: skip
     yield served
     stop_serve(served.proc)
-
-
-def instances(deployment: Deployment) -> list[int]:
-    models = httpx.get(f"{deployment.url}/health").json()["models"]
-    return [int(i, 16) for i in models.get(deployment.model, [])]
 
 
 def complete(deployment: Deployment, prompt: list[int], worker: int) -> tuple[str, int]:
@@ -94,7 +95,7 @@ async def disk_hits(deployment: Deployment, worker: int) -> int:
 async def test_a_worker_serves_a_prefix_another_offloaded(
     deployment: Deployment, disk: Path
 ) -> None:
-    first, second = instances(deployment)
+    first, second = live_instances(deployment.url, deployment.model)
     answer, cached = complete(deployment, PROMPT, first)
     assert cached == 0
     evict(deployment, first)
@@ -107,14 +108,16 @@ async def test_a_restarted_worker_serves_a_known_prefix_from_disk(
     deployment: Deployment,
 ) -> None:
     slot = serve_slot(deployment, "worker-0")
-    old = set(instances(deployment))
+    old = set(live_instances(deployment.url, deployment.model))
     answer, _ = complete(deployment, PROMPT, min(old))
     evict(deployment, min(old))
     evict(deployment, max(old))  # neither pool keeps it
     os.kill(int(slot["pid"]), signal.SIGKILL)
     await wait_until(
-        lambda: len(set(instances(deployment)) - old) == 1, RESTART_S, "the worker back"
+        lambda: len(set(live_instances(deployment.url, deployment.model)) - old) == 1,
+        RESTART_S,
+        "the worker back",
     )
-    (restarted,) = set(instances(deployment)) - old
+    (restarted,) = set(live_instances(deployment.url, deployment.model)) - old
     assert complete(deployment, PROMPT, restarted) == (answer, CACHED)
     assert await disk_hits(deployment, restarted) == CACHED // BLOCK_SIZE

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbaton.llm.hashing import reusable_blocks
-from tests.frontend.conftest import Deployment, load_of, start_serve, stop_serve
+from tests.frontend.conftest import Deployment, live_instances, load_of, start_serve, stop_serve
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -62,11 +62,6 @@ def complete(
     ) if details else 0
 
 
-def instances(deployment: Deployment) -> list[int]:
-    models = httpx.get(f"{deployment.url}/health").json()["models"]
-    return [int(i, 16) for i in models[deployment.model]]
-
-
 def indexed(deployment: Deployment, name: str, worker: int, tier: str | None = None) -> float:
     """A gauge of the frontend's router index for `worker` (0 if it has no sample)."""
     text = httpx.get(f"{deployment.url}/metrics").text
@@ -85,7 +80,7 @@ def indexed(deployment: Deployment, name: str, worker: int, tier: str | None = N
 async def test_a_prompt_in_a_workers_host_memory_goes_back_to_it(deployment: Deployment) -> None:
     owner, cached = complete(deployment, PROMPT)
     assert cached == 0
-    (other,) = set(instances(deployment)) - {owner}
+    (other,) = set(live_instances(deployment.url, deployment.model)) - {owner}
     for seed in range(1, 5):  # unrelated prompts on the owner evict PROMPT from its pool
         rng = random.Random(seed)
         complete(deployment, [rng.randrange(10, 300) for _ in range(200)], owner)
