@@ -9,32 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from kvbaton.engine import EngineConfig, LLMEngine
-from kvbaton.kv_tiers import TierSettings
 from kvbaton.protocols.kv import DEVICE, DISK, HOST, BlockRemoved, BlockStored, KvEvent
 from tests.kv_tiers.tier_helpers import (
-    BLOCK_SIZE,
     block_hashes,
     evict_all,
     greedy,
     prompt,
+    tiered_engine,
     tiers_of,
 )
 
 pytestmark = pytest.mark.unit
 PROMPT = prompt(0)
-
-
-def engine(model: Path, settings: TierSettings, events: list[KvEvent]) -> LLMEngine:
-    config = EngineConfig(
-        model=str(model), dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=24
-    )
-    return LLMEngine(
-        config,
-        events.append,
-        cache_buffer=lambda n: memoryview(bytearray(n)),
-        kv_tier=settings.for_model(model),
-    )
 
 
 def of_tier(events: list[KvEvent], kind: type, tier: str) -> set[int]:
@@ -43,7 +29,7 @@ def of_tier(events: list[KvEvent], kind: type, tier: str) -> set[int]:
 
 def test_host_and_disk_events_and_dump(tiny_model: Path, tmp_path: Path) -> None:
     events: list[KvEvent] = []
-    eng = engine(tiny_model, TierSettings(host_bytes=2**26, disk_dir=tmp_path), events)
+    eng = tiered_engine(tiny_model, host_bytes=2**26, disk_dir=tmp_path, on_event=events.append)
     greedy(eng, PROMPT)
     evict_all(eng)
     tiers = tiers_of(eng)
@@ -67,9 +53,9 @@ def test_host_and_disk_events_and_dump(tiny_model: Path, tmp_path: Path) -> None
 
 
 def test_host_lru_drops_are_removals(tiny_model: Path) -> None:
-    block = tiers_of(engine(tiny_model, TierSettings(host_bytes=1), [])).view.block_bytes
+    block = tiers_of(tiered_engine(tiny_model, host_bytes=1)).view.block_bytes
     events: list[KvEvent] = []
-    eng = engine(tiny_model, TierSettings(host_bytes=3 * block), events)
+    eng = tiered_engine(tiny_model, host_bytes=3 * block, on_event=events.append)
     greedy(eng, PROMPT)
     evict_all(eng)
     kept = of_tier(events, BlockStored, HOST) - of_tier(events, BlockRemoved, HOST)

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from kvbaton.engine import EngineConfig, LLMEngine, SamplingParams
 from kvbaton.engine.connector import EngineRequest, KvLoadFailed
 from kvbaton.engine.sequence import Sequence
 from kvbaton.kv_tiers import KvTiers, TierSettings
+from kvbaton.protocols.kv import KvEvent
 from kvbaton.protocols.llm import KvTierStats
 
 BLOCK_SIZE = 8
@@ -22,9 +24,10 @@ def tiered_engine(
     disk_dir: Path | None = None,
     disk_bytes: int = 2**30,
     num_kv_blocks: int = 24,
+    on_event: Callable[[KvEvent], None] | None = None,
 ) -> LLMEngine:
     """A float32 engine with a small pool, its cache in a host buffer, and the tiers asked for
-    (none with neither `host_bytes` nor `disk_dir`)."""
+    (none with neither `host_bytes` nor `disk_dir`); its KV events go to `on_event`."""
     config = EngineConfig(
         model=str(model_dir),
         dtype="float32",
@@ -34,6 +37,7 @@ def tiered_engine(
     settings = TierSettings(host_bytes, disk_dir, disk_bytes)
     return LLMEngine(
         config,
+        on_event,
         cache_buffer=lambda n: memoryview(bytearray(n)),
         kv_tier=settings.for_model(model_dir) if settings.enabled else None,
     )
