@@ -169,7 +169,8 @@ class DiskTier:
     def _remove_orphans(self) -> None:
         """Temporary files whose writer is gone."""
         for tmp in self.tmp.glob("*.tmp"):
-            pid = int(tmp.name.split("-", 1)[0]) if tmp.name.split("-", 1)[0].isdigit() else 0
+            writer = tmp.name.split("-", 1)[0]
+            pid = int(writer) if writer.isdigit() else 0
             if pid == os.getpid() or _alive(pid):
                 continue
             with contextlib.suppress(FileNotFoundError):

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from kvbaton.engine.connector import EmitEvent, KvCacheView, KvLoad, KvLoadFailed
 from kvbaton.kv_tiers.disk import DiskTier
 from kvbaton.kv_tiers.host import HostTier
@@ -180,7 +182,7 @@ class KvTiers:
             s.disk_writable = self.disk.writable
             s.rejected_blocks = self.disk.rejected
         with self._lock:
-            return KvTierStats(**{f: getattr(s, f) for f in s.__struct_fields__})
+            return msgspec.structs.replace(s)  # a copy: load threads go on counting
 
     # -- a load thread -----------------------------------------------------------------------
     def load(self, load: KvLoad) -> list[int]:
