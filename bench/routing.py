@@ -22,8 +22,15 @@ served from cache / prompt tokens, from
 `usage.prompt_tokens_details.cached_tokens`), the best possible hit rate for this workload (each
 prompt's longest full-block prefix that any earlier prompt had, i.e. one infinite cache), TTFT
 p50/p90, ITL p50, and each worker's share of the requests (from `x-kvbaton-worker`). Each figure
-is the median over `--repeats` runs. Then the router's decision cost: `find_matches` plus scoring
-for a 4,096-token prompt with 16 workers and 1M indexed blocks.
+is the median over `--repeats` runs.
+
+With `--num-kv-blocks` (each worker's pool) and KV tiers below it (`--kv-offload-gib`,
+`--kv-disk-dir`: a fresh shared directory per run), the modes `kv-no-tier-credit` and
+`kv-full-tier-credit` measure the router's tier credits (`--kv-tier-credits`) against its
+default (`kv`); a hit then includes blocks loaded from a tier.
+
+Then the router's decision cost: `find_matches` plus scoring for a 4,096-token prompt with 16
+workers and 1M indexed blocks.
 """
 
 from __future__ import annotations
@@ -36,8 +43,10 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -53,7 +62,11 @@ MODES = {
     "round-robin": ["--router-mode", "round-robin"],
     "kv": ["--router-mode", "kv"],
     "kv-approx": ["--router-mode", "kv", "--no-kv-events"],
+    # with KV tiers (--kv-offload-gib / --kv-disk-dir): how much a hit below the pool counts
+    "kv-no-tier-credit": ["--router-mode", "kv", "--kv-tier-credits", "0,0"],
+    "kv-full-tier-credit": ["--router-mode", "kv", "--kv-tier-credits", "1,1"],
 }
+DEFAULT_MODES = ["round-robin", "kv", "kv-approx"]
 STARTUP_S = 180.0
 REQUEST_TIMEOUT_S = 120.0
 _READY = re.compile(r"ready at (http://\S+)/v1")
@@ -198,8 +211,17 @@ def start_serve(args: argparse.Namespace, mode: str) -> tuple[subprocess.Popen[s
     command = ["serve", "--engine", "mocker", "--model", args.model, "--http-port", "0"]
     command += ["--workers", str(args.workers), "--speedup-ratio", str(args.speedup_ratio)]
     command += ["--max-model-len", str(args.max_model_len)]
+    if args.num_kv_blocks is not None:
+        command += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.kv_offload_gib is not None:
+        command += ["--kv-offload-gib", str(args.kv_offload_gib)]
+    if args.kv_disk_dir is not None:  # a fresh directory per run: no hits left from the last one
+        disk = Path(tempfile.mkdtemp(prefix=f"routing-{mode}-", dir=args.kv_disk_dir))
+        command += ["--kv-disk-dir", str(disk)]
     if args.kv_overlap_score_weight is not None:
         command += ["--kv-overlap-score-weight", str(args.kv_overlap_score_weight)]
+    if args.busy_kv_usage is not None:
+        command += ["--busy-kv-usage", str(args.busy_kv_usage)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvbaton", *command, "--log-level", "WARNING", *MODES[mode]],
         env=env,
@@ -299,6 +321,15 @@ def decision_cost(
     }
 
 
+def tiers_said(args: argparse.Namespace) -> str:
+    said = [f"a pool of {args.num_kv_blocks} blocks"] if args.num_kv_blocks else []
+    if args.kv_offload_gib:
+        said.append(f"a {args.kv_offload_gib:g} GiB host tier")
+    if args.kv_disk_dir:
+        said.append("a disk tier shared by the workers")
+    return "".join(f", {s}" for s in said)
+
+
 # -- main --------------------------------------------------------------------------------------
 async def run(args: argparse.Namespace) -> None:
     model_dir = resolve_model(args.model)
@@ -334,8 +365,9 @@ async def run(args: argparse.Namespace) -> None:
         f"{args.system_tokens} tokens, user turns of {args.first_user_tokens} tokens (the "
         f"first) and {args.user_tokens} (the others), "
         f"{args.max_tokens} output tokens, {args.rate:g} requests/s, {args.workers} mocker "
-        f"workers (speedup {args.speedup_ratio:g}); medians of {args.repeats} runs. Best "
-        f"possible hit rate for this workload: {best_rate:.1%}.\n"
+        f"workers (speedup {args.speedup_ratio:g}{tiers_said(args)}); medians of "
+        f"{args.repeats} runs. Best possible hit rate for this workload: {best_rate:.1%}"
+        f"{' (hits include blocks loaded from the tiers)' if tiers_said(args) else ''}.\n"
     )
     print(
         "| router | hit rate | of best | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | worker shares |"
@@ -377,7 +409,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2", help="whose tokenizer and template")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
+    parser.add_argument(
+        "--modes",
+        type=lambda s: s.split(","),
+        default=DEFAULT_MODES,
+        help=f"comma-separated, of: {', '.join(MODES)} (default: {','.join(DEFAULT_MODES)})",
+    )
     parser.add_argument("--rate", type=float, default=16.0, help="requests/s")
     parser.add_argument("--sessions", type=int, default=32)
     parser.add_argument("--turns", type=int, default=16)
@@ -390,6 +427,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=64, help="the mocker's (default 64)")
     parser.add_argument("--max-model-len", type=int, default=16384, help="the mocker's context")
     parser.add_argument("--kv-overlap-score-weight", type=float, help="(default: the router's)")
+    parser.add_argument(
+        "--busy-kv-usage", type=float, help="(default: the frontend's; 0: no shedding on KV use)"
+    )
+    parser.add_argument("--num-kv-blocks", type=int, help="each mocker's pool (default 16384)")
+    parser.add_argument("--kv-offload-gib", type=float, help="each mocker's host tier")
+    parser.add_argument("--kv-disk-dir", help="where each run's shared disk tier goes")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--decision-blocks", type=int, default=1_000_000)
