@@ -67,6 +67,22 @@ async def test_leaving_early_aborts_and_frees_the_blocks(engine: AsyncEngine) ->
     )
 
 
+async def test_a_reader_that_lags_reads_the_waiting_outputs_as_one(
+    engine: AsyncEngine, tiny_models: dict[str, Path]
+) -> None:
+    prompt = prompts()[2]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1)
+    stream = await engine.add_request(EngineRequest("lags", prompt, params))
+    first = await anext(stream)
+    await wait_until(lambda: engine.stats().running == 0, 10, "the request finished")
+    rest = [out async for out in stream]
+    assert len(rest) <= 2  # all at once, or the last one delivered after the check
+    tokens = first.token_ids + [t for out in rest for t in out.token_ids]
+    assert tokens == hf_greedy(tiny_models["llama-tied"], tuple(prompt))
+    assert sum(len(out.logprobs or []) for out in [first, *rest]) == 12
+    assert rest[-1].finish_reason == "length" and rest[-1].usage is not None
+
+
 async def test_bad_requests_fail_at_once(engine: AsyncEngine) -> None:
     with pytest.raises(ValueError, match="empty"):
         await engine.add_request(EngineRequest("bad", [], SamplingParams()))

@@ -149,9 +149,18 @@ class AsyncEngine:
         self, request_id: str, outputs: asyncio.Queue[EngineOutput | BaseException]
     ) -> AsyncGenerator[EngineOutput, None]:
         finished = False
+        held: EngineOutput | BaseException | None = None  # taken, not merged: the next item
         try:
             while True:
-                item = await outputs.get()
+                item = held if held is not None else await outputs.get()
+                held = None
+                while isinstance(item, EngineOutput) and not outputs.empty():
+                    later = outputs.get_nowait()  # came while the reader was busy: one output
+                    merged = item.merged(later) if isinstance(later, EngineOutput) else None
+                    if merged is None:
+                        held = later
+                        break
+                    item = merged
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.is_last

@@ -61,7 +61,38 @@ class ChoiceState:
 
     def update(self, out: EngineOutput) -> Delta:
         """The delta for one engine output. After a stop string matched, the choice is finished
-        (finish reason "stop") and the caller should stop the request at the worker."""
+        (finish reason "stop") and the caller should stop the request at the worker.
+
+        - With stop strings, an output of several tokens counts (and gives the logprobs of) the
+          tokens up to the one that completed the match, as if they had come one by one."""
+        if len(out.token_ids) > 1 and self._stops.stops:
+            return self._update_each(out)
+        return self._update(out)
+
+    def _update_each(self, out: EngineOutput) -> Delta:
+        deltas: list[Delta] = []
+        last = len(out.token_ids) - 1
+        for i, token in enumerate(out.token_ids):
+            part = EngineOutput(
+                request_id=out.request_id,
+                token_ids=[token],
+                finish_reason=out.finish_reason if i == last else None,
+                usage=out.usage,
+                logprobs=out.logprobs[i : i + 1] if out.logprobs is not None else None,
+            )
+            deltas.append(self._update(part))
+            if self.finished:
+                break
+        return Delta(
+            "".join(d.text for d in deltas),
+            sum(d.tokens for d in deltas),
+            deltas[-1].finish_reason,
+            [lp for d in deltas for lp in d.logprobs],
+            "".join(d.reasoning for d in deltas),
+            [call for d in deltas for call in d.tool_calls],
+        )
+
+    def _update(self, out: EngineOutput) -> Delta:
         self.completion_tokens += len(out.token_ids)
         if out.usage is not None:
             self.cached_tokens = out.usage.cached_tokens

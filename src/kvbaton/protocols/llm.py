@@ -174,6 +174,35 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
             or self.disaggregated_params is not None
         )
 
+    @property
+    def carries_tokens_only(self) -> bool:
+        """New tokens (with their logprobs, finish reason and usage), nothing for KV moves."""
+        return (
+            self.kv_blocks is None
+            and self.engine_params is None
+            and self.disaggregated_params is None
+            and self.kv_target is None
+        )
+
+    def merged(self, later: EngineOutput) -> EngineOutput | None:
+        """This output and the `later` one of the same request as one; None where they must stay
+        two (either moves KV, or this one is the last).
+
+        - Tokens and logprobs keep their order; the finish reason and usage are `later`'s.
+        - A stream of merged outputs says what the stream of the parts said."""
+        if self.is_last or not (self.carries_tokens_only and later.carries_tokens_only):
+            return None
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return EngineOutput(
+            request_id=later.request_id,
+            token_ids=self.token_ids + later.token_ids,
+            finish_reason=later.finish_reason,
+            usage=later.usage,
+            logprobs=logprobs,
+        )
+
 
 class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What a frontend sends to a worker's `generate` endpoint (step S2): the prompt already

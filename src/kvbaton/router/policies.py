@@ -119,21 +119,38 @@ async def follow(
     stream: ResponseStream, route: Route, served_by: list[int]
 ) -> AsyncGenerator[EngineOutput, None]:
     """A worker's outputs, its route kept up to date (the worker that produced the first
-    token, or a last output without one, goes to `served_by`); the route is done at the end."""
+    token, or a last output without one, goes to `served_by`); the route is done at the end.
+
+    - Outputs that arrived together while the reader was busy come as one
+      (`EngineOutput.merged`): under load, fewer deltas and SSE chunks of more tokens."""
     try:
         await route.send(stream)
         assert stream.instance_id is not None
         taken = False
-        async for out in stream:
-            if not taken and (out.token_ids or out.is_last):
-                taken = True
-                route.start(stream.instance_id)  # a refusal may have passed it on
-                served_by.append(stream.instance_id)
-                route.first_token()
-            yield out
+        async for first in stream:
+            for out in _merged_ready(first, stream):
+                if not taken and (out.token_ids or out.is_last):
+                    taken = True
+                    route.start(stream.instance_id)  # a refusal may have passed it on
+                    served_by.append(stream.instance_id)
+                    route.first_token()
+                yield out
     finally:
         route.done()
         await stream.aclose()
+
+
+def _merged_ready(first: EngineOutput, stream: ResponseStream) -> list[EngineOutput]:
+    """`first`, merged with the outputs that already arrived after it where they merge."""
+    outs = [first]
+    while stream.ready():
+        later = stream.take()
+        merged = outs[-1].merged(later)
+        if merged is None:
+            outs.append(later)
+        else:
+            outs[-1] = merged
+    return outs
 
 
 class Router:

@@ -98,6 +98,15 @@ class ResponseStream:
             return self._stream.__anext__()
         return self._first()
 
+    def ready(self) -> bool:
+        """A response after the first has arrived and not been read: `take` returns it."""
+        return self._started and self._stream is not None and self._stream.ready()
+
+    def take(self) -> Any:
+        """The response that `ready` says has arrived, without waiting."""
+        assert self._stream is not None
+        return self._stream.take()
+
     async def _first(self) -> Any:
         """The first response. An instance that refuses a request it never ran (draining, or
         no longer serving the endpoint) is skipped for the next one, except with `direct`."""

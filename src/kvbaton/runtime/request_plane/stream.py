@@ -106,12 +106,7 @@ class Stream:
                 self._waiter = None
         item = self._items.popleft()
         if type(item) is msgspec.Raw:
-            if self._grant_every:
-                self._read += 1
-                if self._read >= self._grant_every:
-                    self._conn.send(Credit(self.stream_id, self._read))
-                    self._read = 0
-            return self._decoder.decode(item)
+            return self._decode(item)
         self.done = True
         if isinstance(item, End):
             raise StopAsyncIteration
@@ -119,6 +114,24 @@ class Stream:
             raise error_from_frame(item)
         assert isinstance(item, BaseException)
         raise item
+
+    def ready(self) -> bool:
+        """A response has arrived and not been read: `take` returns it."""
+        return bool(self._items) and type(self._items[0]) is msgspec.Raw
+
+    def take(self) -> Any:
+        """The response that `ready` says has arrived, without waiting."""
+        item = self._items.popleft()
+        assert type(item) is msgspec.Raw
+        return self._decode(item)
+
+    def _decode(self, item: msgspec.Raw) -> Any:
+        if self._grant_every:
+            self._read += 1
+            if self._read >= self._grant_every:
+                self._conn.send(Credit(self.stream_id, self._read))
+                self._read = 0
+        return self._decoder.decode(item)
 
     def cancel_threadsafe(self) -> None:
         """`cancel` from any thread (a finalizer may run on one that is not the loop's)."""
