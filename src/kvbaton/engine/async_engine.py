@@ -82,6 +82,8 @@ class _Abort:
 
 
 _Message = EngineRequest | _Abort | _Call | _Loaded | _Release | _Reclaim
+_Item = EngineOutput | BaseException  # what a request's stream is handed
+_Outputs = asyncio.Queue[_Item]  # a request's stream, read on its caller's loop
 IDLE_POLL_S = 0.5  # a step that ran nothing waits this long for a message, at most
 
 
@@ -90,9 +92,7 @@ class AsyncEngine:
         self.engine = engine
         self._loads: concurrent.futures.ThreadPoolExecutor | None = None
         self._inbox: queue.SimpleQueue[_Message | None] = queue.SimpleQueue()
-        self._streams: dict[
-            str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[EngineOutput | BaseException]]
-        ] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Outputs]] = {}
         self._lock = threading.Lock()
         self._stats = engine.stats()  # a snapshot, replaced by the step thread
         engine.on_kv_loads = self._start_loads
@@ -135,7 +135,7 @@ class AsyncEngine:
         guided = self.engine.guided
         if request.params.guided is not None and guided is not None:  # off the step loop
             await asyncio.to_thread(guided.compile, request.params.guided)
-        outputs: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+        outputs: _Outputs = asyncio.Queue()
         with self._lock:  # shutdown takes it too: a request is either failed by it or refused
             if self._stopped:
                 raise RuntimeError("the engine is shut down")
@@ -146,7 +146,7 @@ class AsyncEngine:
         return self._stream(request_id, outputs)
 
     async def _stream(
-        self, request_id: str, outputs: asyncio.Queue[EngineOutput | BaseException]
+        self, request_id: str, outputs: _Outputs
     ) -> AsyncGenerator[EngineOutput, None]:
         finished = False
         held: EngineOutput | BaseException | None = None  # taken, not merged: the next item
@@ -231,16 +231,25 @@ class AsyncEngine:
             await asyncio.to_thread(self.engine.tier.close)
 
     # -- the step thread ---------------------------------------------------------------------
-    def _deliver(self, request_id: str, item: EngineOutput | BaseException) -> None:
+    def _deliver(self, request_id: str, item: _Item) -> None:
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, _Item]]) -> None:
+        """Hand each item to its request's stream: one wake-up of each caller's loop for all
+        of a step's outputs (a wake-up per output cost as much as the step, under load)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Outputs, _Item]]] = {}
         with self._lock:
-            entry = self._streams.get(request_id)
-            done = isinstance(item, BaseException) or item.is_last
-            if entry is not None and done:
-                del self._streams[request_id]
-        if entry is not None:
-            loop, outputs = entry
+            for request_id, item in items:
+                entry = self._streams.get(request_id)
+                if entry is None:
+                    continue
+                if isinstance(item, BaseException) or item.is_last:
+                    del self._streams[request_id]
+                loop, outputs = entry
+                by_loop.setdefault(loop, []).append((outputs, item))
+        for loop, puts in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
-                loop.call_soon_threadsafe(outputs.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, puts)
 
     def _apply(self, message: _Message) -> None:
         if isinstance(message, _Loaded):
@@ -334,12 +343,16 @@ class AsyncEngine:
             finally:
                 self._start_loads(self.engine.take_kv_loads())  # a step that failed early
                 self._stats = self.engine.stats()
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_all([(out.request_id, out) for out in outputs])
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             ids = list(self._streams)
         for request_id in ids:
             self.engine.abort_request(request_id)
-            self._deliver(request_id, exc)
+        self._deliver_all([(request_id, exc) for request_id in ids])
+
+
+def _put_all(puts: list[tuple[_Outputs, _Item]]) -> None:
+    for outputs, item in puts:
+        outputs.put_nowait(item)
