@@ -328,7 +328,7 @@ def start_profiles(stack: Stack, out_dir: Path) -> list[tuple[subprocess.Popen[b
     for role, proc in stack.procs.items():
         path = out_dir / f"{role}.txt"
         command = [
-            "py-spy", "record", "--pid", str(proc.pid), "--subprocesses", "--rate", "100",
+            "py-spy", "record", "--pid", str(proc.pid), "--subprocesses", "--gil", "--rate", "100",
             "--format", "raw", "--output", str(path),
         ]  # fmt: skip
         recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -342,21 +342,28 @@ def stop_profiles(profiles: list[tuple[subprocess.Popen[bytes], Path]]) -> list[
     return [path for _, path in profiles if path.exists()]
 
 
-def print_profile(path: Path, top: int = 15) -> None:
-    """Each process's functions by own time (where its samples' innermost frame was)."""
+def print_profile(path: Path, top: int = 12) -> None:
+    """Each process's functions by own time (the samples' innermost frame), then by the
+    innermost kvbaton function (library time counted where kvbaton called it)."""
     own: dict[str, dict[str, int]] = {}
+    ours: dict[str, dict[str, int]] = {}
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        process = frames[0] if frames[0].startswith("process ") else "process"
-        leaf = re.sub(r":\d+\)$", ")", frames[-1])  # one entry per function, not per line
-        own.setdefault(process, {})
-        own[process][leaf] = own[process].get(leaf, 0) + int(count)
-    for process, functions in own.items():
-        total = sum(functions.values())
-        print(f"\n{process[:120]}: {total} samples; by own time:\n")
-        for leaf, n in sorted(functions.items(), key=lambda kv: -kv[1])[:top]:
-            print(f"- {n / total:5.1%} {leaf[:140]}")
+        frames = stack.split(";")  # process, its children, ..., thread, outermost frame first
+        process = next((f for f in reversed(frames) if f.startswith("process ")), "process")
+        caller = next((f for f in reversed(frames) if "kvbaton/" in f), "(no kvbaton frame)")
+        for table, frame in ((own, frames[-1]), (ours, caller)):
+            name = re.sub(r":\d+\)$", ")", frame)  # one entry per function, not per line
+            table.setdefault(process, {})
+            table[process][name] = table[process].get(name, 0) + int(count)
+    for process in own:
+        total = sum(own[process].values())
+        pid = re.match(r"process (\d+)", process)
+        role = (role_of(int(pid.group(1))) if pid else None) or process[:100]
+        for title, table in (("own time", own), ("innermost kvbaton function", ours)):
+            print(f"\n{role} ({path.name}), {total} samples, by {title}:\n")
+            for name, n in sorted(table[process].items(), key=lambda kv: -kv[1])[:top]:
+                print(f"- {n / total:5.1%} {name[:140]}")
 
 
 # -- the report --------------------------------------------------------------------------------
