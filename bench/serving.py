@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -167,6 +168,22 @@ def process_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(stat[11]) + int(stat[12])) / TICK
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def cpu_by_role(root: int, root_role: str) -> dict[str, float]:
+    """CPU seconds so far of `root` (as `root_role`) and of each descendant, by role."""
+    out = {root_role: process_seconds(root)}
+    for pid in descendants(root):
+        if (role := role_of(pid, unknown="other")) is not None:
+            out[role] = out.get(role, 0.0) + process_seconds(pid)
+    return out
 
 
 def descendants(pid: int) -> list[int]:

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,12 +38,11 @@ from serving import (
     STARTUP_S,
     Request,
     clean_env,
-    descendants,
+    cpu_by_role,
+    free_port,
     loadavg,
     log,
     pct,
-    process_seconds,
-    role_of,
     run_benchmark,
     serve_run,
     start_serve,
@@ -70,22 +68,6 @@ class System:
     url: str
     model: str
     log: Path | None = None  # where its output goes (vllm serve's)
-
-
-def cpu_by_role(root: int, root_role: str) -> dict[str, float]:
-    """CPU seconds so far of `root` (as `root_role`) and of each descendant, by role."""
-    out = {root_role: process_seconds(root)}
-    for pid in descendants(root):
-        if (role := role_of(pid, unknown="other")) is not None:
-            out[role] = out.get(role, 0.0) + process_seconds(pid)
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:

@@ -36,7 +36,6 @@ import os
 import random
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -51,11 +50,11 @@ from kvbaton.llm.tokenizer import Tokenizer
 from serving import (
     STARTUP_S,
     clean_env,
-    descendants,
+    cpu_by_role,
+    free_port,
     loadavg,
     log,
     pct,
-    process_seconds,
     role_of,
     run_benchmark,
     start_serve,
@@ -81,9 +80,8 @@ class Stack:
         (kvbaton's frontend and worker children by theirs)."""
         out: dict[str, float] = {}
         for role, proc in self.procs.items():
-            for pid in (proc.pid, *descendants(proc.pid)):
-                own = role_of(pid, unknown=role) or role
-                out[own] = out.get(own, 0.0) + process_seconds(pid)
+            for own, seconds in cpu_by_role(proc.pid, role).items():
+                out[own] = out.get(own, 0.0) + seconds
         return out
 
     def stop(self) -> None:
@@ -107,13 +105,6 @@ class Figures:
 
 
 # -- starting the stacks -----------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def dynamo_env(scratch: Path) -> dict[str, str]:
     (scratch / "kv").mkdir()
     (scratch / "home").mkdir()
