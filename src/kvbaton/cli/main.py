@@ -193,6 +193,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         canary=canary_settings(args),
         reasoning=reasoning(args),
         tool_format=tool_format(args),
+        reuse_port=args.reuse_port,
     )
 
     async def main() -> None:
@@ -282,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-workers", type=int, default=1, help="disagg: decode workers")
     _http_flags(serve, old_port_flag=True)
     serve.add_argument(
+        "--frontends",
+        type=int,
+        default=1,
+        help="frontend processes sharing the HTTP port (the kernel spreads connections over "
+        "them; each is supervised; default 1)",
+    )
+    serve.add_argument(
         "--engine", choices=["torch", "vllm", "mocker", "fixed"], default="torch", help=ENGINES
     )
     add_worker_flags(serve)
@@ -293,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     frontend = sub.add_parser("frontend", help="run the OpenAI-compatible HTTP frontend")
     frontend.add_argument("--namespace", default="kvbaton")
     _http_flags(frontend)
+    frontend.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="share the HTTP port with other frontends that set it (SO_REUSEPORT: the kernel "
+        "spreads connections over them; what kvbaton serve --frontends N does)",
+    )
     add_router_flags(frontend)
     add_frontend_flags(frontend)
     _runtime_flags(frontend)

@@ -1,13 +1,16 @@
-"""`kvbaton serve`: a whole deployment on one machine, a frontend and N workers, each in its own
+"""`kvbaton serve`: a whole deployment on one machine, frontends and workers, each in its own
 process, found through file discovery in a private temporary directory (unless `--discovery`
 names one).
 
 - It pulls the default model if needed, then supervises the children (supervisor.py): a child
   that exits unasked is started again in its slot, with backoff; one that cannot start stops
   the deployment with its last log lines and exit code 1.
-- A worker is ready once discovery lists its process under the namespace; the frontend, once
-  it answers /live where it said it listens.
-- It says where to connect once the frontend serves the model (its /health is 200).
+- It binds the HTTP port itself and holds it (not listening) while it runs; every frontend
+  (`--frontends N`) listens on it too (`kvbaton frontend --reuse-port`), and the kernel spreads
+  connections over those listening; a restarted frontend listens on the same port.
+- A worker is ready once discovery lists its process under the namespace; a frontend, once it
+  said it serves and the port answers /live.
+- It says where to connect once the port serves the model (its /health is 200).
 - SIGINT and SIGTERM stop every child gracefully (each drains); it then exits 0.
 - Its slots are kept where `kvbaton status` reads them (serve_state.py).
 """
@@ -21,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -42,6 +46,7 @@ from kvbaton.cli.status import list_instances
 from kvbaton.cli.supervisor import ChildSpec, Supervisor
 from kvbaton.cli.worker import WORKER_FLAGS, check_engine_flags
 from kvbaton.llm.model_files import KNOWN_MODELS, pull, served_name
+from kvbaton.runtime.http_embed import bound
 from kvbaton.runtime.settings import RuntimeSettings
 
 log = logging.getLogger("kvbaton.serve")
@@ -61,7 +66,8 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+def _commands(args: argparse.Namespace, http_port: int) -> list[tuple[str, list[str]]]:
+    """Each child's slot name and command: the frontends first (sharing `http_port`)."""
     base = [sys.executable, "-m", "kvbaton"]
     common = ["--namespace", args.namespace, "--log-level", args.log_level]
     frontend = [
@@ -71,7 +77,8 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         "--http-host",
         args.http_host,
         "--http-port",
-        str(args.http_port),
+        str(http_port),
+        "--reuse-port",
         *_flags(args, ROUTER_FLAGS),
         *_flags(args, FRONTEND_FLAGS),
         *([] if args.kv_events else ["--no-kv-events"]),
@@ -93,7 +100,9 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         return [*base, "worker", *flags, *(["--", *passthrough] if passthrough else [])]
 
     workers = [(name, worker(role, i)) for i, (name, role) in enumerate(roles)]
-    return [("frontend", frontend), *workers]
+    n = args.frontends
+    frontends = [("frontend" if n == 1 else f"frontend-{i}", frontend) for i in range(n)]
+    return [*frontends, *workers]
 
 
 SHARED_PORTS_ENV = ("KVBATON_PORT", "KVBATON_SYSTEM_PORT")
@@ -105,8 +114,10 @@ def _pull_if_needed(args: argparse.Namespace) -> None:
 
 
 def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
-    if min(args.workers, args.prefill_workers, args.decode_workers) < 1:
-        raise ValueError("--workers, --prefill-workers and --decode-workers must be at least 1")
+    if min(args.workers, args.prefill_workers, args.decode_workers, args.frontends) < 1:
+        raise ValueError(
+            "--frontends, --workers, --prefill-workers and --decode-workers must be at least 1"
+        )
     for name in SHARED_PORTS_ENV:  # one port for several processes: all but one would fail
         if os.environ.get(name, "0") != "0":
             raise ValueError(
@@ -142,27 +153,44 @@ def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
     if args.api_key:
         env[API_KEY_ENV] = args.api_key
     try:
-        return _supervise(args, env, private_dir is not None)
+        with _hold_port(args.http_host, args.http_port) as port:
+            return _supervise(args, env, private_dir is not None, port)
     finally:
         if private_dir is not None:
             shutil.rmtree(private_dir, ignore_errors=True)
 
 
-def _supervise(args: argparse.Namespace, env: dict[str, str], private: bool) -> int:
-    """`private`: the discovery is this deployment's own (named once it is ready)."""
+def _hold_port(host: str, port: int) -> socket.socket:
+    """The HTTP port (0: a free one), bound for the frontends to share. Bound alone first: a
+    port that another process holds, even one that shares it (another serve), is refused."""
+    with bound(host, port) as alone:
+        port = alone.getsockname()[1]
+    return bound(host, port, reuse_port=True)
+
+
+def _supervise(
+    args: argparse.Namespace, env: dict[str, str], private: bool, port: socket.socket
+) -> int:
+    """`private`: the discovery is this deployment's own (named once it is ready). `port`: the
+    HTTP port, held, which every frontend listens on."""
     discovery = env["KVBATON_DISCOVERY"]
-    commands = dict(_commands(args))
-    frontend = _Frontend(commands.pop("frontend"))
+    host, number = port.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{number}"
     registered = _RegisteredPids(discovery, args.namespace)
-    specs = [ChildSpec("frontend", frontend.command, frontend.ready, frontend.on_line)]
-    specs += [ChildSpec(name, partial(list, cmd), registered.has) for name, cmd in commands.items()]
+    specs = []
+    for name, command in _commands(args, number):
+        if name.startswith("frontend"):
+            frontend = _Frontend(url, command)
+            specs.append(ChildSpec(name, frontend.command, frontend.ready, frontend.on_line))
+        else:
+            specs.append(ChildSpec(name, partial(list, command), registered.has))
     model = args.served_model_name or served_name(args.model)
 
     def announce() -> bool:
-        """The deployment serves once the frontend serves the model: say where, once."""
-        if not _serves(frontend.url):
+        """The deployment serves once the port serves the model: say where, once."""
+        if not _serves(url):
             return False
-        print(f"kvbaton serve: model {model} ready at {frontend.url}/v1", flush=True)
+        print(f"kvbaton serve: model {model} ready at {url}/v1", flush=True)
         if private:
             print(
                 f"kvbaton serve: its instances: kvbaton status --discovery {discovery}",
@@ -185,25 +213,20 @@ def _supervise(args: argparse.Namespace, env: dict[str, str], private: bool) -> 
 
 
 class _Frontend:
-    """The frontend's slot: ready once the child started last said where it listens and
-    answers there; a restart listens on the port the first one bound (`--http-port 0`: any)."""
+    """A frontend's slot: ready once its child (the one started last) said it listens and the
+    port answers."""
 
-    def __init__(self, command: list[str]) -> None:
+    def __init__(self, url: str, command: list[str]) -> None:
+        self.url = url
         self._command = command
-        self.url = ""
-        self._said = False  # the child started last said where it listens
+        self._said = False
 
     def command(self) -> list[str]:
-        self._said = False
-        if not self.url:
-            return self._command
-        port = self.url.rsplit(":", 1)[1]
-        at = self._command.index("--http-port")
-        return [*self._command[: at + 1], port, *self._command[at + 2 :]]
+        self._said = False  # a new child: it has said nothing yet
+        return list(self._command)
 
     def on_line(self, line: str) -> None:
-        if not self._said and (m := _URL.search(line)):
-            self.url = m.group(1)
+        if _URL.search(line):
             self._said = True
 
     def ready(self, _pid: int) -> bool:

@@ -43,8 +43,10 @@ class FrontendServer:
         canary: CanarySettings | None = None,
         reasoning: ReasoningFormat | None = None,
         tool_format: ToolCallFormat | None = None,
+        reuse_port: bool = False,
     ) -> None:
-        """`api_key`: asked of every request but the probes' (none if None or empty).
+        """`reuse_port`: other processes (replicas) listen on the same port (SO_REUSEPORT).
+        `api_key`: asked of every request but the probes' (none if None or empty).
         `reasoning`: split chat answers' reasoning from their content (None: no split).
         `tool_format`: how models write tool calls (None: as each one's chat template does)."""
         self.runtime = runtime
@@ -59,7 +61,7 @@ class FrontendServer:
             canary,
         )
         self.frontend = Frontend(self.models, metrics, reasoning, tool_format)
-        self.sock = listen(host, port)
+        self.sock = listen(host, port, reuse_port=reuse_port)
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         config = uvicorn.Config(

@@ -10,20 +10,34 @@ from collections.abc import Generator
 import uvicorn
 
 
-def listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A listening TCP socket for uvicorn (port 0: a free one), TCP_NODELAY for every accepted
-    connection."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    connection. `reuse_port`: several processes listen on the port, and the kernel spreads the
+    connections over those listening (SO_REUSEPORT; processes of the same user only)."""
+    sock = bound(host, port, reuse_port=reuse_port)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
-        sock.bind((host, port))
         sock.listen(2048)
     except OSError as exc:
         sock.close()
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     sock.setblocking(False)
+    return sock
+
+
+def bound(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (0: a free one), not listening. With `reuse_port`,
+    held open it keeps the port for the processes that then listen on it with `reuse_port`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     return sock
 
 
