@@ -27,7 +27,8 @@ is the median over `--repeats` runs.
 With `--num-kv-blocks` (each worker's pool) and KV tiers below it (`--kv-offload-gib`,
 `--kv-disk-dir`: a fresh shared directory per run), the modes `kv-no-tier-credit` and
 `kv-full-tier-credit` measure the router's tier credits (`--kv-tier-credits`) against its
-default (`kv`); a hit then includes blocks loaded from a tier.
+default (`kv`); a hit then includes blocks loaded from a tier. The mode `kv-2-frontends`
+runs two frontend replicas (`--frontends 2`), each routing the connections it gets on its own.
 
 Then the router's decision cost: `find_matches` plus scoring for a 4,096-token prompt with 16
 workers and 1M indexed blocks.
@@ -65,6 +66,8 @@ MODES = {
     # with KV tiers (--kv-offload-gib / --kv-disk-dir): how much a hit below the pool counts
     "kv-no-tier-credit": ["--router-mode", "kv", "--kv-tier-credits", "0,0"],
     "kv-full-tier-credit": ["--router-mode", "kv", "--kv-tier-credits", "1,1"],
+    # two frontend replicas on one port, each with its own router
+    "kv-2-frontends": ["--router-mode", "kv", "--frontends", "2"],
 }
 DEFAULT_MODES = ["round-robin", "kv", "kv-approx"]
 STARTUP_S = 180.0
@@ -386,6 +389,13 @@ async def run(args: argparse.Namespace) -> None:
             f"\nkv: hit rate {of_best('kv')} of the best (target >= 90%), "
             f"TTFT p90 {ratio:.2f}x round-robin's (target <= 0.5), busiest worker "
             f"{med('kv', 'max_share'):.2f}x its fair share (target <= 2)"
+        )
+    if "kv" in runs and "kv-2-frontends" in runs:
+        points = (med("kv-2-frontends", "hit") - med("kv", "hit")) * 100
+        print(
+            f"kv-2-frontends: hit rate {points:+.1f} points from one frontend's (target: within "
+            f"2), busiest worker {med('kv-2-frontends', 'max_share'):.2f}x its fair share "
+            "(target <= 1.3)"
         )
     log("measuring the router's decision cost...")
     print(
