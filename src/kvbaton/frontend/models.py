@@ -374,6 +374,15 @@ class ModelManager:
             self._apply("put", key, value)
         self._follow = asyncio.create_task(self._follow_watch(self._watch))
 
+    async def loaded(self, timeout: float) -> bool:
+        """Wait until the models registered so far are loaded (or failed to), for at most
+        `timeout` seconds; False if some still load then."""
+        tasks = [*self._loading.values(), *self._prefill_loading.values()]
+        if not tasks:
+            return True
+        _, pending = await asyncio.wait(tasks, timeout=timeout)
+        return not pending
+
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.close()

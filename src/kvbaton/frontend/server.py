@@ -3,12 +3,17 @@ HTTP server (uvicorn with httptools) on one event loop.
 
 Every accepted connection has TCP_NODELAY set (the asyncio and uvloop transports set it), so
 each SSE event leaves as soon as it is written. The heap is trimmed every minute while it serves
-(`runtime/heap.py`): its resident memory follows what it holds, not its busiest minute's."""
+(`runtime/heap.py`): its resident memory follows what it holds, not its busiest minute's.
+
+- The port is bound at construction (a busy port fails at once) and listened on once the models
+  that discovery already lists are loaded (at most `MODELS_LOAD_S`): a replica that shares the
+  port (`reuse_port`) gets no connection before it can serve them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from collections.abc import Callable
 
@@ -24,7 +29,11 @@ from kvbaton.frontend.tool_calls import ToolCallFormat
 from kvbaton.router import RouterMetrics, RouterSettings
 from kvbaton.runtime import DistributedRuntime
 from kvbaton.runtime.heap import trim_heap_every
-from kvbaton.runtime.http_embed import EmbeddedUvicorn, listen
+from kvbaton.runtime.http_embed import EmbeddedUvicorn, bound, start_listening
+
+log = logging.getLogger(__name__)
+
+MODELS_LOAD_S = 30.0  # a listed model's tokenizer and router, at most, before listening
 
 
 class FrontendServer:
@@ -61,7 +70,7 @@ class FrontendServer:
             canary,
         )
         self.frontend = Frontend(self.models, metrics, reasoning, tool_format)
-        self.sock = listen(host, port, reuse_port=reuse_port)
+        self.sock = bound(host, port, reuse_port=reuse_port)  # listening once models loaded
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
         config = uvicorn.Config(
@@ -83,6 +92,9 @@ class FrontendServer:
     async def serve(self, on_ready: Callable[[str], None] | None = None) -> None:
         """Serve until `stop()`; then close the model manager (the runtime is the caller's)."""
         await self.models.start()
+        if not await self.models.loaded(MODELS_LOAD_S):
+            log.warning("models still loading after %g s: serving meanwhile", MODELS_LOAD_S)
+        start_listening(self.sock)  # a replica gets connections once it knows the models
         trimming = asyncio.create_task(trim_heap_every())
         try:
             if on_ready is not None:

@@ -16,13 +16,18 @@ def listen(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     connections over those listening (SO_REUSEPORT; processes of the same user only)."""
     sock = bound(host, port, reuse_port=reuse_port)
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
-        sock.listen(2048)
+        start_listening(sock)
     except OSError as exc:
         sock.close()
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
-    sock.setblocking(False)
     return sock
+
+
+def start_listening(sock: socket.socket) -> None:
+    """A bound socket, listening, for uvicorn (TCP_NODELAY for every accepted connection)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted sockets inherit it
+    sock.listen(2048)
+    sock.setblocking(False)
 
 
 def bound(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
