@@ -12,7 +12,7 @@ from tests.helpers import run_bench
 
 @pytest.mark.integration
 def test_vs_dynamo_bench_runs_kvbatons_side(chat_model: Path) -> None:
-    out, rows = run_bench(
+    _, rows = run_bench(
         "vs_dynamo.py",
         "--stacks",
         "kvbaton",
