@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvbaton.frontend.postprocess import ChoiceState
+from kvbaton.frontend.tool_calls import TOOL_CALL_FORMATS
+from kvbaton.frontend.tools import ToolUse
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import EngineOutput, KvPoolInfo, KvTarget, TokenLogprob, Usage
 from kvbaton.router.policies import RoundRobinRouter, RouteRequest, follow
@@ -119,3 +121,18 @@ def test_a_stop_string_inside_a_merged_output_counts_the_tokens_up_to_it(
     assert (delta.text, delta.finish_reason) == ("".join(texts), "stop")
     assert merged.completion_tokens == one_by_one.completion_tokens < len(ids)
     assert delta.tokens == len(delta.logprobs) == merged.completion_tokens
+
+
+def test_a_call_read_one_token_at_a_time_streams_its_arguments_merged_or_not(
+    tokenizer: Tokenizer,
+) -> None:
+    ids = list(pieces(tokenizer, '<tool_call>{"name": "f", "arguments": {"city": "Paris"}}'))
+    tools = ToolUse(TOOL_CALL_FORMATS["hermes"], "required", [], [], parallel=False)
+    one_by_one = ChoiceState(tokenizer, [1, 2, 3], [], tools=tools)
+    calls = [c for token in ids for c in one_by_one.update(out([token])).tool_calls]
+    merged = ChoiceState(tokenizer, [1, 2, 3], [], tools=tools).update(out(ids)).tool_calls
+    for deltas in (calls, merged):
+        head, *fragments = deltas
+        assert (head.index, head.name, head.arguments) == (0, "f", "")
+        assert "".join(d.arguments for d in fragments) == '{"city": "Paris"}'
+    assert len(calls) > len(merged) == 2  # one fragment per output: as the arguments are written
