@@ -33,6 +33,7 @@ import time
 import httpx
 
 from disagg import REQUEST_TIMEOUT_S, Result, first_id, ready_url, send, span, vocab
+from headline import report
 from kvbaton.llm.model_files import resolve_model
 from serving import STARTUP_S, clean_env, log, pct, run_benchmark, stop, wait_for_workers
 
@@ -123,6 +124,17 @@ async def run(args: argparse.Namespace) -> int:
         print(f"| {order} | " + " | ".join(f"{medians[order][k]:.0f}" for k in FIGURES) + " |")
     ratios = [medians["decode-first"][k] / medians["prefill-first"][k] for k in FIGURES]
     print("| decode-first / prefill-first | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+    print()
+    shape = f"{args.requests} at once, {args.prefill_workers}P+{args.decode_workers}D"
+    for figure in ("TTFT p90", "last end"):
+        decode_first = medians["decode-first"][figure]
+        prefill_first = medians["prefill-first"][figure]
+        report(
+            "decode_first_burst",
+            f"decode-first {figure} {decode_first:,.0f} ms ({shape})",
+            f"prefill-first {prefill_first:,.0f} ms",
+            ratio=decode_first / prefill_first,
+        )
     return 0
 
 

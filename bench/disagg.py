@@ -62,6 +62,7 @@ from typing import Any
 
 import httpx
 
+from headline import report
 from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model, served_name
 from kvbaton.mocker.timing import MockerTiming
 from kvbaton.protocols.llm import WorkerLoad
@@ -538,6 +539,17 @@ async def run(args: argparse.Namespace) -> None:
         f"\nOutput tokens per text event: {tokens_per_event:.3f} (a token that ends inside a "
         f"UTF-8 character is sent with the next); client send lag p99 {lag * 1e3:.1f} ms."
     )
+    print()
+    # the tail disaggregation cuts, and what it costs; no target is set for either
+    headlines = (("itl999_lo", "long-output ITL p99.9"), ("ttft99_lp", "long-prompt TTFT p99"))
+    for key, what in headlines:
+        disagg, agg = med("disagg", key), med("agg", key)
+        report(
+            "disagg",
+            f"disagg {what} {disagg * 1e3:.1f} ms",
+            f"agg {agg * 1e3:.1f} ms",
+            ratio=disagg / agg if agg else None,
+        )
 
 
 def main() -> None:

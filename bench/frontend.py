@@ -31,6 +31,7 @@ from pathlib import Path
 
 import msgspec
 
+from headline import report
 from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model, served_name
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest, SamplingParams
@@ -209,6 +210,25 @@ async def run(args: argparse.Namespace) -> None:
     print(f"\nadded latency at p50, concurrency 1: {added * 1e3:.3f} ms (target < 1 ms)")
     fe64 = med("fe64", lambda t: t[0])
     print(f"frontend requests/s at concurrency 64: {fe64:,.0f} (target >= 1,000)")
+    print()
+    fe1, d1 = med("fe1", lambda t: pct(t, 0.5)), med("d1", lambda t: pct(t, 0.5))
+    report(
+        "frontend",
+        f"c1 p50 {fe1 * 1e3:.3f} ms, {added * 1e3:+.3f} ms added",
+        f"direct {d1 * 1e3:.3f} ms",
+        ratio=fe1 / d1,
+        target="under 1 ms added",
+        met=added < 1e-3,
+    )
+    d64 = med("d64", lambda t: t[0])
+    report(
+        "frontend",
+        f"c64 {fe64:,.0f} req/s",
+        f"direct {d64:,.0f} req/s",
+        ratio=fe64 / d64,
+        target="at least 1,000 req/s",
+        met=fe64 >= 1000,
+    )
 
 
 def main() -> None:

@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from headline import report
 from kvbaton.llm.model_files import resolve_model, served_name
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import Client, DistributedRuntime
@@ -200,6 +201,22 @@ async def run(args: argparse.Namespace) -> int:
                 f"{wait[0] / wait[1]:.2f} | {ttft[0] * 1e3:.0f} | {ttft[1] * 1e3:.0f} | "
                 f"{ttft[0] / ttft[1]:.3f} |"
             )
+    print()
+    longest = max(args.lengths)
+    for backend in args.backends:  # the longest prompts' handoff wait: what layers saves
+        waits = {
+            mode: statistics.median(
+                s.wait for s in samples if (s.backend, s.mode, s.length) == (backend, mode, longest)
+            )
+            for mode in MODES
+        }
+        layers, blocks = waits["layers"], waits["blocks"]
+        report(
+            "kv_push",
+            f"{backend} {longest:,}-token handoff wait, layers {layers * 1e3:.1f} ms",
+            f"blocks {blocks * 1e3:.1f} ms",
+            ratio=layers / blocks if blocks else None,
+        )
     return 0
 
 

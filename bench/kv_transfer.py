@@ -58,6 +58,8 @@ from typing import Any
 
 import numpy as np
 
+from headline import at_least
+from headline import report as headline
 from kvbaton.kv_transfer import KvPool, KvTransferAgent
 from kvbaton.kv_transfer.pool import attach_segment, block_runs
 from kvbaton.protocols.llm import KvPoolInfo
@@ -645,6 +647,38 @@ def main() -> None:
         if pool is not None:
             pool.close()
     report(header, rows, raw_nixl_why)
+    headlines(rows)
+
+
+def headlines(rows: list[tuple[int, int, list[Result]]]) -> None:
+    """Each backend measured: its read (prefill-first) into scattered blocks at the largest
+    size run, against its baseline of the same size (nixl: NIXL's own read)."""
+    tokens, nbytes, results = rows[-1]
+    gbs = {(r.path, r.op, r.placement): r.gbs(nbytes) for r in results if not r.note}
+    met: bool | None
+    reference_cell = {
+        "shm": ("memcpy", "copy", ""),
+        "tcp": ("raw socket", "recv", ""),
+        "nixl": ("nixl raw", "read", "consecutive"),
+    }
+    print()
+    for backend, (base, want) in TARGETS.items():
+        got = gbs.get((backend, "read", "scattered"))
+        if got is None:
+            continue
+        reference = gbs.get(reference_cell[backend])
+        ratio = got / reference if reference else None
+        target, met = f"ratio at least {want:g}", None  # no baseline: no verdict
+        if ratio is not None:
+            target, met = at_least(ratio, want)
+        headline(
+            "kv_transfer",
+            f"{backend} read, {tokens:,} tokens, scattered blocks: {got:.2f} GB/s",
+            f"{base} {reference:.2f} GB/s" if reference else f"{base}: not measured",
+            ratio=ratio,
+            target=target,
+            met=met,
+        )
 
 
 def report(header: str, rows: list[tuple[int, int, list[Result]]], raw_nixl_why: str) -> None:

@@ -58,6 +58,7 @@ from typing import Any
 
 import httpx
 
+import headline
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.mocker.timing import MockerTiming
 from kvbaton.planner.connectors.local import LocalConnector
@@ -502,7 +503,7 @@ def report(
         "| ITL p50 | ITL p90 | worker-seconds |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    by = {}
+    by: dict[str, tuple[float, float, int]] = {}
     for fig in runs:
         res = fig.results
         lost = sum(r.lost(args.osl) for r in res)
@@ -536,7 +537,41 @@ def report(
             f"{'met' if met else 'NOT met'}. (A planner that followed the trace's phases "
             f"with no delay, at the sizes above, would use {ideal:.0%}.)"
         )
+        print()
+        report_headlines(by)
     return 0
+
+
+def report_headlines(by: dict[str, tuple[float, float, int]]) -> None:
+    """The planner against the peak-sized deployment: goodput, worker-seconds, requests lost."""
+    (gp_p, ws_p, lost_p), (gp_k, ws_k, lost_k) = by["planner"], by["fixed-peak"]
+    diff = (gp_p - gp_k) * 100
+    headline.report(
+        "planner",
+        f"planner goodput {gp_p:.1%} ({diff:+.1f} points)",
+        f"fixed-peak {gp_k:.1%}",
+        ratio=gp_p / gp_k if gp_k else None,
+        target="at most 10 points below fixed-peak's",
+        met=diff >= -10,
+    )
+    ratio = ws_p / ws_k if ws_k else math.nan
+    target, met = headline.at_most(ratio, 0.70)
+    headline.report(
+        "planner",
+        f"planner {ws_p:.0f} worker-seconds",
+        f"fixed-peak {ws_k:.0f} worker-seconds",
+        ratio=ratio if ws_k else None,
+        target=target,
+        met=met,
+    )
+    headline.report(
+        "planner",
+        f"planner {lost_p} requests lost",
+        f"fixed-peak {lost_k} lost",
+        ratio=None,
+        target="0 lost",
+        met=lost_p == 0,
+    )
 
 
 def add_shared_flags(parser: argparse.ArgumentParser) -> None:

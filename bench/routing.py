@@ -52,6 +52,7 @@ from typing import Any
 
 import httpx
 
+from headline import at_least, at_most, report
 from kvbaton.llm.hashing import hash_blocks
 from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model, served_name
 from kvbaton.llm.tokenizer import Tokenizer
@@ -412,6 +413,72 @@ async def run(args: argparse.Namespace) -> None:
         print(
             f"| {bs} | {cost['blocks']:,.0f} | {cost['hash_us']:.0f} | {cost['route_us']:.0f} | "
             f"{cost['hash_us'] + cost['route_us']:.0f} |"
+        )
+    print()
+    headlines(runs, best_rate, args.workers)
+
+
+def headlines(runs: dict[str, list[dict[str, float]]], best_rate: float, workers: int) -> None:
+    """kv's hit rate against the best possible, its TTFT p90 against round-robin's, its busiest
+    worker against the fair share; with `kv-2-frontends`, two frontends against one."""
+
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[mode])
+
+    fair = f"fair share {1 / workers:.0%}"
+    if "kv" in runs:
+        hit = med("kv", "hit")
+        if best_rate:
+            target, met = at_least(hit / best_rate, 0.9)
+            report(
+                "routing",
+                f"kv hit rate {hit:.1%}",
+                f"best possible {best_rate:.1%}",
+                ratio=hit / best_rate,
+                target=target,
+                met=met,
+            )
+        if "round-robin" in runs:
+            kv, rr = med("kv", "ttft90"), med("round-robin", "ttft90")
+            target, met = at_most(kv / rr, 0.5)
+            report(
+                "routing",
+                f"kv TTFT p90 {kv * 1e3:.1f} ms",
+                f"round-robin {rr * 1e3:.1f} ms",
+                ratio=kv / rr,
+                target=target,
+                met=met,
+            )
+        busiest = med("kv", "max_share")
+        target, met = at_most(busiest, 2.0)
+        report(
+            "routing",
+            f"kv busiest worker {busiest / workers:.0%} of requests",
+            fair,
+            ratio=busiest,
+            target=target,
+            met=met,
+        )
+    if "kv" in runs and "kv-2-frontends" in runs:
+        one, two = med("kv", "hit"), med("kv-2-frontends", "hit")
+        points = (two - one) * 100
+        report(
+            "routing",
+            f"2 frontends hit rate {two:.1%} ({points:+.1f} points)",
+            f"1 frontend {one:.1%}",
+            ratio=two / one if one else None,
+            target="at most 2 points below 1 frontend's",
+            met=points >= -2.0,
+        )
+        busiest = med("kv-2-frontends", "max_share")
+        target, met = at_most(busiest, 1.3)
+        report(
+            "routing",
+            f"2 frontends busiest worker {busiest / workers:.0%} of requests",
+            fair,
+            ratio=busiest,
+            target=target,
+            met=met,
         )
 
 

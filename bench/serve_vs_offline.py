@@ -47,6 +47,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import headline
 from kvbaton.engine import LLM, SamplingParams
 from kvbaton.engine.connector import EngineRequest
 from kvbaton.llm.model_files import served_name
@@ -320,6 +321,28 @@ def report(runs: list[dict[str, dict[int, Figures]]], variants: list[Variant]) -
             ratios = [run[v.label][c].tok_s / run["offline"][c].tok_s for run in runs]
             each = ", ".join(f"{r:.2f}" for r in ratios)
             print(f"  {v.label}, c={c}: {statistics.median(ratios):.2f} [{each}]")
+    print()
+    report_headlines(runs, variants)
+
+
+def report_headlines(runs: list[dict[str, dict[int, Figures]]], variants: list[Variant]) -> None:
+    """Each variant's output tok/s beside the offline engine's at each concurrency (medians over
+    repeats), with the median ratio printed above; issue 27's target: at least 0.9."""
+    for v in variants:
+        for c in CONCURRENCY:
+            pairs = [(run[v.label][c].tok_s, run["offline"][c].tok_s) for run in runs]
+            serve = statistics.median(s for s, _ in pairs)
+            offline = statistics.median(o for _, o in pairs)
+            ratio = statistics.median(s / o for s, o in pairs)
+            target, met = headline.at_least(ratio, 0.9)
+            headline.report(
+                "serve_vs_offline",
+                f"{v.label} c={c} {serve:.1f} tok/s",
+                f"offline engine {offline:.1f} tok/s",
+                ratio=ratio,
+                target=target,
+                met=met,
+            )
 
 
 async def run(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import httpx
 
+import headline
 from kvbaton.cli.serve_state import read_states
 from kvbaton.llm.model_files import resolve_model
 from serving import (
@@ -259,6 +261,68 @@ def report(
         for n in names
     )
     print(f"memory growth after the first window: {growth}")
+    print()
+    report_headlines(args, windows, names)
+
+
+JUDGED_AFTER_S = 600.0  # the RSS slope is judged after the first 10 minutes (warm-up)
+
+
+def report_headlines(
+    args: argparse.Namespace, windows: list[dict[str, float]], names: list[str]
+) -> None:
+    """Requests failed (target 0); the steepest RSS slope after the first 10 minutes (target
+    under 5 MiB/h; not judged on a shorter run); the latency p99 of the last window against the
+    first's (no target)."""
+    sent = sum(w["requests"] for w in windows)
+    failed = sum(w["failed"] for w in windows)
+    kills = sum(w["kills"] for w in windows)
+    headline.report(
+        "soak",
+        f"{failed:.0f} of {sent:.0f} requests failed",
+        f"{kills:.0f} workers killed" if args.chaos else "no worker killed",
+        ratio=None,
+        target="0 failed",
+        met=failed == 0,
+    )
+    # the window that ends at 10 minutes (or the first after): the slope runs from its end
+    after = next(
+        (i for i in range(len(windows)) if (i + 1) * args.window_s >= JUDGED_AFTER_S), None
+    )
+    if after is not None and after < len(windows) - 1:
+        hours = (len(windows) - 1 - after) * args.window_s / 3600
+        slopes = {n: (windows[-1][n] - windows[after][n]) / hours for n in names}
+        slopes = {n: v for n, v in slopes.items() if not math.isnan(v)}  # no process killed then
+        name = max(slopes, key=lambda n: slopes[n])
+        minute = (after + 1) * args.window_s / 60
+        headline.report(
+            "soak",
+            f"{name} RSS {slopes[name]:+.1f} MiB/h after {minute:g} min (steepest)",
+            f"{name} RSS {windows[after][name]:.0f} MiB at {minute:g} min",
+            ratio=None,
+            target="every process under 5 MiB/h",
+            met=all(slope < 5.0 for slope in slopes.values()),
+        )
+    else:
+        first, last = windows[0], windows[-1]
+        growth = {n: last[n] - first[n] for n in names}
+        growth = {n: v for n, v in growth.items() if not math.isnan(v)}
+        name = max(growth, key=lambda n: growth[n])
+        headline.report(
+            "soak",
+            f"{name} RSS {growth[name]:+.1f} MiB over the run (most)",
+            f"{name} RSS {first[name]:.0f} MiB after the first window",
+            ratio=None,
+            target=f"under 5 MiB/h after 10 min: not judged, {args.minutes:g} min run",
+            met=None,
+        )
+    first_p99, last_p99 = windows[0]["lat_p99"], windows[-1]["lat_p99"]
+    headline.report(
+        "soak",
+        f"last window latency p99 {last_p99:.0f} ms",
+        f"first window {first_p99:.0f} ms",
+        ratio=last_p99 / first_p99 if first_p99 else None,
+    )
 
 
 async def run(args: argparse.Namespace) -> int:

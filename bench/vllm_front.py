@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+import headline
 from kvbaton.llm.model_files import resolve_model, served_name
 from serving import (
     STARTUP_S,
@@ -176,6 +178,30 @@ def report(runs: list[dict[str, dict[int, Figures]]]) -> None:
         print(
             f"c={c}: median throughput ratio {throughput[len(throughput) // 2]:.2f} "
             f"(target >= 0.95), median TTFT p50 ratio {ttft[len(ttft) // 2]:.2f} (target <= 1.1)"
+        )
+    print()
+    report_headlines(runs)
+
+
+def report_headlines(runs: list[dict[str, dict[int, Figures]]]) -> None:
+    """At each concurrency, kvbaton's output tok/s and TTFT p50 beside vllm serve's (medians over
+    repeats), the ratio the throughput's median ratio printed above; issue 30's targets: throughput
+    ratio at least 0.95 and TTFT p50 ratio at most 1.1, both."""
+    for c in CONCURRENCY:
+        k = [r["kvbaton"][c] for r in runs]
+        v = [r["vllm"][c] for r in runs]
+        throughput = sorted(r["kvbaton"][c].tokens_per_s / r["vllm"][c].tokens_per_s for r in runs)
+        ttft = sorted(r["kvbaton"][c].ttft_p50_ms / r["vllm"][c].ttft_p50_ms for r in runs)
+        tok_ratio, ttft_ratio = throughput[len(throughput) // 2], ttft[len(ttft) // 2]
+        headline.report(
+            "vllm_front",
+            f"kvbaton c={c} {statistics.median(f.tokens_per_s for f in k):.1f} tok/s, TTFT p50 "
+            f"{statistics.median(f.ttft_p50_ms for f in k):,.0f} ms ({ttft_ratio:.2f}x)",
+            f"vllm serve {statistics.median(f.tokens_per_s for f in v):.1f} tok/s, TTFT p50 "
+            f"{statistics.median(f.ttft_p50_ms for f in v):,.0f} ms",
+            ratio=tok_ratio,
+            target="throughput ratio at least 0.95, TTFT p50 ratio at most 1.1",
+            met=tok_ratio >= 0.95 and ttft_ratio <= 1.1,
         )
 
 

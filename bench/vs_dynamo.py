@@ -45,6 +45,7 @@ from pathlib import Path
 
 import httpx
 
+import headline
 from kvbaton.llm.model_files import resolve_model, served_name
 from kvbaton.llm.tokenizer import Tokenizer
 from serving import (
@@ -396,6 +397,29 @@ def report(runs: list[dict[str, dict[int, Figures]]], args: argparse.Namespace) 
             f"c={c}: kvbaton/Dynamo requests/s {ratio('requests_per_s'):.2f}x, TTFT p50 "
             f"{ratio('ttft_p50_ms'):.2f}x, CPU per request {ratio('cpu_total_ms'):.2f}x"
             + (" (targets: >= 1.0x and <= 1.0x)" if c == max(args.concurrency) else "")
+        )
+    report_headlines(runs, max(args.concurrency))
+
+
+def report_headlines(runs: list[dict[str, dict[int, Figures]]], c: int) -> None:
+    """Requests/s and CPU per request at the top concurrency: medians over the repeats."""
+
+    def median(stack: str, key: str) -> float:
+        return statistics.median(getattr(r[stack][c], key) for r in runs)
+
+    for key, what, unit, judge, bound in (
+        ("requests_per_s", "requests/s", "", headline.at_least, 1.0),
+        ("cpu_total_ms", "CPU per request", " ms", headline.at_most, 1.0),
+    ):
+        ours, theirs = median("kvbaton", key), median("dynamo", key)
+        target, met = judge(ours / theirs, bound)
+        headline.report(
+            "vs_dynamo",
+            f"kvbaton c{c} {what} {ours:,.2f}{unit}",
+            f"Dynamo 1.6.1 {theirs:,.2f}{unit}",
+            ratio=ours / theirs,
+            target=target,
+            met=met,
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import subprocess
 import sys
 import time
@@ -63,6 +64,16 @@ def run_bench(script: str, *args: str) -> tuple[str, list[list[str]]]:
     ).stdout
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")][1:]
     return out, [[cell.strip() for cell in row] for row in rows]
+
+
+def bench_headlines(output: str) -> list[Any]:
+    """The headlines (`bench/headline.py`'s `Headline`) that a benchmark's stdout holds."""
+    spec = importlib.util.spec_from_file_location("headline", BENCH_DIR / "headline.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return list(module.parse(output))
 
 
 def routed_series(registry: CollectorRegistry) -> set[str]:

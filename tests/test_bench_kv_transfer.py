@@ -1,11 +1,12 @@
 """bench/kv_transfer.py runs on a tiny configuration and prints every backend beside its
-baselines, with the bytes verified (figures are not judged against the targets here)."""
+baselines, with the bytes verified, and a headline per backend (figures are not judged against
+the targets here)."""
 
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_bench
+from tests.helpers import bench_headlines, run_bench
 
 SIZES = ("32", "100")  # 2 and 7 blocks of 16 tokens (the last one partial)
 PLACEMENTS = ("scattered", "consecutive")
@@ -64,4 +65,11 @@ def test_kv_transfer_bench_prints_backends_and_baselines() -> None:
             assert r[8].endswith(f"x {BASELINES[r[2]]}") and float(r[8].split()[0]) > 0
             assert r[9].endswith((": met", ": MISSED"))
     assert "bytes verified intact in every measured cell: yes" in out
+    heads = bench_headlines(out)  # each backend measured: its read into scattered blocks
+    measured = ["shm", "tcp"] + (["nixl"] if not nixl_rows[0][6].startswith("n/a") else [])
+    assert [h.benchmark for h in heads] == ["kv_transfer"] * len(measured), out
+    assert [h.figure.split()[0] for h in heads] == measured
+    for h in heads:
+        assert "read, 100 tokens, scattered" in h.figure, h
+        assert h.ratio is not None and h.target.startswith("ratio at least") and h.met is not None
     assert not _pool_segments() - before  # both pools' shared memory is gone

@@ -1,10 +1,11 @@
-"""bench/planner.py runs on a very short trace: the table has its three configurations and no
-request was lost, the planner's scale-downs included; bench/planner_replay.py prints every seed
-and variant (figures are not judged here)."""
+"""bench/planner.py runs on a very short trace: the table has its three configurations, no
+request was lost, the planner's scale-downs included, and it prints its three headlines against
+the peak-sized deployment; bench/planner_replay.py prints every seed and variant (figures are
+not judged here)."""
 
 import pytest
 
-from tests.helpers import run_bench
+from tests.helpers import bench_headlines, run_bench
 
 CONFIGS = ("fixed-1P1D", "fixed-peak", "planner")
 
@@ -25,6 +26,11 @@ def test_planner_bench_runs_three_configurations_and_loses_nothing() -> None:
         assert float(row[10]) > 0  # worker-seconds
     assert by_config["fixed-1P1D"][1] == "1P+1D"
     assert "planner vs fixed-peak:" in out
+    goodput, worker_seconds, lost = bench_headlines(out)
+    assert {h.benchmark for h in (goodput, worker_seconds, lost)} == {"planner"}
+    assert worker_seconds.ratio is not None and worker_seconds.met is not None
+    assert lost.target == "0 lost" and lost.met is True, out
+    assert goodput.met is not None
 
 
 @pytest.mark.integration

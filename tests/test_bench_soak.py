@@ -1,9 +1,10 @@
-"""bench/soak.py runs on a very short soak: a row per window, no failed request, and the drift
-and memory lines (figures are not judged here)."""
+"""bench/soak.py runs on a very short soak: a row per window, no failed request, the drift
+and memory lines, and the headlines: no failure (met), the RSS slope not judged on so short a
+run, the latency drift (figures are not judged here)."""
 
 import pytest
 
-from tests.helpers import run_bench
+from tests.helpers import bench_headlines, run_bench
 
 
 @pytest.mark.integration
@@ -18,3 +19,8 @@ def test_soak_bench_runs_and_fails_no_request() -> None:
         assert float(row[7]) > 0 and float(row[8]) > 0  # RSS of the frontend and the worker
     assert "drift (last window over the first): TTFT p99 x" in out
     assert "memory growth after the first window: frontend" in out
+    failed, memory, drift = bench_headlines(out)
+    assert {h.benchmark for h in (failed, memory, drift)} == {"soak"}
+    assert failed.target == "0 failed" and failed.met is True, out
+    assert "not judged" in memory.target and memory.met is None
+    assert drift.ratio is not None

@@ -1,6 +1,6 @@
 """bench/decode_first_burst.py still runs end to end (a small burst per transfer order, on the
-tiny model): both orders and their ratio are printed, and the figures parse and are positive
-(their size is for the benchmark to judge)."""
+tiny model): both orders and their ratio are printed, the figures parse and are positive, and
+the headlines compare the orders (their size is for the benchmark to judge)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_bench
+from tests.helpers import bench_headlines, run_bench
 
 
 @pytest.mark.integration
@@ -26,3 +26,6 @@ def test_decode_first_burst_bench_runs_both_orders(chat_model: Path) -> None:
         if order != "decode-first / prefill-first":  # TTFT p50 <= p90 <= max <= last end
             assert figures == sorted(figures), order
     assert "1 decode + 2 prefill workers" in out
+    heads = bench_headlines(out)  # TTFT p90 and last end, decode-first against prefill-first
+    assert [h.benchmark for h in heads] == ["decode_first_burst"] * 2, out
+    assert all(h.ratio is not None and h.target == "" and h.met is None for h in heads), heads

@@ -1,6 +1,7 @@
 """bench/disagg.py still runs end to end (a few requests per mode, on the tiny model): both modes
 ran, every disaggregated request was prefilled on the prefill worker and decoded on the decode
-worker, and the figures parse and are positive (their size is for the benchmark to judge)."""
+worker, the figures parse and are positive (their size is for the benchmark to judge), and the
+headlines (long-output ITL tail, long-prompt TTFT tail) set their ratio to agg's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_bench
+from tests.helpers import bench_headlines, run_bench
 
 
 @pytest.mark.integration
@@ -51,3 +52,6 @@ def test_disagg_bench_runs_both_modes(chat_model: Path) -> None:
     assert "probe served by 2 workers (prefill, decode)" in out
     cpu = {(row[0], row[1]) for row in rows if len(row) == 4}
     assert {("agg", "frontend"), ("disagg", "prefill"), ("disagg", "decode")} <= cpu
+    heads = bench_headlines(out)
+    assert [h.benchmark for h in heads] == ["disagg", "disagg"], out
+    assert all(h.ratio is not None and h.target == "" and h.met is None for h in heads), heads

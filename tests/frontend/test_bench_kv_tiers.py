@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_bench
+from tests.helpers import bench_headlines, run_bench
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -27,3 +27,11 @@ def test_kv_tiers_bench_prints_each_configuration(chat_model: Path) -> None:
     disk_hits = {r[0]: float(r[8].rstrip("%")) for r in rows}
     assert disk_hits["off"] == 0 and disk_hits["disk-warm"] > 0 and disk_hits["disk-cold"] > 0
     assert "target:" in out
+    heads = bench_headlines(out)
+    assert [(h.benchmark, h.figure.split()[0]) for h in heads] == [
+        ("kv_tiers", "disk-cold"),
+        ("kv_tiers", "disk-warm"),
+    ]
+    cold, warm = heads
+    assert cold.ratio is not None and cold.target and cold.met is not None
+    assert warm.ratio is not None and warm.target == "" and warm.met is None
