@@ -84,7 +84,7 @@ BENCHMARKS = (
     Benchmark("soak", ("--minutes", "1", "--window-s", "20", "--calibrate-s", "10")),
     Benchmark(
         "vs_dynamo",
-        ("--concurrency", "1,64", "--requests", "300", "--requests-at-1", "50"),
+        ("--concurrency", "1,64", "--requests", "1000", "--requests-at-1", "50"),
         side_by_side=True,
     ),
     Benchmark(
