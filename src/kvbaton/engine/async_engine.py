@@ -114,7 +114,7 @@ class AsyncEngine:
           each thread that runs torch's parallel regions keeps a GNU OpenMP pool, and with two
           pools there are more OpenMP threads than cores, so libgomp stops spinning between
           regions. On 2 cores, serve then decoded at about half the offline engine's speed
-          (bench/serve_vs_offline.py; docs/benchmarks.md).
+          (bench/serve_vs_offline.py; docs/benchmarks-log.md).
         """
         loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvbaton-load")
         try:

@@ -13,7 +13,7 @@ and ~0.003 ms per decode step to keep one more block active, and a block prefill
 every request queued behind it, while an active block only slows decode steps a little until
 the KV cache is nearly full. (Dynamo's default is 1; with it, on bench/routing.py, the router
 gives up cache hits for small load differences: 84% of the best hit rate instead of 99%, and a
-TTFT p90 no better than round-robin's; see docs/benchmarks.md.)
+TTFT p90 no better than round-robin's; see docs/benchmarks-log.md.)
 
 Ties go to the worker with the smaller tree (fewer cached blocks: more room), then to the
 candidates' order. With a temperature above 0 the first choice is drawn with
