@@ -58,8 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from headline import at_least
-from headline import report as headline
+import headline
 from kvbaton.kv_transfer import KvPool, KvTransferAgent
 from kvbaton.kv_transfer.pool import attach_segment, block_runs
 from kvbaton.protocols.llm import KvPoolInfo
@@ -670,8 +669,8 @@ def headlines(rows: list[tuple[int, int, list[Result]]]) -> None:
         ratio = got / reference if reference else None
         target, met = f"ratio at least {want:g}", None  # no baseline: no verdict
         if ratio is not None:
-            target, met = at_least(ratio, want)
-        headline(
+            target, met = headline.at_least(ratio, want)
+        headline.report(
             "kv_transfer",
             f"{backend} read, {tokens:,} tokens, scattered blocks: {got:.2f} GB/s",
             f"{base} {reference:.2f} GB/s" if reference else f"{base}: not measured",

@@ -33,8 +33,7 @@ from typing import Any
 
 import msgspec
 
-from headline import at_least
-from headline import report as headline
+import headline
 from kvbaton.protocols.frames import Data, End, Request
 from kvbaton.runtime import Client, Context, DistributedRuntime
 from kvbaton.runtime.request_plane.framing import FrameDecoder, encode_frame, encode_payload
@@ -267,8 +266,8 @@ def headlines(rows: list[dict[str, Any]]) -> None:
         cell = {r["system"]: r for r in rows if (r["mode"], r["concurrency"]) == (mode, top)}
         got, base = cell[plane]["resp_s"], cell["baseline"]["resp_s"]
         unit = "req/s" if mode == "unary" else "responses/s"
-        target, met = at_least(got / base, 0.5) if top == 64 else ("", None)
-        headline(
+        target, met = headline.at_least(got / base, 0.5) if top == 64 else ("", None)
+        headline.report(
             "request_plane",
             f"{mode} c{top} {plane} {got:,.0f} {unit}",
             f"bare asyncio {base:,.0f} {unit}",
