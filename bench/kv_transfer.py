@@ -653,19 +653,21 @@ def headlines(rows: list[tuple[int, int, list[Result]]]) -> None:
     """Each backend measured: its read (prefill-first) into scattered blocks at the largest
     size run, against its baseline of the same size (nixl: NIXL's own read)."""
     tokens, nbytes, results = rows[-1]
-    gbs = {(r.path, r.op, r.placement): r.gbs(nbytes) for r in results if not r.note}
+    baselines = baselines_of(results, nbytes)
     met: bool | None
-    reference_cell = {
-        "shm": ("memcpy", "copy", ""),
-        "tcp": ("raw socket", "recv", ""),
-        "nixl": ("nixl raw", "read", "consecutive"),
-    }
     print()
     for backend, (base, want) in TARGETS.items():
-        got = gbs.get((backend, "read", "scattered"))
-        if got is None:
+        cell = next(
+            (
+                r
+                for r in results
+                if (r.path, r.op, r.placement) == (backend, "read", "scattered") and not r.note
+            ),
+            None,
+        )
+        if cell is None:
             continue
-        reference = gbs.get(reference_cell[backend])
+        got, reference = cell.gbs(nbytes), reference_of(baselines, cell)
         ratio = got / reference if reference else None
         target, met = f"ratio at least {want:g}", None  # no baseline: no verdict
         if ratio is not None:
@@ -680,6 +682,19 @@ def headlines(rows: list[tuple[int, int, list[Result]]]) -> None:
         )
 
 
+def baselines_of(results: list[Result], nbytes: int) -> dict[str, float]:
+    """One size's baselines in GB/s: memcpy and the raw socket by path, NIXL's own by op."""
+    baselines = {r.path: r.gbs(nbytes) for r in results if r.path in BASELINES[:2]}
+    baselines.update({r.op: r.gbs(nbytes) for r in results if r.path == "nixl raw"})
+    return baselines
+
+
+def reference_of(baselines: dict[str, float], result: Result) -> float | None:
+    """The GB/s a backend's cell is judged against (None: a baseline or no baseline run)."""
+    base, _ = TARGETS.get(result.path, ("", 0.0))
+    return baselines.get(result.op if result.path == "nixl" else base)
+
+
 def report(header: str, rows: list[tuple[int, int, list[Result]]], raw_nixl_why: str) -> None:
     print(header)
     print()
@@ -690,8 +705,7 @@ def report(header: str, rows: list[tuple[int, int, list[Result]]], raw_nixl_why:
     print("|---:|---:|---|---|---|---:|---:|---:|---:|---|---|")
     verdicts: dict[str, list[tuple[float, str]]] = {}
     for tokens, nbytes, results in rows:
-        baselines = {r.path: r.gbs(nbytes) for r in results if r.path in BASELINES[:2]}
-        baselines.update({r.op: r.gbs(nbytes) for r in results if r.path == "nixl raw"})
+        baselines = baselines_of(results, nbytes)
         for r in results:
             size = f"| {tokens:,} | {nbytes / 1e6:,.1f} | {r.path} "
             if r.note:
@@ -700,7 +714,7 @@ def report(header: str, rows: list[tuple[int, int, list[Result]]], raw_nixl_why:
             gbs = r.gbs(nbytes)
             ratio = target = ""
             base, want = TARGETS.get(r.path, ("", 0.0))
-            reference = baselines.get(r.op if r.path == "nixl" else base)
+            reference = reference_of(baselines, r)
             if r.path == "nixl" and reference is None:
                 target = f"no raw baseline ({raw_nixl_why})"
             elif reference is not None:
