@@ -173,14 +173,21 @@ def report(runs: list[dict[str, dict[int, Figures]]]) -> None:
                 f"| {cpu_text(v)} | {cpu_text(k)} |"
             )
     for c in CONCURRENCY:
-        throughput = sorted(r["kvbaton"][c].tokens_per_s / r["vllm"][c].tokens_per_s for r in runs)
-        ttft = sorted(r["kvbaton"][c].ttft_p50_ms / r["vllm"][c].ttft_p50_ms for r in runs)
+        tok_ratio, ttft_ratio = median_ratios(runs, c)
         print(
-            f"c={c}: median throughput ratio {throughput[len(throughput) // 2]:.2f} "
-            f"(target >= 0.95), median TTFT p50 ratio {ttft[len(ttft) // 2]:.2f} (target <= 1.1)"
+            f"c={c}: median throughput ratio {tok_ratio:.2f} (target >= 0.95), "
+            f"median TTFT p50 ratio {ttft_ratio:.2f} (target <= 1.1)"
         )
     print()
     report_headlines(runs)
+
+
+def median_ratios(runs: list[dict[str, dict[int, Figures]]], c: int) -> tuple[float, float]:
+    """kvbaton over vllm serve at concurrency `c`: the (upper) median over repeats of the
+    throughput ratio and of the TTFT p50 ratio."""
+    throughput = sorted(r["kvbaton"][c].tokens_per_s / r["vllm"][c].tokens_per_s for r in runs)
+    ttft = sorted(r["kvbaton"][c].ttft_p50_ms / r["vllm"][c].ttft_p50_ms for r in runs)
+    return throughput[len(throughput) // 2], ttft[len(ttft) // 2]
 
 
 def report_headlines(runs: list[dict[str, dict[int, Figures]]]) -> None:
@@ -190,9 +197,7 @@ def report_headlines(runs: list[dict[str, dict[int, Figures]]]) -> None:
     for c in CONCURRENCY:
         k = [r["kvbaton"][c] for r in runs]
         v = [r["vllm"][c] for r in runs]
-        throughput = sorted(r["kvbaton"][c].tokens_per_s / r["vllm"][c].tokens_per_s for r in runs)
-        ttft = sorted(r["kvbaton"][c].ttft_p50_ms / r["vllm"][c].ttft_p50_ms for r in runs)
-        tok_ratio, ttft_ratio = throughput[len(throughput) // 2], ttft[len(ttft) // 2]
+        tok_ratio, ttft_ratio = median_ratios(runs, c)
         headline.report(
             "vllm_front",
             f"kvbaton c={c} {statistics.median(f.tokens_per_s for f in k):.1f} tok/s, TTFT p50 "
