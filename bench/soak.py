@@ -41,8 +41,8 @@ from pathlib import Path
 import httpx
 
 import headline
-from kvbaton.cli.serve_state import read_states
 from kvbaton.llm.model_files import resolve_model
+from kvbaton.runtime.serve_state import read_states
 from serving import (
     STARTUP_S,
     log,

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from kvbaton.cli.serve_state import read_states
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
+from kvbaton.runtime.serve_state import read_states
 from tests.tiny_models import build_chat_model
 
 # The workers' torch device: the CPU unless KVBATON_TEST_DEVICE names another ("cuda").

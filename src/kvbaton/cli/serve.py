@@ -12,7 +12,8 @@ names one).
   said it serves and the port answers /live.
 - It says where to connect once the port serves the model (its /health is 200).
 - SIGINT and SIGTERM stop every child gracefully (each drains); it then exits 0.
-- Its slots are kept where `kvbaton status` reads them (serve_state.py).
+- Its slots are kept where `kvbaton status` and the frontends' cluster page read them
+  (runtime/serve_state.py).
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ from kvbaton.cli.frontend_flags import (
     migration_settings,
 )
 from kvbaton.cli.routing import ROUTER_FLAGS, router_settings
-from kvbaton.cli.serve_state import state_path
 from kvbaton.cli.status import list_instances
 from kvbaton.cli.supervisor import ChildSpec, Supervisor
 from kvbaton.cli.worker import WORKER_FLAGS, check_engine_flags
 from kvbaton.llm.model_files import KNOWN_MODELS, pull, served_name
 from kvbaton.runtime.http_embed import bound
+from kvbaton.runtime.serve_state import state_path
 from kvbaton.runtime.settings import RuntimeSettings
 
 log = logging.getLogger("kvbaton.serve")
@@ -66,8 +67,9 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _commands(args: argparse.Namespace, http_port: int) -> list[tuple[str, list[str]]]:
-    """Each child's slot name and command: the frontends first (sharing `http_port`)."""
+def _commands(args: argparse.Namespace, http_port: int) -> list[tuple[str, str, list[str]]]:
+    """Each child's slot name, role ("frontend" or the worker's) and command: the frontends
+    first (sharing `http_port`)."""
     base = [sys.executable, "-m", "kvbaton"]
     common = ["--namespace", args.namespace, "--log-level", args.log_level]
     frontend = [
@@ -99,9 +101,11 @@ def _commands(args: argparse.Namespace, http_port: int) -> list[tuple[str, list[
         flags += ["--cpu-cores", cores[index]] if cores else []
         return [*base, "worker", *flags, *(["--", *passthrough] if passthrough else [])]
 
-    workers = [(name, worker(role, i)) for i, (name, role) in enumerate(roles)]
+    workers = [(name, role, worker(role, i)) for i, (name, role) in enumerate(roles)]
     n = args.frontends
-    frontends = [("frontend" if n == 1 else f"frontend-{i}", frontend) for i in range(n)]
+    frontends = [
+        ("frontend" if n == 1 else f"frontend-{i}", "frontend", frontend) for i in range(n)
+    ]
     return [*frontends, *workers]
 
 
@@ -178,12 +182,12 @@ def _supervise(
     url = f"http://{host if ':' not in host else f'[{host}]'}:{number}"
     registered = _RegisteredPids(discovery, args.namespace)
     specs = []
-    for name, command in _commands(args, number):
-        if name.startswith("frontend"):
+    for name, role, command in _commands(args, number):
+        if role == "frontend":
             frontend = _Frontend(url, command)
-            specs.append(ChildSpec(name, frontend.command, frontend.ready, frontend.on_line))
+            specs.append(ChildSpec(name, frontend.command, frontend.ready, frontend.on_line, role))
         else:
-            specs.append(ChildSpec(name, partial(list, command), registered.has))
+            specs.append(ChildSpec(name, partial(list, command), registered.has, role=role))
     model = args.served_model_name or served_name(args.model)
 
     def announce() -> bool:

@@ -7,10 +7,10 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from kvbaton.cli.serve_state import read_states
 from kvbaton.protocols.discovery import Instance
 from kvbaton.runtime.discovery import open_discovery
 from kvbaton.runtime.names import SERVICES_ROOT
+from kvbaton.runtime.serve_state import read_states
 from kvbaton.runtime.settings import RuntimeSettings
 
 COLUMNS = ("NAMESPACE", "COMPONENT", "ENDPOINT", "INSTANCE", "ADDRESS", "PID", "AGE")

@@ -86,12 +86,14 @@ class Backoff:
 class ChildSpec:
     """`command()`: the child's command line, asked at each start (a restart may differ: the
     frontend keeps the port its first child bound); `ready(pid)`: the child serves;
-    `on_line(line)`: each line it logs."""
+    `on_line(line)`: each line it logs; `role`: what the child is, in the state file
+    ("frontend", or a worker's role)."""
 
     name: str
     command: Callable[[], list[str]]
     ready: Callable[[int], bool]
     on_line: Callable[[str], None] = lambda line: None
+    role: str = ""
 
 
 class DeploymentFailed(Exception):
@@ -123,6 +125,7 @@ class Slot:
     def report(self) -> dict[str, Any]:
         return {
             "name": self.spec.name,
+            "role": self.spec.role,
             "state": self.state.value,
             "pid": self.process.pid if self.process else None,
             "restarts": self.restarts,

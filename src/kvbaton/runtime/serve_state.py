@@ -1,8 +1,10 @@
-"""Where `kvbaton serve` keeps its slots for `kvbaton status`: one JSON file per serve process
-(supervisor.py writes it), under the per-user runtime directory.
+"""Where `kvbaton serve` keeps its slots for `kvbaton status` and the frontends' cluster page:
+one JSON file per serve process (`cli/supervisor.py` writes it), under the per-user runtime
+directory.
 
-- A file names its serve's PID and discovery; status shows those of its own discovery whose
+- A file names its serve's PID and discovery; readers take those of their own discovery whose
   serve still lives (a file left by a killed serve is passed over).
+- A slot names its role: "frontend", or its worker's ("agg", "prefill", "decode").
 """
 
 from __future__ import annotations
