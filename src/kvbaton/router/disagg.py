@@ -99,13 +99,18 @@ class Disaggregated:
 
     async def _prefill(self, request: PreprocessedRequest) -> EngineOutput | None:
         """The prefill worker's answer, or None (the decode worker prefills) if it failed."""
+        outcomes = self.prefill.outcomes
         try:
-            return await self.prefill.prefill(
+            answer = await self.prefill.prefill(
                 request, self.request_id, self.hints, self.candidates, self.served_by
             )
         except PrefillError as exc:
             if self.enforce:
+                outcomes.failures += 1
                 raise
+            outcomes.fallbacks += 1
             log.warning("request %s: %s; prefilling on the decode worker", self.request_id, exc)
             self.route.sent_kv(False)
             return None
+        outcomes.answered += 1
+        return answer

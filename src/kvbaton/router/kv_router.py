@@ -27,8 +27,9 @@ class KvRoute(Route):
         ranking: list[int],
         block_hashes: list[int],
         overlaps: dict[int, int],
+        costs: dict[int, float],
     ) -> None:
-        super().__init__(router, request, ranking, overlaps)
+        super().__init__(router, request, ranking, overlaps, costs)
         self.block_hashes = block_hashes
 
 
@@ -119,27 +120,29 @@ class KvRouter(Router):
         workers: list[int],
         overlap_weight: float | None = None,
         temperature: float | None = None,
-    ) -> tuple[list[int], dict[int, int]]:
+    ) -> tuple[list[int], dict[int, int], dict[int, float]]:
         """`workers` best first for a prompt of `num_tokens` tokens whose full blocks hash to
-        `block_hashes`, and each one's overlap in blocks (None: the router's settings): the
-        blocks a prefix cache can give the prompt (`reusable_blocks`)."""
+        `block_hashes`, each one's overlap in blocks (the blocks a prefix cache can give the
+        prompt: `reusable_blocks`) and its cost (`overlap_weight`, `temperature` None: the
+        router's settings)."""
         cands = self.candidates(block_hashes, workers, reusable_blocks(num_tokens, self.block_size))
         weight = self.overlap_weight if overlap_weight is None else overlap_weight
         costs = [kv_cost(c, num_tokens, self.block_size, weight) for c in cands]
         temperature = self.temperature if temperature is None else temperature
         ranking = rank(cands, costs, temperature, self._rng)
-        return ranking, {c.worker_id: c.overlap_blocks for c in cands}
+        overlaps = {c.worker_id: c.overlap_blocks for c in cands}
+        return ranking, overlaps, {c.worker_id: cost for c, cost in zip(cands, costs, strict=True)}
 
     def _route(self, request: RouteRequest, candidates: list[int]) -> Route:
         hashes = hash_blocks(request.token_ids, self.block_size, request.extra_keys)
-        ranking, overlaps = self.rank_blocks(
+        ranking, overlaps, costs = self.rank_blocks(
             hashes,
             len(request.token_ids),
             self._rotated(candidates),
             request.overlap_weight,
             request.temperature,
         )
-        return KvRoute(self, request, ranking, hashes, overlaps)
+        return KvRoute(self, request, ranking, hashes, overlaps, costs)
 
     def _pin(self, request: RouteRequest, worker_id: int) -> Route:
         return self._route(request, [worker_id])

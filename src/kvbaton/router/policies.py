@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvbaton.protocols.llm import EngineOutput
+from kvbaton.router.decisions import DecisionLog
 from kvbaton.router.metrics import RouterMetrics
 
 if TYPE_CHECKING:
@@ -38,8 +39,9 @@ class RouteRequest:
 
 
 class Route:
-    """One routed request. `ranking` is the order to try workers in; `overlaps`, where the
-    router knows them, each worker's leading blocks of the prompt already cached."""
+    """One routed request. `ranking` is the order to try workers in; `overlaps` and `costs`,
+    where the router knows them, each worker's leading blocks of the prompt already cached and
+    its cost (the KV router's)."""
 
     def __init__(
         self,
@@ -47,11 +49,13 @@ class Route:
         request: RouteRequest,
         ranking: list[int],
         overlaps: dict[int, int] | None = None,
+        costs: dict[int, float] | None = None,
     ) -> None:
         self.router = router
         self.request = request
         self.ranking = ranking
         self.overlaps = overlaps or {}
+        self.costs = costs or {}
         self.worker_id: int | None = None  # where the request counts
         self._taken_by: int | None = None  # the last worker that took it
         self._done = False
@@ -165,6 +169,7 @@ class Router:
         self.metrics = metrics
         self.component = component
         self.in_flight: dict[int, int] = {}
+        self.decisions = DecisionLog()
         self._leaving: set[int] = set()  # forgotten once their requests here end
         self._rotation = itertools.count()
 
@@ -233,6 +238,7 @@ class Router:
 
     def _taken(self, route: Route) -> None:
         assert route.worker_id is not None
+        self.decisions.record(route.worker_id, route.ranking, route.overlaps, route.costs)
         if self.metrics is not None:
             labels = (self.model, self.component, self.mode, f"{route.worker_id:x}")
             self.metrics.routed.labels(*labels).inc()

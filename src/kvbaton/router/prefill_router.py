@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvbaton.disagg.peers import PeerCalls
 from kvbaton.protocols.llm import EngineOutput, KvTarget, PreprocessedRequest
@@ -21,6 +22,15 @@ DEFAULT_PREFILL_TIMEOUT_S = 300.0
 
 class PrefillError(RuntimeError):
     """No prefill worker answered with the prompt's KV."""
+
+
+@dataclass
+class PrefillOutcomes:
+    """A frontend's disaggregated prefills since it started (for `GET /v1/cluster`)."""
+
+    answered: int = 0  # a prefill worker answered with the first token
+    fallbacks: int = 0  # none did: the decode worker prefilled
+    failures: int = 0  # none did, and the request failed (`enforce_disagg`)
 
 
 class PrefillRouter:
@@ -36,6 +46,7 @@ class PrefillRouter:
         self.router = router
         self.timeout_s = timeout_s
         self.peers = PeerCalls(runtime)
+        self.outcomes = PrefillOutcomes()
         self._abandoning: set[asyncio.Future[None]] = set()
 
     def instance_ids(self, with_cards: Sequence[int]) -> list[int]:
