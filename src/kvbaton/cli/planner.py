@@ -99,6 +99,7 @@ async def run_planner(args: argparse.Namespace, runtime: DistributedRuntime) -> 
     from kvbaton.planner.planner import Planner, PlannerMetrics, Predictors
     from kvbaton.planner.predictors import make_predictor
     from kvbaton.planner.replicas import ReplicaPlanner, ReplicaPolicy
+    from kvbaton.planner.reports import DecisionReports
 
     policy = ReplicaPolicy(
         min_prefill=args.min_prefill,
@@ -130,6 +131,7 @@ async def run_planner(args: argparse.Namespace, runtime: DistributedRuntime) -> 
         interval_s=args.interval,
         dry_run=args.dry_run,
         metrics=PlannerMetrics(registry),
+        reports=DecisionReports(runtime, args.namespace, args.interval),
     )
     try:
         run = asyncio.ensure_future(planner.run())

@@ -1,10 +1,13 @@
 """The planner's loop: every adjustment interval, observe, predict the next interval's load,
 decide the replicas of each pool, and have the connector apply them.
 
-Invariants: one decision per interval, logged with every input it was made from and exported
-as metrics (`kvbaton_planner_*`); an interval whose observation fails changes nothing (the next
-one covers both); a connector that fails to apply a decision is logged and tried again at the
-next interval, never retried in a tight loop; with `dry_run` nothing is ever changed."""
+Invariants:
+- One decision per interval, logged with every input it was made from, exported as metrics
+  (`kvbaton_planner_*`) and published for the frontends' cluster page (`reports.py`).
+- An interval whose observation fails changes nothing (the next one covers both).
+- A connector that fails to apply a decision is logged and tried again at the next interval,
+  never retried in a tight loop.
+- With `dry_run` nothing is ever changed."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from kvbaton.planner.connectors import Connector
 from kvbaton.planner.observer import ObserveError, Observer
 from kvbaton.planner.predictors import Predictor
 from kvbaton.planner.replicas import ReplicaPlanner
+from kvbaton.planner.reports import DecisionReports
 from kvbaton.planner.types import Decision, Observation
 
 log = logging.getLogger(__name__)
@@ -113,7 +117,9 @@ class Planner:
         dry_run: bool = False,
         metrics: PlannerMetrics | None = None,
         on_decision: Callable[[Observation, Decision], None] | None = None,
+        reports: DecisionReports | None = None,
     ) -> None:
+        """`reports`: each decision published for the frontends' cluster page."""
         self.observer = observer
         self.connector = connector
         self.replicas = replicas
@@ -122,6 +128,7 @@ class Planner:
         self.dry_run = dry_run
         self.metrics = metrics
         self.on_decision = on_decision
+        self.reports = reports
         self._stop = asyncio.Event()
 
     async def step(self) -> Decision | None:
@@ -165,6 +172,8 @@ class Planner:
             self.metrics.record(observation, decision, current, applied)
         if self.on_decision is not None:
             self.on_decision(observation, decision)
+        if self.reports is not None:
+            await self.reports.publish(decision, current, applied, self.dry_run)
         return decision
 
     async def run(self) -> None:
