@@ -42,3 +42,5 @@ def test_ci_runs_the_readme_test_command_with_the_constraints() -> None:
     assert re.search(rf"^{re.escape(command)}$", readme, re.MULTILINE)
     run = (ROOT / ".ci" / "run").read_text().splitlines()
     assert run[-1] == command
+    browser = "apt-get update && apt-get install -y chromium"  # the browser test's Chromium
+    assert re.search(rf"^{re.escape(browser)}$", readme, re.MULTILINE) and browser in run

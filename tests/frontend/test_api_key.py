@@ -1,5 +1,5 @@
-"""The frontend's optional API key: asked of every route but the probes', in OpenAI's error
-shape."""
+"""The frontend's optional API key: asked of every route but the probes' and the cluster page's
+files, in OpenAI's error shape."""
 
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ async def test_routes_need_the_key_and_probes_do_not() -> None:
         assert (await http.post("/busy_threshold", json={})).status_code == 401
         for probe in ("/health", "/live", "/metrics"):
             assert (await http.get(probe)).status_code == 200
+        # The cluster page's files are open (a navigation carries no header); its data is not.
+        for page in ("/dashboard", "/dashboard/dashboard.js"):
+            assert (await http.get(page)).status_code == 200
+        for data in ("/v1/cluster", "/dashboards", "/dashboardx/y"):
+            assert (await http.get(data)).status_code == 401, data
     async with client(None) as http:  # no key set: nothing is asked
         assert (await http.get("/v1/models")).status_code == 200
     async with client("") as http:

@@ -26,6 +26,7 @@ from tests.frontend.conftest import (
     wait_for_health,
     worker_load,
 )
+from tests.helpers import wait_until_sync
 
 pytestmark = pytest.mark.integration
 
@@ -174,6 +175,20 @@ def test_disaggregated_tokens_equal_aggregated(disagg: Disagg) -> None:
     assert mover.kv_transfer_bytes > 0 and mover.kv_transfer_seconds > 0
     assert mover.kv_handoffs >= len(PROMPT_LENGTHS) - 1  # (a 1-token prompt needs no KV moved)
     assert mover.kv_handoff_wait_seconds > 0
+    # The cluster page's data says the same: prefills answered, and the mover's handoffs.
+    cluster = httpx.get(f"{disagg.url}/v1/cluster").json()
+    (model,) = cluster["models"]
+    assert model["disaggregated"]["answered"] >= 2 * len(PROMPT_LENGTHS)  # cold and warm
+    assert (model["disaggregated"]["fallbacks"], model["disaggregated"]["failures"]) == (0, 0)
+    assert sorted(w["role"] for w in cluster["workers"]) == ["decode", "prefill"]
+    mover_role = "decode" if disagg.order == "prefill-first" else "prefill"
+
+    def shown_handoffs() -> int:
+        workers = httpx.get(f"{disagg.url}/v1/cluster").json()["workers"]
+        (row,) = [w for w in workers if w["role"] == mover_role]
+        return int(row["load"]["kv_handoffs"]) if row["load"] else 0
+
+    wait_until_sync(lambda: shown_handoffs() >= mover.kv_handoffs, what="the handoffs shown")
     asyncio.run(wait_all_blocks_free(disagg.discovery))
 
 

@@ -186,6 +186,7 @@ async def test_the_planner_grows_and_shrinks_the_decode_pool_losing_nothing(
         stop.set()
         await light  # every request sent while shrinking completed whole
         assert done.count(99) > 0
+        cluster = (await http.get("/v1/cluster")).json()
     assert peak >= 2 and served > 0
     # Every decision is logged with its inputs: the observed interval and the decided counts.
     text = await asyncio.to_thread(planner.read_text)
@@ -193,3 +194,10 @@ async def test_the_planner_grows_and_shrinks_the_decode_pool_losing_nothing(
     decode_counts = [int(d[3]) for d in decisions]
     assert max(decode_counts) >= 2 and decode_counts[-1] == 1, decisions
     assert "request_rate=" in text
+    # The frontend's cluster page shows the planner's last decisions and the workers it started.
+    planned = cluster["planner"]["decisions"]  # newest first
+    assert planned and cluster["planner"]["interval_s"] == INTERVAL_S
+    assert [p["role"] for p in planned[0]["pools"]] == ["prefill", "decode"]
+    assert planned[0]["pools"][1]["wanted"] == 1 and planned[0]["applied"]
+    up = {w["role"] for w in cluster["workers"] if w["state"] == "up"}
+    assert up == {"prefill", "decode"}

@@ -24,6 +24,8 @@ from starlette.exceptions import HTTPException
 
 from kvbaton.frontend.asgi import ASGIApp
 from kvbaton.frontend.choices import Fork, PromptHome, fork_requests
+from kvbaton.frontend.cluster import ClusterView
+from kvbaton.frontend.dashboard_assets import ASSETS, HEADERS, asset
 from kvbaton.frontend.errors import (
     OpenAIError,
     as_openai_error,
@@ -96,12 +98,14 @@ def _error_response(error: OpenAIError) -> Response:
 
 
 class RequestRecord:
-    """One request's metrics: TTFT, inter-token latency, tokens, duration, final status."""
+    """One request's metrics: TTFT, inter-token latency, tokens, duration, final status; at its
+    end, its TTFT and mean ITL to the cluster page's window."""
 
     def __init__(self, metrics: FrontendMetrics, model: str, route: str) -> None:
         self.m = metrics.of_model(model)
+        self.window = metrics.window
         self.route = route
-        self.started = self.last_token = time.monotonic()
+        self.started = self.first_token = self.last_token = time.monotonic()
         self.first = True
         self.generated = 0
         self.m.in_flight.inc()
@@ -115,6 +119,7 @@ class RequestRecord:
         gaps = n
         if self.first:
             self.m.ttft.observe(now - self.started)
+            self.first_token = now
             self.first = False
             gaps -= 1
         if gaps > 0:
@@ -131,6 +136,10 @@ class RequestRecord:
             self.m.input_sequence_tokens.observe(prompt_tokens)
             self.m.output_sequence_tokens.observe(self.generated)
         self.m.duration.observe(time.monotonic() - self.started)
+        ttft = None if self.first else self.first_token - self.started
+        gaps = self.generated - 1
+        itl = (self.last_token - self.first_token) / gaps if gaps > 0 else None
+        self.window.record(status, ttft, itl)
 
 
 class Frontend:
@@ -147,6 +156,7 @@ class Frontend:
         self.metrics = metrics or FrontendMetrics()
         self.reasoning = reasoning
         self.tool_format = tool_format
+        self.cluster = ClusterView(models, self.metrics)
         self.api = self._build()  # every route, and /openapi.json
         self.app: ASGIApp = FastPath(  # the generation routes' well-formed requests go round it
             self.api,
@@ -435,10 +445,31 @@ class Frontend:
         async def metrics() -> Response:
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+        @app.get("/v1/cluster")
+        async def cluster() -> Response:
+            """The workers, loads, recent requests, routing decisions, disaggregated transfers
+            and planner decisions this frontend sees (docs/cluster.md)."""
+            return _json(await self.cluster.snapshot())
+
+        @app.get("/dashboard", include_in_schema=False)
+        async def dashboard() -> Response:
+            return _asset("index.html")
+
+        @app.get("/dashboard/{name}", include_in_schema=False)
+        async def dashboard_file(name: str) -> Response:
+            return _asset(name)
+
         return app
 
     def _sorted(self) -> list[ServedModel]:
         return [self.models.models[n] for n in sorted(self.models.models)]
+
+
+def _asset(name: str) -> Response:
+    body = asset(name)
+    if body is None:
+        return _error_response(OpenAIError(404, f"no such file of the dashboard: {name}"))
+    return Response(body, media_type=ASSETS[name], headers=HEADERS)
 
 
 def _model_entry(served: ServedModel) -> dict[str, Any]:

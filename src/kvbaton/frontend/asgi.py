@@ -1,8 +1,12 @@
-"""Thin ASGI layers in front of the app: the request id (`x-request-id`, echoed on every
-response), the API key (401 unless `Authorization: Bearer <key>`, compared in constant time; on
-every route but /health, /live and /metrics, which stay open for probes and scrapers) and the
-body size limit (413 before the app reads a byte too many); and the end, in OpenAI's shape, of
-the requests that a stopping server cuts (`EndCutRequests`)."""
+"""Thin ASGI layers in front of the app.
+
+- The request id (`x-request-id`) is echoed on every response.
+- The API key: 401 unless `Authorization: Bearer <key>`, compared in constant time. Asked on
+  every route but /health, /live and /metrics (open for probes and scrapers) and the cluster
+  page's files, which a browser fetches without the header (the page asks for the key and
+  sends it with its own calls, /v1/cluster among them).
+- The body size limit: 413 before the app reads a byte too many.
+- The requests that a stopping server cuts end in OpenAI's shape (`EndCutRequests`)."""
 
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})  # no API key asked
+OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/dashboard"})  # no API key asked
+OPEN_PREFIX = "/dashboard/"  # the cluster page's files (its data, /v1/cluster, needs the key)
 _GOOD_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces
 
 
@@ -59,6 +64,7 @@ class RequestIdAndLimits:
         if (
             self._bearer is not None
             and scope["path"] not in OPEN_PATHS
+            and not scope["path"].startswith(OPEN_PREFIX)
             and not hmac.compare_digest(authorization, self._bearer)
         ):
             error = OpenAIError(

@@ -1,4 +1,5 @@
-"""The frontend's Prometheus metrics (one registry per frontend, served at /metrics)."""
+"""The frontend's metrics: Prometheus's (one registry per frontend, served at /metrics), and the
+last minutes of its requests for the cluster page (`request_window.py`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from functools import cache
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvbaton.frontend.request_window import RequestWindow
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
@@ -17,6 +20,7 @@ _LENGTH_BUCKETS = tuple(4.0**i for i in range(11))  # 1 to 1,048,576 tokens
 class FrontendMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.window = RequestWindow()
         self._models: dict[str, ModelMetrics] = {}
         r = self.registry
         prefix = "kvbaton_frontend"

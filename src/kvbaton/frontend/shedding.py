@@ -65,7 +65,7 @@ class LoadMonitor:
     def working(self, worker: int) -> bool:
         """Its load, fresh (`FRESH_S`), has requests running or waiting (False if unknown)."""
         load = self.loads.get(worker)
-        fresh = self._age(worker) <= FRESH_S
+        fresh = self.age(worker) <= FRESH_S
         return load is not None and fresh and (load.running > 0 or load.waiting > 0)
 
     def sent(self, worker: int, prompt_tokens: int) -> Callable[[], None]:
@@ -83,12 +83,13 @@ class LoadMonitor:
 
         return prefilled
 
-    def _age(self, worker: int) -> float:
+    def age(self, worker: int) -> float:
+        """Seconds since `worker`'s last load came (inf: none came)."""
         return time.monotonic() - self._at.get(worker, -math.inf)
 
     def busy(self, worker: int, thresholds: BusyThresholds) -> bool:
         load = self.loads.get(worker)
-        if load is None or self._age(worker) > STALE_S:
+        if load is None or self.age(worker) > STALE_S:
             return False
         kv, total = thresholds.kv_usage, load.kv_blocks_total
         if kv is not None and total and load.kv_blocks_used >= kv * total:

@@ -24,7 +24,8 @@ def state_path(pid: int) -> Path:
     return directory / f"serve-{pid}.json"
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """A process `pid` exists (on this host)."""
     if pid <= 0:
         return False
     try:
@@ -44,6 +45,6 @@ def read_states(discovery: str) -> list[dict[str, Any]]:
             state = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # removed or replaced while read
-        if state.get("discovery") == discovery and _alive(int(state.get("pid", 0))):
+        if state.get("discovery") == discovery and alive(int(state.get("pid", 0))):
             states.append(state)
     return states
