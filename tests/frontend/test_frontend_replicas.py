@@ -68,9 +68,17 @@ async def test_replicas_share_the_port_and_one_killed_leaves_the_other_serving(
 
         os.kill(pids[0], signal.SIGKILL)
         await wait_until(lambda: gone(pids[0]), 10, "the killed frontend's exit")
-        for _ in range(CLIENTS):  # new connections: the other replica's, or the new one's
+        for i in range(CLIENTS):  # new connections: the other replica's, or the new one's
             async with httpx.AsyncClient(base_url=deployment.url, timeout=30) as new:
-                assert (await new.post("/v1/completions", json=body)).status_code == 200
+                try:
+                    answer = await new.post("/v1/completions", json=body)
+                except httpx.TransportError as exc:  # say where the replicas were then
+                    slots = [serve_slot(deployment, f"frontend-{j}") for j in range(2)]
+                    raise AssertionError(
+                        f"new connection {i} failed: {exc!r}; slots {slots}; serve's last "
+                        f"log lines:\n" + "\n".join(deployment.lines[-40:])
+                    ) from exc
+                assert answer.status_code == 200
 
         def back() -> bool:
             slot = serve_slot(deployment, "frontend-0")
