@@ -7,7 +7,6 @@ in the worker's load report."""
 from __future__ import annotations
 
 import os
-import random
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvbaton.llm.hashing import hash_blocks, reusable_blocks
 from tests.frontend.conftest import (
     Deployment,
     live_instances,
@@ -24,14 +22,18 @@ from tests.frontend.conftest import (
     start_serve,
     stop_serve,
 )
+from tests.frontend.kv_tiers_helpers import (
+    BLOCK_SIZE,
+    CACHED,
+    PROMPT,
+    offloaded,
+    other_prompts,
+)
 from tests.helpers import wait_until, wait_until_sync
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-BLOCK_SIZE = 16
 POOL_BLOCKS = 32
-PROMPT = [random.Random(0).randrange(10, 300) for _ in range(200)]
-CACHED = reusable_blocks(len(PROMPT), BLOCK_SIZE) * BLOCK_SIZE
 RESTART_S = 60.0
 
 
@@ -75,15 +77,8 @@ def complete(deployment: Deployment, prompt: list[int], worker: int) -> tuple[st
 
 def evict(deployment: Deployment, worker: int) -> None:
     """Prompts unrelated to PROMPT until the worker's pool reused all its blocks."""
-    for seed in range(1, 4):
-        rng = random.Random(seed)
-        complete(deployment, [rng.randrange(10, 300) for _ in range(200)], worker)
-
-
-def offloaded(disk: Path) -> bool:
-    """Every reusable block of PROMPT has its file on the disk tier."""
-    names = [f"{h:016x}" for h in hash_blocks(PROMPT, BLOCK_SIZE)[: CACHED // BLOCK_SIZE]]
-    return all(any(disk.glob(f"*/{name[:2]}/{name}.kvb")) for name in names)
+    for prompt in other_prompts():
+        complete(deployment, prompt, worker)
 
 
 async def disk_hits(deployment: Deployment, worker: int) -> int:
