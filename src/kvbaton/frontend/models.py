@@ -40,6 +40,7 @@ from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import EngineOutput, ModelCard, PreprocessedRequest
 from kvbaton.router import (
     PrefillRouter,
+    ReplicaSync,
     Route,
     Router,
     RouteRequest,
@@ -348,8 +349,10 @@ class ModelManager:
         migration: MigrationSettings | None = None,
         thresholds: BusyThresholds | None = None,
         canary: CanarySettings | None = None,
+        sync: ReplicaSync | None = None,
     ) -> None:
-        """`thresholds`: load shedding's, shared by every model (changed at run time)."""
+        """`thresholds`: load shedding's, shared by every model (changed at run time);
+        `sync`: the KV routers count the other frontends' requests too."""
         self.runtime = runtime
         self.migration = migration or MigrationSettings()
         self.canary = canary or CanarySettings()
@@ -357,6 +360,7 @@ class ModelManager:
         self.namespace = namespace
         self.router_settings = router or RouterSettings()
         self.router_metrics = router_metrics
+        self.sync = sync
         self.models: dict[str, ServedModel] = {}
         self._clients: dict[str, Client] = {}
         self._loading: dict[str, asyncio.Task[None]] = {}
@@ -473,7 +477,9 @@ class ModelManager:
         try:
             client = await self._client(card.endpoint)
             tokenizer = await self._tokenizer(card)
-            router = make_router(self.router_settings, self.runtime, card, self.router_metrics)
+            router = make_router(
+                self.router_settings, self.runtime, card, self.router_metrics, self.sync
+            )
             await router.start()
             loads = LoadMonitor(self.runtime, card.component)
             await loads.start()
@@ -522,7 +528,7 @@ class ModelManager:
             settings = self.router_settings
             if settings.mode == "direct":  # a request names its decode worker, not this one
                 settings = dataclasses.replace(settings, mode=None)
-            router = make_router(settings, self.runtime, card, self.router_metrics)
+            router = make_router(settings, self.runtime, card, self.router_metrics, self.sync)
             await router.start()
             loads = LoadMonitor(self.runtime, card.component)
             await loads.start()

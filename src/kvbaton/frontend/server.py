@@ -26,7 +26,7 @@ from kvbaton.frontend.models import ModelManager
 from kvbaton.frontend.reasoning import ReasoningFormat
 from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
 from kvbaton.frontend.tool_calls import ToolCallFormat
-from kvbaton.router import RouterMetrics, RouterSettings
+from kvbaton.router import ReplicaSync, RouterMetrics, RouterSettings
 from kvbaton.runtime import DistributedRuntime
 from kvbaton.runtime.heap import trim_heap_every
 from kvbaton.runtime.http_embed import EmbeddedUvicorn, bound, start_listening
@@ -59,6 +59,7 @@ class FrontendServer:
         `reasoning`: split chat answers' reasoning from their content (None: no split).
         `tool_format`: how models write tool calls (None: as each one's chat template does)."""
         self.runtime = runtime
+        self.sync = ReplicaSync(runtime, namespace)  # with the other frontends of the namespace
         metrics = FrontendMetrics()
         self.models = ModelManager(
             runtime,
@@ -68,6 +69,7 @@ class FrontendServer:
             migration,
             thresholds,
             canary,
+            self.sync,
         )
         self.frontend = Frontend(self.models, metrics, reasoning, tool_format)
         self.sock = bound(host, port, reuse_port=reuse_port)  # listening once models loaded
@@ -96,14 +98,16 @@ class FrontendServer:
             log.warning("models still loading after %g s: serving meanwhile", MODELS_LOAD_S)
         start_listening(self.sock)  # a replica gets connections once it knows the models
         trimming = asyncio.create_task(trim_heap_every())
+        syncing = asyncio.create_task(self.sync.run())  # with the other frontends' routers
         try:
             if on_ready is not None:
                 on_ready(self.url)
             await self.server.serve(sockets=[self.sock])
         finally:
-            trimming.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await trimming
+            for task in (trimming, syncing):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await self.models.close()
             self.sock.close()
 

@@ -24,6 +24,7 @@ from kvbaton.router.policies import (
     RouteRequest,
 )
 from kvbaton.router.prefill_router import PrefillError, PrefillRouter
+from kvbaton.router.replica_sync import ReplicaSync
 from kvbaton.runtime import DistributedRuntime
 
 ROUTER_MODES = ("round-robin", "random", "least-loaded", "power-of-two", "kv", "direct")
@@ -70,7 +71,9 @@ def make_router(
     runtime: DistributedRuntime,
     card: ModelCard,
     metrics: RouterMetrics | None = None,
+    sync: ReplicaSync | None = None,
 ) -> Router:
+    """`sync`: a KV router counts the other frontends' requests too (replica_sync.py)."""
     mode = settings.mode or ("kv" if card.kv_events else "least-loaded")
     if mode != "kv":
         return _SIMPLE[mode](card.name, metrics, card.component)
@@ -91,6 +94,7 @@ def make_router(
         subscriber=subscriber,
         component=card.component,
         tier_credits=settings.tier_credits,
+        sync=sync,
     )
 
 
@@ -100,6 +104,7 @@ __all__ = [
     "KvRouter",
     "PrefillError",
     "PrefillRouter",
+    "ReplicaSync",
     "Route",
     "RouteRequest",
     "Router",

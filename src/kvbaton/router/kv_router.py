@@ -3,7 +3,8 @@ its prompt, weighed against the work each worker already has (see `cost.py`).
 
 It learns what workers cache from their KV events (`KvEventSubscriber`), or, in approximate
 mode, from the requests it routed itself (`ApproxKvIndexer`); what they are busy with from its
-own count of the requests it routed (`ActiveSequences`) and from the load workers report."""
+own count of the requests it routed (`ActiveSequences`), with those the other frontends routed
+(`replica_sync.py`), and from the load workers report."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kvbaton.router.indexer import ApproxKvIndexer, KvIndexer, TierCredits
 from kvbaton.router.kv_events import KvEventSubscriber
 from kvbaton.router.metrics import RouterMetrics
 from kvbaton.router.policies import Route, Router, RouteRequest
+from kvbaton.router.replica_sync import ReplicaSync
 
 
 class KvRoute(Route):
@@ -28,9 +30,12 @@ class KvRoute(Route):
         block_hashes: list[int],
         overlaps: dict[int, int],
         costs: dict[int, float],
+        key: int,
     ) -> None:
+        """`key`: the request's among those the router tells the other frontends of."""
         super().__init__(router, request, ranking, overlaps, costs)
         self.block_hashes = block_hashes
+        self.key = key
 
 
 class KvRouter(Router):
@@ -49,9 +54,11 @@ class KvRouter(Router):
         seed: int | None = None,
         component: str = "",
         tier_credits: TierCredits | None = None,
+        sync: ReplicaSync | None = None,
     ) -> None:
         """`subscriber`: the workers' KV events feeding `indexer` (and their loads);
-        `tier_credits`: what a block below a worker's pool is worth (`TierCredits()`)."""
+        `tier_credits`: what a block below a worker's pool is worth (`TierCredits()`);
+        `sync`: the other frontends' requests counted too, and this one's told them."""
         super().__init__(model, metrics, component)
         if overlap_weight < 0 or temperature < 0:
             raise ValueError("overlap_weight and temperature must be >= 0")
@@ -64,6 +71,8 @@ class KvRouter(Router):
         # worker id -> its last load report
         self.loads: dict[int, WorkerLoad] = subscriber.loads if subscriber else {}
         self.active = ActiveSequences()
+        self.sync = sync
+        self._publisher = sync.register(component, self.active) if sync else None
         self._rng = random.Random(seed)
         if isinstance(indexer, ApproxKvIndexer):
             self.mode = "kv-approx"
@@ -75,6 +84,8 @@ class KvRouter(Router):
             await self.subscriber.start()
 
     async def close(self) -> None:
+        if self.sync is not None:
+            self.sync.unregister(self.component)
         if self.metrics is not None:
             self.metrics.watch_index(self.model, self.component, None)
         if self.subscriber is not None:
@@ -142,7 +153,8 @@ class KvRouter(Router):
             request.overlap_weight,
             request.temperature,
         )
-        return KvRoute(self, request, ranking, hashes, overlaps, costs)
+        key = self._publisher.key() if self._publisher else 0
+        return KvRoute(self, request, ranking, hashes, overlaps, costs, key)
 
     def _pin(self, request: RouteRequest, worker_id: int) -> Route:
         return self._route(request, [worker_id])
@@ -164,6 +176,8 @@ class KvRouter(Router):
             overlap = route.overlaps.get(worker, 0)
             uncached = max(0, len(route.request.token_ids) - overlap * self.block_size)
         self.active.add(route, worker, route.block_hashes, uncached)
+        if self._publisher is not None:
+            self._publisher.added(route.key, worker, route.block_hashes, uncached)
 
     def _taken(self, route: Route) -> None:
         super()._taken(route)
@@ -175,6 +189,9 @@ class KvRouter(Router):
 
     def _first_token(self, route: Route) -> None:
         self.active.prefill_done(route)
+        if self._publisher is not None:
+            assert isinstance(route, KvRoute)
+            self._publisher.prefilled(route.key)
         self._report_is_stale(route)
         if isinstance(self.indexer, ApproxKvIndexer):  # that worker computed the prompt's KV
             assert isinstance(route, KvRoute) and route.worker_id is not None
@@ -183,6 +200,9 @@ class KvRouter(Router):
     def _release(self, route: Route) -> None:
         super()._release(route)
         self.active.free(route)
+        if self._publisher is not None:
+            assert isinstance(route, KvRoute)
+            self._publisher.freed(route.key)
         self._report_is_stale(route)
 
     def _forget(self, worker_id: int) -> None:
