@@ -164,42 +164,41 @@ class ClusterView:
 
     def _workers(self, pools: list[_Pool], slots: list[dict[str, Any]]) -> list[dict[str, Any]]:
         by_pid = {s["pid"]: s for s in slots if s.get("pid")}
-        listed = {i.pid for pool in pools for i in pool.client.instances()}
+        instances = [(pool, instance) for pool in pools for instance in pool.client.instances()]
         # Bounded: a PID that neither a slot nor a listed instance names now is not kept.
-        self._slot_pids = (self._slot_pids & listed) | by_pid.keys()
+        self._slot_pids = (self._slot_pids & {i.pid for _, i in instances}) | by_pid.keys()
         rows: dict[str, dict[str, Any]] = {}
-        for pool in pools:
-            for instance in pool.client.instances():
-                card = pool.cards.get(instance.instance_id)
-                local = self._local(instance)
-                if card is None or (
-                    local and instance.pid in self._slot_pids and instance.pid not in by_pid
-                ):
-                    continue  # (an earlier child of a slot: the slot's row stands for it)
-                slot = by_pid.get(instance.pid) if local else None
-                row: dict[str, Any] = (
-                    self._slot_row(slot)
-                    if slot is not None
-                    else {
-                        "name": f"{instance.instance_id:x}",
-                        "state": "up",
-                        "pid": instance.pid or None,
-                        "restarts": None,
-                        "last_exit": "",
-                    }
-                )
-                if slot is None and local and instance.pid:
-                    row["state"] = "up" if alive(instance.pid) else "gone"
-                worker = instance.instance_id
-                row |= {
-                    "instance": f"{worker:x}",
-                    "model": pool.model,
-                    "role": pool.role or card.role,
-                    "in_flight": pool.router.in_flight.get(worker, 0),
-                    "load": _load(pool.loads, worker),
-                    "slot": slot is not None,
+        for pool, instance in instances:
+            card = pool.cards.get(instance.instance_id)
+            local = self._local(instance)
+            if card is None or (
+                local and instance.pid in self._slot_pids and instance.pid not in by_pid
+            ):
+                continue  # (an earlier child of a slot: the slot's row stands for it)
+            slot = by_pid.get(instance.pid) if local else None
+            row: dict[str, Any] = (
+                self._slot_row(slot)
+                if slot is not None
+                else {
+                    "name": f"{instance.instance_id:x}",
+                    "state": "up",
+                    "pid": instance.pid or None,
+                    "restarts": None,
+                    "last_exit": "",
                 }
-                rows[row["name"]] = row
+            )
+            if slot is None and local and instance.pid:
+                row["state"] = "up" if alive(instance.pid) else "gone"
+            worker = instance.instance_id
+            row |= {
+                "instance": f"{worker:x}",
+                "model": pool.model,
+                "role": pool.role or card.role,
+                "in_flight": pool.router.in_flight.get(worker, 0),
+                "load": _load(pool.loads, worker),
+                "slot": slot is not None,
+            }
+            rows[row["name"]] = row
         for slot in slots:
             if slot.get("name", "") not in rows:
                 rows[slot["name"]] = self._slot_row(slot) | {

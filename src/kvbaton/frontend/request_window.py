@@ -35,11 +35,13 @@ class _Reservoir:
             if slot < SAMPLES:
                 self.kept[slot] = value
 
-    def quantile(self, q: float) -> float | None:
+    def p50_p90(self) -> tuple[float | None, float | None]:
+        """The kept samples' median and 90th percentile (sorted once for both)."""
         if not self.kept:
-            return None
+            return None, None
         ordered = sorted(self.kept)
-        return ordered[min(len(ordered) - 1, math.floor(q * len(ordered)))]
+        n = len(ordered)
+        return ordered[min(n - 1, n // 2)], ordered[min(n - 1, math.floor(0.9 * n))]
 
 
 @dataclass
@@ -92,15 +94,17 @@ class RequestWindow:
         out = []
         for index in range(current - steps, current):
             bucket = self._buckets.get(index) or _Bucket()
+            ttft_p50, ttft_p90 = bucket.ttft.p50_p90()
+            itl_p50, itl_p90 = bucket.itl.p50_p90()
             out.append(
                 {
                     "t": index * self.step_s,
                     "requests_per_s": bucket.ended / self.step_s,
                     "failed_per_s": bucket.failed / self.step_s,
-                    "ttft_p50_s": bucket.ttft.quantile(0.5),
-                    "ttft_p90_s": bucket.ttft.quantile(0.9),
-                    "itl_p50_s": bucket.itl.quantile(0.5),
-                    "itl_p90_s": bucket.itl.quantile(0.9),
+                    "ttft_p50_s": ttft_p50,
+                    "ttft_p90_s": ttft_p90,
+                    "itl_p50_s": itl_p50,
+                    "itl_p90_s": itl_p90,
                 }
             )
         return out
