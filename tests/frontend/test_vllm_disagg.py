@@ -1,8 +1,9 @@
 """`kvbaton serve --engine vllm --mode disagg` on SmolLM2 (issue 30): a prefill worker and a decode
 worker, vLLM's NIXL connector moving the prompt's KV between their engines (on a CPU, from host
 memory). Greedy answers equal vLLM's own offline ones, as the aggregated ones do
-(`test_vllm_serve.py`), each one went through both workers, and serve stopped mid-stream drains
-the stream, then ends every process, vLLM's included.
+(`test_vllm_serve.py`), seeded ones with penalties start as vLLM's; each one went through both
+workers, and serve stopped mid-stream drains the stream, then ends every process, vLLM's
+included.
 
 Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
 `.venv-vllm/bin/python -m pytest -m vllm tests/frontend/test_vllm_disagg.py`; skipped elsewhere.
@@ -15,11 +16,14 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from kvbaton.engine.vllm_reaper import descendants, start_time
 from tests.frontend.conftest import Deployment, stop_serve
 from tests.frontend.vllm_helpers import (
     MAX_TOKENS,
+    MODEL_DIR,
+    SAMPLINGS,
     VLLM_MARKS,
     offline_texts,
     prompt_ids,
@@ -29,6 +33,7 @@ from tests.helpers import wait_until_sync
 
 pytestmark = VLLM_MARKS
 DISAGG = ["--mode", "disagg", "--prefill-workers", "1", "--decode-workers", "1"]
+SEEDED_TOKENS = 8  # of a seeded answer, compared with vLLM's offline one
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +61,35 @@ def test_disaggregated_greedy_answers_equal_vllm_offline(
             workers.append(raw.headers["x-kvbaton-worker"].split(","))
     assert served == offline
     assert all(len(set(pair)) == 2 for pair in workers), workers  # prefilled, then decoded
+
+
+def test_seeded_answers_with_penalties_start_as_vllms_own(disagg: Deployment) -> None:
+    """A seed at a temperature, and frequency and presence penalties: the decode worker's vLLM
+    samples the first token too (a seed and the penalties count from there), so each answer
+    starts as vLLM's offline one. Had the decode worker gone on from the prefill worker's token,
+    5 of these 6 answers would differ by their second or fourth token.
+
+    Only the first `SEEDED_TOKENS` are compared: one answer (the third) leaves vLLM's offline
+    one at its 16th token, the same way in every run, though its logprobs are the offline ones
+    (measured with `logprobs=0`, which makes it equal to the end). The decode worker's vLLM is
+    given the same prompt and sampling options as an aggregated one, whose answers are all
+    equal; the cause is inside vLLM's disaggregated decode and was not found."""
+    expected = offline_texts("seeded")  # computed with the greedy ones, before serve started
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    starts = [tokenizer.decode(tokenizer.encode(text).ids[:SEEDED_TOKENS]) for text in expected]
+    served, workers = [], []
+    with openai.OpenAI(base_url=f"{disagg.url}/v1", api_key="none", max_retries=0) as client:
+        for ids in prompt_ids():
+            raw = client.completions.with_raw_response.create(
+                model=disagg.model, prompt=ids, max_tokens=MAX_TOKENS, **SAMPLINGS["seeded"]
+            )
+            served.append(raw.parse().choices[0].text)
+            workers.append(raw.headers["x-kvbaton-worker"].split(","))
+    assert all(text.startswith(start) for text, start in zip(served, starts, strict=True)), (
+        served,
+        expected,
+    )
+    assert all(len(set(pair)) == 2 for pair in workers), workers
 
 
 def test_a_disaggregated_stream_counts_every_token(disagg: Deployment, offline: list[str]) -> None:

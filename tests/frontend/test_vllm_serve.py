@@ -33,6 +33,7 @@ from tests.frontend.vllm_helpers import (
     MAX_MODEL_LEN,
     MAX_TOKENS,
     READY_S,
+    SAMPLINGS,
     VLLM_MARKS,
     offline_texts,
     prompt_ids,
@@ -75,6 +76,22 @@ def test_greedy_answers_equal_vllm_offline(
         )
         served.append(answer.choices[0].text)
     assert served == offline
+
+
+def test_seeded_answers_with_penalties_equal_vllm_offline(
+    client: openai.OpenAI, vllm_serve: Deployment
+) -> None:
+    """Every sampling option reaches vLLM as it was given: a seed at a temperature and the
+    penalties give vLLM's offline answers (the disaggregated ones are compared with these)."""
+    served = [
+        client.completions.create(
+            model=vllm_serve.model, prompt=ids, max_tokens=MAX_TOKENS, **SAMPLINGS["seeded"]
+        )
+        .choices[0]
+        .text
+        for ids in prompt_ids()
+    ]
+    assert served == offline_texts("seeded")
 
 
 async def test_a_left_stream_leaves_vllm_running_nothing(vllm_serve: Deployment) -> None:

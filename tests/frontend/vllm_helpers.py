@@ -1,6 +1,6 @@
 """What the `--engine vllm` tests share (they run where vLLM is installed: the environment
 scripts/vllm_env.sh builds): the marks, SmolLM2's engine settings, and vLLM's own offline
-greedy answers to compare with."""
+answers to compare with (greedy, and seeded with penalties)."""
 
 from __future__ import annotations
 
@@ -51,17 +51,28 @@ OFFLINE = textwrap.dedent(
     from vllm.inputs import TokensPrompt
 
     if __name__ == "__main__":  # vLLM spawns its engine process: it imports this module
-        model, max_model_len, kv_bytes, max_tokens, prompts = json.loads(sys.argv[1])
+        model, max_model_len, kv_bytes, max_tokens, prompts, samplings = json.loads(sys.argv[1])
         llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=max_model_len,
                   kv_cache_memory_bytes=kv_bytes)
-        params = SamplingParams(temperature=0, max_tokens=max_tokens)
-        texts = []
-        for ids in prompts:  # one at a time, as the tests send them to serve
-            (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-            texts.append(out.outputs[0].text)
+        texts = {}
+        for name, sampling in samplings.items():
+            params = SamplingParams(max_tokens=max_tokens, **sampling)
+            texts[name] = []
+            for ids in prompts:  # one at a time, as the tests send them to serve
+                prompt = TokensPrompt(prompt_token_ids=ids)
+                (out,) = llm.generate([prompt], params, use_tqdm=False)
+                texts[name].append(out.outputs[0].text)
         print("OFFLINE " + json.dumps(texts), flush=True)
     """
 )
+
+
+# The sampling options of the offline answers, by name: each as the OpenAI API takes it.
+SAMPLINGS: dict[str, dict[str, float]] = {
+    "greedy": {"temperature": 0},
+    # What no engine can go on from another's token (a seeded generator, output counts).
+    "seeded": {"temperature": 0.9, "seed": 11, "frequency_penalty": 0.6, "presence_penalty": 0.4},
+}
 
 
 def prompt_ids() -> list[list[int]]:
@@ -71,15 +82,21 @@ def prompt_ids() -> list[list[int]]:
     return [tokenizer.encode(text).ids for text in TEXTS]
 
 
+def offline_texts(sampling: str = "greedy") -> list[str]:
+    """vLLM's own answers to `prompt_ids()` with `SAMPLINGS[sampling]` (`LLM.generate`, the
+    same settings); computed while no deployment runs, so that the two do not share the
+    cores."""
+    return _offline()[sampling]
+
+
 @functools.cache
-def offline_texts() -> list[str]:
-    """vLLM's own greedy answers to `prompt_ids()` (`LLM.generate`, the same settings), once
-    per session; computed while no deployment runs, so that the two do not share the cores."""
+def _offline() -> dict[str, list[str]]:
+    """Every sampling's answers, from one offline engine, once per session."""
     with tempfile.TemporaryDirectory(prefix="vllm-offline-") as directory:
         script = Path(directory) / "offline.py"
         script.write_text(OFFLINE)
         kv_bytes = int(KV_CACHE_GIB * (1 << 30))
-        spec = [str(MODEL_DIR), MAX_MODEL_LEN, kv_bytes, MAX_TOKENS, prompt_ids()]
+        spec = [str(MODEL_DIR), MAX_MODEL_LEN, kv_bytes, MAX_TOKENS, prompt_ids(), SAMPLINGS]
         done = subprocess.run(
             [sys.executable, str(script), json.dumps(spec)],
             capture_output=True,
@@ -89,8 +106,8 @@ def offline_texts() -> list[str]:
         )
     lines = [line for line in done.stdout.splitlines() if line.startswith("OFFLINE ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
-    texts: list[str] = json.loads(lines[-1].removeprefix("OFFLINE "))
-    assert all(texts), texts  # something to compare
+    texts: dict[str, list[str]] = json.loads(lines[-1].removeprefix("OFFLINE "))
+    assert all(all(answers) for answers in texts.values()), texts  # something to compare
     return texts
 
 

@@ -2,8 +2,8 @@
 pool, no transfer agent, nothing held here.
 
 - Prefill-first only: a decode-first `kv_target` is refused (ValueError).
-- The answer to a held request carries its first token (none for a constrained request: the
-  decode worker's engine samples it) and the engine's own transfer parameters
+- The answer to a held request carries its first token (none where the decode worker's
+  engine samples it again: `VllmEngine`) and the engine's own transfer parameters
   (`DisaggregatedParams.engine_params`).
 - The engine frees the blocks once they were read, or after its hold timeout: `kv_release`
   has nothing to free here.

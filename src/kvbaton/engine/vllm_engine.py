@@ -14,8 +14,9 @@ workers in the prefill-first order, vLLM's NIXL connector moving the KV.
   listens on the worker's host at a free port.
 - A held request (`hold_kv`) is a prefill for a remote decode: its first token, and a last
   output with `kv_blocks` empty and vLLM's `engine_params`. vLLM keeps the blocks until the
-  decode worker read them, or for the hold timeout. A constrained request's first token is
-  not given (the decode worker's constraint starts from scratch and samples it again).
+  decode worker read them, or for the hold timeout. The first token is not given where the
+  decode worker's engine could not go on from it exactly (a constraint, a seed at a
+  temperature, frequency or presence penalties): it samples it again, as vLLM would have.
 - A request with `engine_params` reads its prompt's KV from the prefill worker's vLLM, then
   computes the first token's (`output_token_ids`, appended to the prompt) as an aggregated
   engine does a sampled token's: greedy answers are the aggregated ones.
@@ -307,6 +308,9 @@ class VllmEngine:
         prompt = tokens_input([*request.prompt_token_ids, *sampled], cache_salt=request.cache_salt)
         top = request.params.logprobs or 0
         generated = len(sampled)
+        # A held request whose first token the decode worker's engine samples again: a
+        # constraint starts there, and a seed or penalties count from there.
+        resampled = request.params.guided is not None or request.params.state_beyond_tokens()
         outputs = self._llm.generate(prompt, params, request.request_id)
         try:
             async for out in outputs:
@@ -318,8 +322,8 @@ class VllmEngine:
                 if finished and reason not in FINISH_REASONS:
                     raise RuntimeError(f"vLLM ended the request: {reason}")
                 held = finished and request.hold_kv and out.kv_transfer_params is not None
-                if held and request.params.guided is not None:
-                    token_ids = []  # the decode worker's constraint starts at the first token
+                if held and resampled:
+                    token_ids = []
                 logprobs = (
                     token_logprobs(token_ids, choice.logprobs, top)
                     if request.params.logprobs is not None

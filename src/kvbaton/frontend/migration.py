@@ -49,12 +49,7 @@ class WorkerSilentError(Exception):
 
 def not_migratable(request: PreprocessedRequest) -> str | None:
     """Why `request`'s state cannot be carried to another worker, or None if it can."""
-    sampling = request.sampling
-    if sampling.seed is not None and not sampling.greedy:
-        return "its seeded sampling cannot resume on another worker"
-    if sampling.frequency_penalty or sampling.presence_penalty:
-        return "its frequency/presence penalties count outputs another worker cannot see"
-    return None
+    return request.sampling.state_beyond_tokens()
 
 
 def continuation(request: PreprocessedRequest, produced: list[int]) -> PreprocessedRequest:

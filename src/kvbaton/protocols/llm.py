@@ -85,6 +85,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def state_beyond_tokens(self) -> str | None:
+        """What the sampling keeps that the tokens produced so far do not carry (so another
+        engine given them as prompt would not go on the same way), or None."""
+        if self.seed is not None and not self.greedy:
+            return "its seeded sampling cannot resume on another engine"
+        if self.frequency_penalty or self.presence_penalty:
+            return "its frequency/presence penalties count outputs another engine cannot see"
+        return None
+
 
 class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
