@@ -93,6 +93,12 @@ BENCHMARKS = (
         python=".venv-vllm/bin/python",
         side_by_side=True,
     ),
+    Benchmark(
+        "vs_vllm",
+        ("--repeats", "1", "--requests", "2"),
+        python=".venv-vllm/bin/python",
+        side_by_side=True,
+    ),
 )
 
 

@@ -1,0 +1,44 @@
+"""kvbaton's own engine beside vLLM (issue 32): `kvbaton serve` and `vllm serve`, each with its
+defaults, the same model and streamed workload at concurrency 1 and 16, in one run.
+
+    scripts/vllm_env.sh && kvbaton pull smollm2
+    .venv-vllm/bin/python bench/vs_vllm.py [--repeats 2] [--requests 3]
+
+- kvbaton: `kvbaton serve --model M`, nothing else (its built-in engine, one worker, a KV cache
+  of 1 GiB).
+- vLLM: `vllm serve M` with only what it needs to start here: a KV cache of `--kv-cache-gib`
+  (1 GiB; on a CPU its default, 92% of a NUMA node's memory, fails). Its other defaults stay,
+  compiled model included (no `--enforce-eager`).
+- The workload, the figures (output tok/s, TTFT p50, CPU per request of every process) and the
+  alternating order of the systems are bench/vllm_front.py's; `--max-model-len` is not used.
+- Target (issue 32): kvbaton's output tok/s at least 1.0x vLLM's at both concurrencies, and its
+  TTFT p50 at most 1.0x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from serving import STARTUP_S, run_benchmark, start_serve, wait_for_workers
+from vllm_front import Comparison, System, arguments, kv_cache_flags, run
+
+
+async def start_kvbaton(args: argparse.Namespace, model_dir: Path) -> System:
+    """`kvbaton serve` with its defaults (but for where it registers: a directory of its own)."""
+    discovery = f"file://{tempfile.mkdtemp(prefix='kvbaton-bench-')}"
+    serve = start_serve(discovery, "--model", str(model_dir))
+    model = await wait_for_workers(serve.url, 0, 1, STARTUP_S)
+    return System(serve.proc, serve.url, model)
+
+
+VS_VLLM = Comparison("vs_vllm", "serve, its own engine", 1.0, 1.0, start_kvbaton, kv_cache_flags)
+
+
+async def run_vs_vllm(args: argparse.Namespace) -> int:
+    return await run(args, VS_VLLM)
+
+
+if __name__ == "__main__":
+    run_benchmark(run_vs_vllm, arguments(__doc__).parse_args())
