@@ -1,10 +1,13 @@
 """serve's share of the cores for each worker (kvbaton.cli.core_share)."""
 
+import argparse
 import dataclasses
+import os
 
 import pytest
 
 from kvbaton.cli.core_share import CoreShare, core_share, vllm_worker_cores
+from kvbaton.cli.planner import vllm_core_slots
 
 pytestmark = pytest.mark.unit
 
@@ -66,3 +69,32 @@ def test_vllm_workers_get_a_slice_of_the_cores_each(
     workers: int, cores: list[int], shares: list[str] | None
 ) -> None:
     assert vllm_worker_cores(workers, cores) == shares
+
+
+PLANNER = argparse.Namespace(max_workers=None, max_prefill=8, max_decode=8)
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ", "bound"),
+    [
+        ("--engine vllm --model M", {}, False),
+        ("--engine=vllm -- --max-num-seqs 8", {}, False),
+        ("--engine vllm --cpu-cores 0-1", {}, True),  # the user's binding
+        ("--engine vllm", {"VLLM_CPU_OMP_THREADS_BIND": "0"}, True),
+        ("--engine torch", {}, True),  # torch threads are not bound
+        ("--model M", {}, True),
+        ("--engine echo -- --engine vllm", {}, True),  # after --: vLLM's own
+    ],
+)
+def test_the_planner_splits_the_cores_among_its_vllm_workers(
+    flags: str, environ: dict[str, str], bound: bool
+) -> None:
+    slots = vllm_core_slots(PLANNER, flags.split(), environ)
+    cores = list(os.sched_getaffinity(0))
+    assert slots == ([] if bound else vllm_worker_cores(16, cores))
+
+
+def test_the_planners_worker_budget_sets_the_slots() -> None:
+    budget = argparse.Namespace(max_workers=2, max_prefill=8, max_decode=8)
+    cores = list(os.sched_getaffinity(0))
+    assert vllm_core_slots(budget, ["--engine", "vllm"], {}) == vllm_worker_cores(2, cores)

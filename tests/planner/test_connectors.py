@@ -306,6 +306,40 @@ async def test_local_kills_a_worker_that_ignores_sigterm_after_the_grace(
         await connector.close()
 
 
+async def test_local_gives_each_worker_the_first_free_core_slot(tmp_path: Path) -> None:
+    # Stands in for `python`: writes its arguments (-m kvbaton worker ...), then waits.
+    recorder = tmp_path / "recorder"
+    recorder.write_text('#!/bin/sh\necho "$@"\nexec sleep 60\n')
+    recorder.chmod(0o755)
+    logs = tmp_path / "logs"
+    connector = LocalConnector(
+        {"prefill": ["--role", "prefill"], "decode": ["--role", "decode", "--", "--x", "8"]},
+        log_dir=logs,
+        stop_grace_s=10.0,
+        python=str(recorder),
+        core_slots=["0", "1"],
+    )
+
+    async def args_of(name: str) -> str:
+        path = logs / f"{name}.log"
+        await wait_until(lambda: path.exists() and path.read_text(), 10.0, f"{name} started")
+        return path.read_text().strip()
+
+    try:
+        await connector.scale("decode", 2)
+        await connector.scale("prefill", 1)
+        assert await args_of("decode-1") == "-m kvbaton worker --role decode --cpu-cores 0 -- --x 8"
+        assert await args_of("decode-2") == "-m kvbaton worker --role decode --cpu-cores 1 -- --x 8"
+        # Every slot held once: the first of the fewest held.
+        assert await args_of("prefill-3") == "-m kvbaton worker --role prefill --cpu-cores 0"
+        await connector.scale("decode", 1)  # the newest, on core 1, stops
+        await wait_until(lambda: not connector.stopping_pids(), 10.0, "decode-2 exited")
+        await connector.scale("decode", 2)
+        assert await args_of("decode-4") == "-m kvbaton worker --role decode --cpu-cores 1 -- --x 8"
+    finally:
+        await connector.close()
+
+
 async def test_local_refuses_negative_replicas_and_unknown_roles(tmp_path: Path) -> None:
     connector = LocalConnector({"decode": ["--engine", "echo"]}, log_dir=tmp_path / "logs")
     with pytest.raises(ValueError, match="below 0"):

@@ -1,6 +1,6 @@
 """The planner's local connector with a vLLM worker (issue 30): scaled 0 -> 1 -> 0, the worker
-registers, answers as vLLM's offline engine does, and on scale-down ends with its vLLM
-processes.
+registers, computes on the core slot it was given, answers as vLLM's offline engine does, and on
+scale-down ends with its vLLM processes.
 
 Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
 `.venv-vllm/bin/python -m pytest -m vllm tests/planner/test_vllm_local.py`; skipped elsewhere.
@@ -8,6 +8,7 @@ Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -41,7 +42,10 @@ async def test_the_local_connector_scales_a_vllm_worker_up_and_down(
         *("--discovery", discovery_url, "--namespace", "t"),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
-    connector = LocalConnector({"decode": args}, env=env, log_dir=tmp_path / "logs")
+    slot = str(max(os.sched_getaffinity(0)))  # vLLM's own binding leaves the last core out
+    connector = LocalConnector(
+        {"decode": args}, env=env, log_dir=tmp_path / "logs", core_slots=[slot]
+    )
     runtime = DistributedRuntime(discovery_url)
     try:
         generate = await runtime.endpoint("t.backend.generate").client(response_type=EngineOutput)
@@ -49,6 +53,7 @@ async def test_the_local_connector_scales_a_vllm_worker_up_and_down(
         (pid,) = connector.pids("decode")
         await wait_until(lambda: len(generate.instance_ids()) == 1, READY_S, "the vLLM worker")
         processes = [pid, *descendants(pid)]
+        assert slot in thread_cores(processes)
         request = PreprocessedRequest(
             model=served_name(str(MODEL_DIR)),
             token_ids=prompt_ids()[0],
@@ -71,3 +76,15 @@ async def test_the_local_connector_scales_a_vllm_worker_up_and_down(
     finally:
         await connector.close()
         await runtime.shutdown()
+
+
+def thread_cores(pids: list[int]) -> set[str]:
+    """The CPU lists the threads of `pids` may run on (from /proc)."""
+    cores = set()
+    for pid in pids:
+        for status in Path(f"/proc/{pid}/task").glob("*/status"):
+            with contextlib.suppress(OSError):
+                for line in status.read_text().splitlines():
+                    if line.startswith("Cpus_allowed_list:"):
+                        cores.add(line.split(":", 1)[1].strip())
+    return cores

@@ -6,10 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvbaton.cli.core_share import vllm_worker_cores
 from kvbaton.planner.types import Profile, Targets
 from kvbaton.runtime import DistributedRuntime, RuntimeSettings
 
@@ -86,9 +89,28 @@ def connector_options(args: argparse.Namespace, settings: RuntimeSettings) -> di
             "deployments": {"prefill": args.prefill_deployment, "decode": args.decode_deployment},
             "host": args.k8s_host,
         }
-    common = [*shlex.split(args.worker_flags), "--namespace", args.namespace]
-    common += runtime_flags(settings)
-    return {"worker_args": {role: ["--role", role, *common] for role in ("prefill", "decode")}}
+    flags = shlex.split(args.worker_flags)
+    common = [*flags, "--namespace", args.namespace, *runtime_flags(settings)]
+    return {
+        "worker_args": {role: ["--role", role, *common] for role in ("prefill", "decode")},
+        "core_slots": vllm_core_slots(args, flags, os.environ),
+    }
+
+
+def vllm_core_slots(
+    args: argparse.Namespace, flags: list[str], environ: Mapping[str, str]
+) -> list[str]:
+    """The local connector's core slots: for vLLM workers, the cores this process may run on
+    split among the most workers the planner may run at once (as `serve` splits them among its
+    workers); none where the flags or VLLM_CPU_OMP_THREADS_BIND bind them, or for other engines."""
+    worker = argparse.ArgumentParser(add_help=False)
+    worker.add_argument("--engine")
+    worker.add_argument("--cpu-cores")
+    given, _ = worker.parse_known_args(flags[: flags.index("--")] if "--" in flags else flags)
+    if given.engine != "vllm" or given.cpu_cores or "VLLM_CPU_OMP_THREADS_BIND" in environ:
+        return []
+    most = args.max_workers or args.max_prefill + args.max_decode
+    return vllm_worker_cores(most, list(os.sched_getaffinity(0))) or []
 
 
 async def run_planner(args: argparse.Namespace, runtime: DistributedRuntime) -> None:

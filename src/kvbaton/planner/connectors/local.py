@@ -12,6 +12,11 @@ A worker's life here:
 A worker that exits on its own stops counting as well (its exit code is logged); the planner's
 next decision replaces it. Only processes this connector started are ever signalled, by PID,
 and only while they have not been reaped. `close()` stops every one of them and waits.
+
+Core slots (`core_slots`, for vLLM workers on a CPU, which otherwise all bind to the same cores):
+- each worker started gets one slot as `--cpu-cores`, before any `--` (vLLM's own arguments);
+- the slot is the first one no live worker holds (a stopping worker holds its slot until it
+  exits); with every slot held, the one the fewest live workers hold.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class _Worker:
     seq: int
     proc: asyncio.subprocess.Process
     log_path: Path
+    cores: str | None = None  # its core slot, where the connector has slots
     stopping: bool = False
     reaper: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -66,12 +72,15 @@ class LocalConnector:
         *,
         stop_grace_s: float = STOP_GRACE_S,
         python: str = sys.executable,
+        core_slots: Sequence[str] = (),
     ) -> None:
         """`worker_args[role]`: the `kvbaton worker` arguments of that role's workers; `env`:
         their environment (default: this process's); `log_dir`: where their logs go (default:
-        a new temporary directory, named in the log when the first worker starts)."""
+        a new temporary directory, named in the log when the first worker starts);
+        `core_slots`: CPU lists given out as `--cpu-cores` (see the module's docstring)."""
         if stop_grace_s <= 0:
             raise ValueError("stop_grace_s must be positive")
+        self.core_slots = list(core_slots)
         self.worker_args = {role: list(args) for role, args in worker_args.items()}
         self.env = dict(env) if env is not None else None
         self._log_dir = Path(log_dir) if log_dir is not None else None
@@ -152,13 +161,27 @@ class LocalConnector:
     async def _start(self, role: str) -> None:
         self._seq += 1
         log_path = self._log_path(role, self._seq)
-        cmd = [self.python, "-m", "kvbaton", "worker", *self.worker_args[role]]
+        args = self.worker_args[role]
+        cores = self._free_slot()
+        if cores is not None:
+            end = args.index("--") if "--" in args else len(args)
+            args = [*args[:end], "--cpu-cores", cores, *args[end:]]
+        cmd = [self.python, "-m", "kvbaton", "worker", *args]
         with _open_log(log_path) as out:
             proc = await asyncio.create_subprocess_exec(
                 *cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=self.env
             )
-        self._workers[role].append(_Worker(role, self._seq, proc, log_path))
-        log.info("local: started %s worker pid %d (log %s)", role, proc.pid, log_path)
+        self._workers[role].append(_Worker(role, self._seq, proc, log_path, cores))
+        on = "" if cores is None else f" on cores {cores}"
+        log.info("local: started %s worker pid %d%s (log %s)", role, proc.pid, on, log_path)
+
+    def _free_slot(self) -> str | None:
+        """The core slot for the next worker (None without slots): the first that no live
+        worker holds, else the one the fewest hold."""
+        if not self.core_slots:
+            return None
+        held = [w.cores for ws in self._workers.values() for w in ws if w.alive]
+        return min(self.core_slots, key=held.count)
 
     def _stop(self, worker: _Worker) -> None:
         worker.stopping = True
