@@ -106,7 +106,7 @@ def vllm_core_slots(
     worker = argparse.ArgumentParser(add_help=False)
     worker.add_argument("--engine")
     worker.add_argument("--cpu-cores")
-    given, _ = worker.parse_known_args(flags[: flags.index("--")] if "--" in flags else flags)
+    given, _ = worker.parse_known_args(flags)  # what follows `--` is vLLM's, not read
     if given.engine != "vllm" or given.cpu_cores or "VLLM_CPU_OMP_THREADS_BIND" in environ:
         return []
     most = args.max_workers or args.max_prefill + args.max_decode
