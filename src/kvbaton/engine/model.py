@@ -248,13 +248,21 @@ def load_weights(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm: normalize in float32, cast back, then scale."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    """HF's LlamaRMSNorm: normalize in float32, cast back, then scale.
+
+    - `F.rms_norm` computes a half-precision input in float32 and rounds once, so it equals
+      HF's explicit round trip bit for bit, without its two casts.
+    """
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's `x * cos + rotate_half(x) * sin`, bit for bit, with one kernel fewer.
+
+    - `rotate_half(x)` is `x` rolled by half its last dimension with the first half negated;
+      `signed_sin` carries that sign (see `LlamaModel.__init__`), and negation is exact.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LlamaModel:
@@ -274,7 +282,8 @@ class LlamaModel:
             model_dir, self.config, dtype, device, kernel
         )
         cos, sin = rope_tables(self.config, max_len, device)
-        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        sin[:, : self.config.head_dim // 2].neg_()  # the sign rotate_half gives; see `rope`
+        self.cos, self.signed_sin = cos.to(dtype), sin.to(dtype)
         self.scale = self.config.head_dim**-0.5
 
     def kv_bytes_per_block(self, block_size: int) -> int:
@@ -318,7 +327,7 @@ class LlamaModel:
         nh, nqk = c.num_heads, c.num_heads + c.num_kv_heads
         t = batch.token_ids.shape[0]
         cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.sin[batch.positions].unsqueeze(1)
+        sin = self.signed_sin[batch.positions].unsqueeze(1)
         # Row of each token's K (then V) in every layer: [layers, 2, T].
         offsets = torch.arange(c.num_layers, device=self.device) * layer_stride
         write = (
@@ -331,7 +340,7 @@ class LlamaModel:
             x = rms_norm(h, w.in_norm, c.eps)
             heads = w.qkv(x).view(t, nqk + c.num_kv_heads, c.head_dim)
             qk = heads[:, :nqk]
-            qk = qk * cos + rotate_half(qk) * sin  # RoPE on q and k at once
+            qk = rope(qk, cos, sin)  # on q and k at once
             q, k, v = qk[:, :nh], qk[:, nh:], heads[:, nqk:]
             rows.index_copy_(0, write[i, 0], k)
             rows.index_copy_(0, write[i, 1], v)
