@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvbaton.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from kvbaton.engine import model as model_module
 from kvbaton.engine.connector import EngineRequest
 from tests.engine.conftest import TEST_DEVICE
 
@@ -83,6 +84,19 @@ def test_greedy_matches_hf_one_at_a_time_and_all_at_once(
     budget = 16 if chunked else 128
     eng = engine(model_dir, enable_chunked_prefill=chunked, max_num_batched_tokens=budget)
     assert [run(eng, [p])[0] for p in prompts()] == expected
+    assert run(eng, prompts()) == expected
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
+def test_decodes_taken_in_groups_give_the_same_tokens(
+    tiny_models: dict[str, Path], chunked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group budget of one byte: every decode is gathered on its own, beside prefills too."""
+    monkeypatch.setattr(model_module, "DECODE_GROUP_BYTES", 1)
+    model_dir = tiny_models["llama-tied"]
+    expected = [hf_greedy(model_dir, tuple(p)) for p in prompts()]
+    budget = 16 if chunked else 128
+    eng = engine(model_dir, enable_chunked_prefill=chunked, max_num_batched_tokens=budget)
     assert run(eng, prompts()) == expected
 
 

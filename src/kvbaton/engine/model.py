@@ -45,6 +45,7 @@ FLOAT16_MAX = 65504.0
 KERNELS = ("native", "fbgemm-fp16", "onednn-bf16", "fbgemm-fp16+onednn-bf16")
 ONEDNN_BATCH_HINT = 64  # rows the oneDNN layout is chosen for (any count runs on it)
 FEW_ROWS = 8  # "fbgemm-fp16+onednn-bf16" runs calls of fewer rows on FBGEMM
+DECODE_GROUP_BYTES = 2 * 2**20  # gathered K and V per group of decodes (see _attention)
 
 
 class Projection:
@@ -127,7 +128,8 @@ class StepBatch:
     positions: torch.Tensor  # [T]
     write_rows: torch.Tensor  # [T] cache row of each token's K in layer 0
     num_decodes: int
-    decode_rows: torch.Tensor | None  # [D, Lmax] rows of layer 0's K for each decode's context
+    decode_kv_rows: torch.Tensor | None  # [2, D, Lmax] rows of layer 0's K, then V, for each
+    # decode's context
     decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] float32 added to the scores: 0 where
     # attended, -inf past a decode's length; None when every decode attends to all Lmax rows
     prefills: list[PrefillSpan]
@@ -355,26 +357,51 @@ class LlamaModel:
         return self.lm_head(h).float()
 
     def _decode_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """One query per sequence against its gathered context, in float32 batched matmuls:
-        q [D, heads, dim], k and v [D, L, kv_heads, dim], mask [D, 1, 1, L] added to the scores
-        (or None). CPU SDPA takes a slow generic path for this shape; this is several times
-        faster."""
+        """One query per sequence against its gathered context, in float32 batched matmuls.
+
+        - q [D, heads, dim]; kv [2, D, L, kv_heads, dim], K then V; mask [D, 1, 1, L] added to
+          the scores, or None.
+        - K and V become [2, D, kv_heads, L, dim] in float32 in one copy, converted and
+          transposed at once: the batched matmuls then take each as it is, with no copy.
+        - CPU SDPA takes a slow generic path for this shape; this is several times faster.
+        """
         c = self.config
-        d, group = q.shape[0], c.num_heads // c.num_kv_heads
+        d, group, length = q.shape[0], c.num_heads // c.num_kv_heads, kv.shape[2]
         qf = q.view(d, c.num_kv_heads, group, c.head_dim).float()
-        # K and V as [D, kv_heads, L, dim] in float32, converted and transposed in one copy
-        # each: batched matmuls then take K transposed as it is, with no copy of their own.
-        shape = (d, c.num_kv_heads, k.shape[1], c.head_dim)
-        kf = torch.empty(shape, dtype=torch.float32, device=q.device).copy_(k.transpose(1, 2))
-        vf = torch.empty(shape, dtype=torch.float32, device=q.device).copy_(v.transpose(1, 2))
-        scores = torch.matmul(qf, kf.transpose(2, 3)).mul_(self.scale)
+        shape = (2, d, c.num_kv_heads, length, c.head_dim)
+        kvf = torch.empty(shape, dtype=torch.float32, device=q.device).copy_(kv.transpose(2, 3))
+        scores = torch.matmul(qf, kvf[0].transpose(2, 3)).mul_(self.scale)
         if mask is not None:
             scores.add_(mask)
         probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, vf)  # [D, kv_heads, group, dim]
+        out = torch.matmul(probs, kvf[1])  # [D, kv_heads, group, dim]
         return out.reshape(d, c.num_heads, c.head_dim).to(q.dtype)
+
+    def _decodes_per_group(self, batch: StepBatch, rows: torch.Tensor) -> int:
+        """How many decodes' gathered K and V fit in `DECODE_GROUP_BYTES` (at least one)."""
+        if batch.decode_kv_rows is None:
+            return 1
+        context_bytes = batch.decode_kv_rows[:, 0].numel() * rows[0].nbytes
+        return max(1, DECODE_GROUP_BYTES // context_bytes)
+
+    def _decode_group(
+        self,
+        batch: StepBatch,
+        q: torch.Tensor,
+        rows: torch.Tensor,
+        offset: int,
+        start: int,
+        end: int,
+    ) -> torch.Tensor:
+        """Attention [end - start, heads, dim] of decodes start..end, gathered from `rows`."""
+        c = self.config
+        assert batch.decode_kv_rows is not None
+        idx = batch.decode_kv_rows[:, start:end] + offset
+        kv = rows.index_select(0, idx.flatten()).view(*idx.shape, c.num_kv_heads, c.head_dim)
+        mask = None if batch.decode_mask is None else batch.decode_mask[start:end]
+        return self._decode_attention(q[start:end], kv, mask)
 
     def _attention(
         self,
@@ -386,18 +413,22 @@ class LlamaModel:
         offset: int,
         block_size: int,
     ) -> torch.Tensor:
-        c = self.config
-        out = torch.empty_like(q)
+        """[T, heads * dim]: each decode against its context, then each prefill span.
+
+        - Decodes are taken in groups whose gathered context is at most `DECODE_GROUP_BYTES`.
+          Each group's copies then stay in the CPU's cache and in memory that malloc keeps (see
+          host_allocator.py), where one gather of a long batch faulted in fresh pages every
+          layer. A group's answer equals the whole batch's bit for bit.
+        - A step of decodes in one group returns their attention itself, with no copy.
+        """
         d = batch.num_decodes
-        if d:
-            assert batch.decode_rows is not None
-            idx = batch.decode_rows + offset
-            length = idx.shape[1]
-            kk = rows.index_select(0, idx.flatten()).view(d, length, c.num_kv_heads, c.head_dim)
-            vv = rows.index_select(0, (idx + block_size).flatten()).view(
-                d, length, c.num_kv_heads, c.head_dim
-            )
-            out[:d] = self._decode_attention(q[:d], kk, vv, batch.decode_mask)
+        per = self._decodes_per_group(batch, rows)
+        if d and d <= per and not batch.prefills:
+            return self._decode_group(batch, q, rows, offset, 0, d).view(d, -1)
+        out = torch.empty_like(q)
+        for start in range(0, d, per):
+            end = min(d, start + per)
+            out[start:end] = self._decode_group(batch, q, rows, offset, start, end)
         for span in batch.prefills:
             qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
             n = span.end - span.start

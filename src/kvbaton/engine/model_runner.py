@@ -195,7 +195,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         stride = self.model.config.num_layers * 2 * self.block_size
         write_rows = torch.empty_like(pos)
-        decode_rows = decode_mask = None
+        decode_kv_rows = decode_mask = None
         if decodes:
             lens = [s.seq.num_computed_tokens + 1 for s in decodes]  # host ints: no device sync
             lengths = torch.tensor(lens, device=self.device)
@@ -213,6 +213,7 @@ class ModelRunner:
                     pad, float("-inf")
                 )[:, None, None, :]
             write_rows[: len(decodes)] = decode_rows[torch.arange(len(decodes)), lengths - 1]
+            decode_kv_rows = torch.stack((decode_rows, decode_rows + self.block_size))
         spans = []
         flat = len(decodes)
         for s in prefills:
@@ -235,7 +236,7 @@ class ModelRunner:
             positions=pos,
             write_rows=write_rows,
             num_decodes=len(decodes),
-            decode_rows=decode_rows,
+            decode_kv_rows=decode_kv_rows,
             decode_mask=decode_mask,
             prefills=spans,
             logits_index=torch.tensor(
