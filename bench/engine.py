@@ -1,7 +1,7 @@
 """Engine benchmark: SmolLM2-135M-Instruct in bfloat16 on this CPU, kvbaton's engine beside HF
 transformers (same weights, same dtype, same run) and the memory-bandwidth bound of batch 1.
 
-    kvbaton pull && python bench/engine.py [--trials 3] [--batches 1 8 32 64]
+    kvbaton pull && python bench/engine.py [--trials 3] [--batches 1 8 32 64] [--prompt-tokens 32]
     python bench/engine.py --random-weights --device cuda   # on a GPU, nothing pulled
 
 --device and --dtype choose where and in what both engines run (default: the CPU, bfloat16).
@@ -9,8 +9,9 @@ transformers (same weights, same dtype, same run) and the memory-bandwidth bound
 temporary directory instead of using the pulled one: the same speed, meaningless tokens.
 
 - prefill: tokens/s over 512-token prompts, one at a time;
-- decode: output tokens/s for B prompts (32 tokens each) x 128 new tokens, wall time from
-  submission to the last token (so it includes the prefill), for each batch size B;
+- decode: output tokens/s for B prompts (32 tokens each, or --prompt-tokens: long contexts) x
+  128 new tokens, wall time from submission to the last token (so it includes the prefill), for
+  each batch size B; every KV cache holds the largest batch whole;
 - bound: measured read bandwidth / bytes of weights read per batch-1 decode step;
 - vLLM (where `--vllm-python`, by default `.venv-vllm/bin/python`, exists): vLLM's offline
   `LLM.generate` on the same decode prompts, in a process of its own once the other two are
@@ -36,12 +37,13 @@ import torch
 from headline import at_least, report
 from kvbaton.engine import EngineConfig, LLMEngine, SamplingParams
 from kvbaton.engine.connector import EngineRequest
+from kvbaton.engine.model import ModelConfig
 from kvbaton.llm.model_files import resolve_model
 
 PROMPT_LEN = 32
 NEW_TOKENS = 128
 PREFILL_LEN = 512
-VLLM_KV_CACHE_BYTES = 1 << 30
+MIN_KV_CACHE_BYTES = 1 << 30
 VLLM_TIMEOUT_S = 1800.0  # vLLM's start-up, a warm-up and every trial
 BENCH = Path(__file__).resolve().parent
 SMOLLM2_135M = {  # SmolLM2-135M's config.json, for --random-weights
@@ -146,7 +148,7 @@ def hf_decode(model: Any, batch: list[list[int]]) -> float:
             pad_token_id=0,
         )
     sync(model.device)
-    assert out.shape[1] == PROMPT_LEN + NEW_TOKENS
+    assert out.shape[1] == len(batch[0]) + NEW_TOKENS
     return len(batch) * NEW_TOKENS / (time.perf_counter() - t0)
 
 
@@ -160,15 +162,24 @@ def hf_prefill(model: Any, batch: list[list[int]]) -> float:
     return sum(map(len, batch)) / (time.perf_counter() - t0)
 
 
-def vllm_decode(python: Path, model_dir: Path, batches: list[int], trials: int) -> dict[int, float]:
+def kv_cache_bytes(model_dir: Path, batch: int, prompt_tokens: int) -> int:
+    """A KV cache that holds `batch` decodes whole (no preemption), and at least 1 GiB."""
+    config = ModelConfig(model_dir)
+    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2  # bfloat16
+    return max(MIN_KV_CACHE_BYTES, int(1.2 * batch * (prompt_tokens + NEW_TOKENS) * per_token))
+
+
+def vllm_decode(
+    python: Path, model_dir: Path, batches: list[int], trials: int, prompt_tokens: int
+) -> dict[int, float]:
     """vLLM's decode tok/s per batch size (median of the trials) on the prompts `ours_decode`
     gets; exits with vLLM's own error when it fails."""
     spec = {
         "model": str(model_dir),
-        "kv_cache_bytes": VLLM_KV_CACHE_BYTES,
-        "max_model_len": PROMPT_LEN + NEW_TOKENS,
+        "kv_cache_bytes": kv_cache_bytes(model_dir, max(batches), prompt_tokens),
+        "max_model_len": prompt_tokens + NEW_TOKENS,
         "new_tokens": NEW_TOKENS,
-        "batches": {b: [prompts(b, PROMPT_LEN, seed=t) for t in range(trials)] for b in batches},
+        "batches": {b: [prompts(b, prompt_tokens, seed=t) for t in range(trials)] for b in batches},
     }
     try:
         done = subprocess.run(
@@ -202,6 +213,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--prefill-prompts", type=int, default=4)
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=PROMPT_LEN, help="each decode prompt's length"
+    )
     parser.add_argument("--device", default="cpu", help="a torch device: cpu (default), cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument(
@@ -229,7 +243,8 @@ def main() -> None:
         name = model_dir.name
     header = (
         f"engine benchmark: {name}, {args.dtype}, {device_name(device)}, "
-        f"torch {torch.__version__}, {args.trials} trials"
+        f"torch {torch.__version__}, {args.trials} trials, "
+        f"{args.prompt_tokens}-token decode prompts"
     )
     say(f"{header}; loading both models")
     engine = LLMEngine(
@@ -237,7 +252,7 @@ def main() -> None:
             model=str(model_dir),
             dtype=args.dtype,
             device=args.device,
-            kv_cache_gib=1.0,
+            kv_cache_gib=kv_cache_bytes(model_dir, max(args.batches), args.prompt_tokens) / 2**30,
             max_num_batched_tokens=2048,
         )
     )
@@ -267,18 +282,20 @@ def main() -> None:
         ours = median_of(
             args.trials,
             f"kvbaton decode b={b}",
-            lambda t, b=b: ours_decode(engine, prompts(b, PROMPT_LEN, seed=t)),
+            lambda t, b=b: ours_decode(engine, prompts(b, args.prompt_tokens, seed=t)),
         )
         theirs = median_of(
             args.trials,
             f"HF decode b={b}",
-            lambda t, b=b: hf_decode(hf, prompts(b, PROMPT_LEN, seed=t)),
+            lambda t, b=b: hf_decode(hf, prompts(b, args.prompt_tokens, seed=t)),
         )
         rows.append((f"decode, {b} x {NEW_TOKENS} tokens", ours, theirs))
     vllm: dict[int, float] = {}
     if args.vllm_python.exists() and args.device == "cpu" and args.dtype == "bfloat16":
         say(f"decode with vLLM's offline engine ({args.vllm_python})")
-        vllm = vllm_decode(args.vllm_python, model_dir, args.batches, args.trials)
+        vllm = vllm_decode(
+            args.vllm_python, model_dir, args.batches, args.trials, args.prompt_tokens
+        )
     else:
         say(f"no vLLM baseline: no {args.vllm_python}, or not the CPU in bfloat16")
 
