@@ -183,7 +183,8 @@ def vllm_decode(
     }
     try:
         done = subprocess.run(
-            [str(python), str(BENCH / "vllm_offline.py"), json.dumps(spec)],
+            [str(python), str(BENCH / "vllm_offline.py")],
+            input=json.dumps(spec),
             stdout=subprocess.PIPE,
             text=True,
             timeout=VLLM_TIMEOUT_S,

@@ -1,9 +1,10 @@
 """vLLM's offline engine on `bench/engine.py`'s decode workload: run by engine.py with the Python
 of a vLLM environment (`.venv-vllm`, scripts/vllm_env.sh), never imported.
 
-    .venv-vllm/bin/python bench/vllm_offline.py SPEC_JSON
+    .venv-vllm/bin/python bench/vllm_offline.py < SPEC_JSON
 
-- SPEC_JSON: {"model": DIR, "kv_cache_bytes": N, "max_model_len": N, "new_tokens": N,
+- SPEC_JSON, on standard input (long prompts outgrow an argument): {"model": DIR,
+  "kv_cache_bytes": N, "max_model_len": N, "new_tokens": N,
   "batches": {"B": [[prompt token ids, ...] per trial, ...]}}.
 - Per batch size and trial: `LLM.generate` of the trial's prompts (greedy, exactly
   `new_tokens` each), timed from the call to its return (the prefill included, as engine.py
@@ -24,7 +25,7 @@ from vllm.inputs import TokensPrompt  # type: ignore[import-not-found]
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    spec = json.loads(sys.stdin.read())
     llm = LLM(
         model=spec["model"],
         dtype="bfloat16",
