@@ -74,11 +74,15 @@ CORPUS = [
 
 
 def build_chat_model(
-    path: Path, arch: str = "llama-tied", seed: int = 0, template: str | None = None
+    path: Path,
+    arch: str = "llama-tied",
+    seed: int = 0,
+    template: str | None = None,
+    max_positions: int = 256,
 ) -> Path:
     """Save a random model with a byte-level BPE tokenizer (every string encodes; characters
     split across tokens) and a ChatML template whose end token is the model's EOS (`template`:
-    another one)."""
+    another one), of `max_positions` positions."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -98,12 +102,20 @@ def build_chat_model(
     )
     fast.chat_template = template or CHATML_TEMPLATE
     fast.save_pretrained(path)
-    _save_model(path, arch, seed, len(fast), bos=None, eos=fast.eos_token_id)
+    _save_model(
+        path, arch, seed, len(fast), bos=None, eos=fast.eos_token_id, positions=max_positions
+    )
     return path
 
 
 def _save_model(
-    path: Path, arch: str, seed: int, vocab: int, bos: int | None, eos: int | None
+    path: Path,
+    arch: str,
+    seed: int,
+    vocab: int,
+    bos: int | None,
+    eos: int | None,
+    positions: int = 256,
 ) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -118,7 +130,7 @@ def _save_model(
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=positions,
         initializer_range=0.25,
         rms_norm_eps=1e-6,
         bos_token_id=bos,

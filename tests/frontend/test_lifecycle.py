@@ -28,6 +28,7 @@ from tests.frontend.conftest import (
     wait_for_health,
 )
 from tests.helpers import wait_until
+from tests.tiny_models import build_chat_model
 
 pytestmark = pytest.mark.integration
 
@@ -46,9 +47,24 @@ async def load(runtime: DistributedRuntime, namespace: str = "kvbaton") -> Worke
         await client.close()
 
 
+LONG_ANSWER = 4000  # tokens: seconds of decoding, where the client's close takes milliseconds
+
+
 @pytest.fixture(scope="module")
-def served(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    deployment = start_serve(chat_model, tmp_path_factory.mktemp("discovery"), "--num-threads", "1")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """A model with room for `LONG_ANSWER` tokens: with 200, the tiny model sometimes finished
+    before the client's close reached the worker."""
+    model = build_chat_model(
+        tmp_path_factory.mktemp("models") / "tiny-chat-long", max_positions=LONG_ANSWER + 256
+    )
+    deployment = start_serve(
+        model,
+        tmp_path_factory.mktemp("discovery"),
+        "--num-threads",
+        "1",
+        "--num-kv-blocks",
+        "1024",  # room for the whole answer (the last value given wins)
+    )
     yield deployment
     assert stop_serve(deployment.proc) == 0
 
@@ -65,7 +81,7 @@ async def test_client_leaving_mid_stream_frees_its_blocks(served: Deployment) ->
                 json={
                     "model": served.model,
                     "messages": [{"role": "user", "content": "Tell me a long story."}],
-                    "max_tokens": 200,
+                    "max_tokens": LONG_ANSWER,
                     "stream": True,
                     "ignore_eos": True,
                 },
@@ -77,10 +93,11 @@ async def test_client_leaving_mid_stream_frees_its_blocks(served: Deployment) ->
             while not (await anext(lines)).startswith("data: {"):
                 pass
             during = await load(runtime)
-        # The connection is closed here, long before 200 tokens.
+        # The connection is closed here, long before LONG_ANSWER tokens.
         await wait_until(lambda: _finished_line(served, "leaves-early") is not None, 30.0)
         line = _finished_line(served, "leaves-early")
-        assert line is not None and "cancelled" in line and "200 generated" not in line
+        assert line is not None and "cancelled" in line
+        assert f"{LONG_ANSWER} generated" not in line
         after = await load(runtime)
         # The prompt's full blocks stay cached (free, reusable) until cleared.
         clear = await runtime.endpoint("kvbaton.backend.clear_kv_blocks").client()
