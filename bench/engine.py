@@ -37,8 +37,8 @@ import torch
 from headline import at_least, report
 from kvbaton.engine import EngineConfig, LLMEngine, SamplingParams
 from kvbaton.engine.connector import EngineRequest
-from kvbaton.engine.model import ModelConfig
 from kvbaton.llm.model_files import resolve_model
+from kvbaton.mocker.tiers import MODELED_DTYPE_BYTES, modeled_block_bytes
 
 PROMPT_LEN = 32
 NEW_TOKENS = 128
@@ -162,10 +162,10 @@ def hf_prefill(model: Any, batch: list[list[int]]) -> float:
     return sum(map(len, batch)) / (time.perf_counter() - t0)
 
 
-def kv_cache_bytes(model_dir: Path, batch: int, prompt_tokens: int) -> int:
-    """A KV cache that holds `batch` decodes whole (no preemption), and at least 1 GiB."""
-    config = ModelConfig(model_dir)
-    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 2  # bfloat16
+def kv_cache_bytes(model_dir: Path, batch: int, prompt_tokens: int, dtype: str) -> int:
+    """A KV cache in `dtype` that holds `batch` decodes whole (no preemption), at least 1 GiB."""
+    token_bytes = modeled_block_bytes(model_dir, 1) // MODELED_DTYPE_BYTES
+    per_token = token_bytes * torch.finfo(getattr(torch, dtype)).bits // 8
     return max(MIN_KV_CACHE_BYTES, int(1.2 * batch * (prompt_tokens + NEW_TOKENS) * per_token))
 
 
@@ -176,7 +176,7 @@ def vllm_decode(
     gets; exits with vLLM's own error when it fails."""
     spec = {
         "model": str(model_dir),
-        "kv_cache_bytes": kv_cache_bytes(model_dir, max(batches), prompt_tokens),
+        "kv_cache_bytes": kv_cache_bytes(model_dir, max(batches), prompt_tokens, "bfloat16"),
         "max_model_len": prompt_tokens + NEW_TOKENS,
         "new_tokens": NEW_TOKENS,
         "batches": {b: [prompts(b, prompt_tokens, seed=t) for t in range(trials)] for b in batches},
@@ -253,7 +253,10 @@ def main() -> None:
             model=str(model_dir),
             dtype=args.dtype,
             device=args.device,
-            kv_cache_gib=kv_cache_bytes(model_dir, max(args.batches), args.prompt_tokens) / 2**30,
+            kv_cache_gib=kv_cache_bytes(
+                model_dir, max(args.batches), args.prompt_tokens, args.dtype
+            )
+            / 2**30,
             max_num_batched_tokens=2048,
         )
     )
