@@ -351,7 +351,7 @@ class Frontend:
                     or delta.finish_reason
                     or delta.logprobs
                 ):
-                    yield shape.sse(shape.chunk(state, index, delta, include_usage))
+                    yield shape.chunk_event(state, index, delta, include_usage)
                 event = await anext(events, None)
             if include_usage:
                 yield shape.sse(shape.usage_chunk(states))

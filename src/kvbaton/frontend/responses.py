@@ -41,6 +41,7 @@ class ResponseShape:
         self.reasoning = reasoning and chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
         self.created = int(time.time())
+        self._event_start = b"data: " + _encode(self._head(True))[:-1] + b',"choices":['
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -67,9 +68,15 @@ class ResponseShape:
         }
         return self._head(True) | {"choices": [choice]} | _null_usage(include_usage)
 
-    def chunk(
+    def chunk_event(
         self, state: ChoiceState, index: int, delta: Delta, include_usage: bool
-    ) -> dict[str, Any]:
+    ) -> bytes:
+        """The SSE event of one delta: equal to `sse` of its chunk, the chunk's head (id, object,
+        created, model) encoded once per request."""
+        end = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+        return self._event_start + _encode(self._choice(state, index, delta)) + end
+
+    def _choice(self, state: ChoiceState, index: int, delta: Delta) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = {}
@@ -83,7 +90,7 @@ class ResponseShape:
             choice["text"] = delta.text
         choice["logprobs"] = self.logprobs(state, delta)
         choice["finish_reason"] = delta.finish_reason
-        return self._head(True) | {"choices": [choice]} | _null_usage(include_usage)
+        return choice
 
     def usage_chunk(self, states: dict[int, ChoiceState]) -> dict[str, Any]:
         return self._head(True) | {"choices": [], "usage": _usage(states, self.per_prompt)}
