@@ -116,6 +116,49 @@ async def test_a_silent_worker_is_given_up_on() -> None:
     assert info.value.status == 504
 
 
+async def test_only_the_waits_for_the_worker_count_against_its_timeouts() -> None:
+    # A consumer slower than the idle limit between outputs: the worker was never silent.
+    settings = MigrationSettings(limit=0, first_output_s=0.3, idle_s=0.1)
+    worker = Worker(([1, 2, 3], "finish"))
+    tokens = []
+    async for out in migrating(worker.attempt, request(), "r", settings):
+        tokens += out.token_ids
+        await asyncio.sleep(0.25)
+    assert tokens == [1, 2, 3]
+    # An idle limit shorter than the first output's holds from the first output on.
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(OpenAIError, match=r"nothing for 0\.1 s \(between outputs\)"):
+        await collect(
+            Worker(([1], "hang")),
+            request(),
+            MigrationSettings(limit=0, first_output_s=30, idle_s=0.1),
+        )
+    assert loop.time() - started < 10
+    with pytest.raises(OpenAIError, match=r"nothing for 0\.1 s \(its first output\)"):
+        await collect(
+            Worker(([], "hang")), request(), MigrationSettings(limit=0, first_output_s=0.1)
+        )
+
+
+async def test_a_cancellation_or_a_worker_s_own_timeout_is_not_silence() -> None:
+    async def timing_out(
+        req: PreprocessedRequest, migrated: bool
+    ) -> AsyncGenerator[EngineOutput, None]:
+        yield EngineOutput(request_id="r", token_ids=[1])
+        raise TimeoutError("the worker's own")
+
+    settings = MigrationSettings(limit=0, first_output_s=0.1, idle_s=0.1)
+    with pytest.raises(TimeoutError, match="own"):
+        [o async for o in migrating(timing_out, request(), "r", settings)]
+    # Cancelled from outside while it waits for the worker: a cancellation, not silence.
+    task = asyncio.ensure_future(collect(Worker(([1], "hang")), request(), settings))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 async def test_a_stream_lost_after_its_last_token_ends_without_another_attempt() -> None:
     for pinned in (False, True):  # whatever the request: nothing is left to migrate
         worker = Worker(([1, 2, 3, 4, 5, 6], "break"))
