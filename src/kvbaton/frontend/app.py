@@ -8,22 +8,22 @@ cancelled at the worker; every request is counted once in the metrics with its f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from kvbaton.frontend.asgi import ASGIApp
 from kvbaton.frontend.choices import Fork, PromptHome, fork_requests
+from kvbaton.frontend.client_gone import ClientLeftError, EventStream, while_connected
 from kvbaton.frontend.cluster import ClusterView
 from kvbaton.frontend.dashboard_assets import ASSETS, HEADERS, asset
 from kvbaton.frontend.errors import (
@@ -265,30 +265,21 @@ class Frontend:
             return _error_response(error)
         shape = ResponseShape(rid, body.model, chat, len(pres), reasoning is not None, body.n)
         if body.stream:
-            return StreamingResponse(
+            return EventStream(
                 self._sse(shape, first, events, record, prompt_tokens, body.include_usage),
-                media_type="text/event-stream",
                 headers={"cache-control": "no-cache", **ctx.headers()},
             )
         if len(pres) == 1 and first[1].finished:  # all there: nothing left to wait for
             result = await self._collect(shape, first, events, record)
             record.done(200, prompt_tokens)
             return _json(result, headers=ctx.headers())
-        collect = asyncio.ensure_future(self._collect(shape, first, events, record))
-        disconnect = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            disconnect.cancel()
-            if not collect.done():  # the client left: stop the workers
-                collect.cancel()
-                with contextlib.suppress(BaseException):
-                    await collect
-                record.done(499, prompt_tokens)
-        if collect.cancelled():  # the client left (the finally above counted it)
+            result = await while_connected(
+                request.receive, self._collect(shape, first, events, record)
+            )
+        except ClientLeftError:  # the workers were stopped
+            record.done(499, prompt_tokens)
             return Response(status_code=499)
-        try:
-            result = collect.result()
         except Exception as exc:
             error = as_openai_error(exc, body.model)
             record.done(error.status, prompt_tokens)
@@ -332,7 +323,7 @@ class Frontend:
         record: RequestRecord,
         prompt_tokens: int,
         include_usage: bool,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         status = 499  # unless it ends one way or the other below
         states: dict[int, ChoiceState] = {}
         try:
@@ -480,13 +471,6 @@ def _model_entry(served: ServedModel) -> dict[str, Any]:
         "owned_by": "kvbaton",
         "max_model_len": served.card.context_length,
     }
-
-
-async def _disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def _merge(streams: list[AsyncGenerator[Event, None]]) -> AsyncGenerator[Event, None]:
