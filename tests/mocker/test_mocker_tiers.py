@@ -24,7 +24,7 @@ BLOCKS = reusable_blocks(len(PROMPT), BLOCK_SIZE)
 
 
 def mocker(model: Path, settings: TierSettings, sleeps: list[float]) -> LLMEngine:
-    runner = MockerRunner(model, TIMING, sleep=lambda s: None)
+    runner = MockerRunner(model, TIMING)
     tiers = mocker_tiers(settings, model, BLOCK_SIZE, TIMING, sleeps.append)
     config = mocker_config(model=str(model), num_kv_blocks=24, block_size=BLOCK_SIZE)
     engine = LLMEngine(config, None, runner, kv_tier=tiers)

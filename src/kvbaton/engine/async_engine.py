@@ -81,6 +81,10 @@ class _Abort:
     outputs: object = None  # the stream that asked; None: whatever runs under the id
 
 
+class _Stop(Exception):
+    """The stop message was read: the step loop ends."""
+
+
 _Message = EngineRequest | _Abort | _Call | _Loaded | _Release | _Reclaim
 _Item = EngineOutput | BaseException  # what a request's stream is handed
 _Outputs = asyncio.Queue[_Item]  # a request's stream, read on its caller's loop
@@ -96,9 +100,17 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stats = engine.stats()  # a snapshot, replaced by the step thread
         engine.on_kv_loads = self._start_loads
-        self._thread = threading.Thread(target=self._loop, name="kvbaton-engine", daemon=True)
         self._stopped = False
+        self._start()
+
+    def _start(self) -> None:
+        """Start stepping (here: the step thread)."""
+        self._thread = threading.Thread(target=self._loop, name="kvbaton-engine", daemon=True)
         self._thread.start()
+
+    def _post(self, message: _Message | None) -> None:
+        """Hand a message to the step loop (None: stop), from any thread."""
+        self._inbox.put(message)
 
     @classmethod
     async def create(
@@ -142,7 +154,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-            self._inbox.put(request)
+            self._post(request)
         return self._stream(request_id, outputs)
 
     async def _stream(
@@ -169,20 +181,20 @@ class AsyncEngine:
                     return
         finally:
             if not finished:  # only this stream's request, not a later one with its id
-                self._inbox.put(_Abort(request_id, outputs))
+                self._post(_Abort(request_id, outputs))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its blocks are freed before the next step (a held one's too: call it
         only if nobody reads them). Idempotent."""
-        self._inbox.put(_Abort(request_id))
+        self._post(_Abort(request_id))
 
     def release_kv(self, request_id: str) -> None:
         """Free a held request's blocks (before the next step). Idempotent."""
-        self._inbox.put(_Release(request_id))
+        self._post(_Release(request_id))
 
     def reclaim_kv_blocks(self) -> None:
         """Free, before the next step, the blocks of failed loads whose `writes_end` is set."""
-        self._inbox.put(_Reclaim())
+        self._post(_Reclaim())
 
     def stats(self) -> EngineStats:
         """As of the end of the last step (or of the last requests admitted or aborted)."""
@@ -217,18 +229,22 @@ class AsyncEngine:
         with self._lock:
             if self._stopped:
                 raise RuntimeError("the engine is shut down")
-            self._inbox.put(_Call(fn, future))
+            self._post(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
     async def shutdown(self) -> None:
         with self._lock:
             self._stopped = True
-            self._inbox.put(None)
-        await asyncio.to_thread(self._thread.join, 30)
+            self._post(None)
+        await self._stepping_stopped()
         if self._loads is not None:
             self._loads.shutdown(wait=False, cancel_futures=True)
         if self.engine.tier is not None:
             await asyncio.to_thread(self.engine.tier.close)
+
+    async def _stepping_stopped(self) -> None:
+        """Once the step loop has stopped (after the None message)."""
+        await asyncio.to_thread(self._thread.join, 30)
 
     # -- the step thread ---------------------------------------------------------------------
     def _deliver(self, request_id: str, item: _Item) -> None:
@@ -239,17 +255,26 @@ class AsyncEngine:
         of a step's outputs (a wake-up per output cost as much as the step, under load)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Outputs, _Item]]] = {}
         with self._lock:
-            for request_id, item in items:
-                entry = self._streams.get(request_id)
-                if entry is None:
-                    continue
-                if isinstance(item, BaseException) or item.is_last:
-                    del self._streams[request_id]
-                loop, outputs = entry
+            for loop, outputs, item in self._routed(items):
                 by_loop.setdefault(loop, []).append((outputs, item))
         for loop, puts in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
                 loop.call_soon_threadsafe(_put_all, puts)
+
+    def _routed(
+        self, items: list[tuple[str, _Item]]
+    ) -> list[tuple[asyncio.AbstractEventLoop, _Outputs, _Item]]:
+        """Each item with its stream and the stream's loop (hold the lock): items of streams
+        that ended are dropped; a stream's last item (or error) ends it."""
+        routed = []
+        for request_id, item in items:
+            entry = self._streams.get(request_id)
+            if entry is None:
+                continue
+            if isinstance(item, BaseException) or item.is_last:
+                del self._streams[request_id]
+            routed.append((*entry, item))
+        return routed
 
     def _apply(self, message: _Message) -> None:
         if isinstance(message, _Loaded):
@@ -298,52 +323,67 @@ class AsyncEngine:
 
     def _loaded(self, request_id: str, future: concurrent.futures.Future[list[int]]) -> None:
         if future.cancelled():
-            self._inbox.put(_Loaded(request_id, False, None))
+            self._post(_Loaded(request_id, False, None))
             return
         error = future.exception()
         if error is None:
-            self._inbox.put(_Loaded(request_id, True, future.result()))
+            self._post(_Loaded(request_id, True, future.result()))
             return
         failed = error if isinstance(error, KvLoadFailed) else KvLoadFailed(str(error))
         if not failed.token_ids:
             log.warning("request %s: KV load failed (%s); prefilling here", request_id, error)
-        self._inbox.put(_Loaded(request_id, False, failed.token_ids, failed.writes_end))
+        self._post(_Loaded(request_id, False, failed.token_ids, failed.writes_end))
 
     def _loop(self) -> None:
         while True:
-            idle = not self.engine.has_unfinished()
-            # Nothing ran in the last step (requests wait for blocks that loads or holds
-            # keep): only a message can change that.
-            stalled = not idle and self.engine.last_step_tokens == 0
-            applied = False
+            idle, stalled = self._waits()
             try:
-                while True:
-                    if stalled:
-                        message = self._inbox.get(timeout=IDLE_POLL_S)
-                    else:
-                        message = self._inbox.get(block=idle)
-                    if message is None:
-                        return self._fail_all(RuntimeError("the engine shut down"))
-                    self._apply(message)
-                    idle = stalled = False
-                    applied = True
-            except queue.Empty:
-                pass
-            if not self.engine.has_unfinished():
-                self._stats = self.engine.stats()
-                continue
-            if applied:  # a long step may follow: let the load report show what came in
-                self._stats = self.engine.stats()
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a broken step fails its requests, not the process
-                log.exception("engine step failed")
-                self._fail_all(exc)
-                continue
-            finally:
-                self._start_loads(self.engine.take_kv_loads())  # a step that failed early
-                self._stats = self.engine.stats()
-            self._deliver_all([(out.request_id, out) for out in outputs])
+                applied = self._apply_inbox(
+                    block=idle or stalled, timeout=IDLE_POLL_S if stalled else None
+                )
+            except _Stop:
+                return self._fail_all(RuntimeError("the engine shut down"))
+            self._deliver_all(self._run_step(applied))
+
+    def _waits(self) -> tuple[bool, bool]:
+        """(idle: nothing to step, stalled: nothing ran in the last step)."""
+        idle = not self.engine.has_unfinished()
+        # Requests wait for blocks that loads or holds keep: only a message can change that.
+        return idle, not idle and self.engine.last_step_tokens == 0
+
+    def _apply_inbox(self, block: bool, timeout: float | None = None) -> bool:
+        """Apply the waiting messages (with `block`, waiting up to `timeout` for the first);
+        whether any was. Raises _Stop at the stop message."""
+        applied = False
+        try:
+            while True:
+                message = self._inbox.get(block=block and not applied, timeout=timeout)
+                if message is None:
+                    raise _Stop
+                self._apply(message)
+                applied = True
+        except queue.Empty:
+            return applied
+
+    def _run_step(self, applied: bool) -> list[tuple[str, _Item]]:
+        """One engine step if it has work; its outputs, to deliver. The stats snapshot is
+        renewed (before the step too if messages were `applied`: a long step may follow, and
+        the load report should show what came in)."""
+        if not self.engine.has_unfinished():
+            self._stats = self.engine.stats()
+            return []
+        if applied:
+            self._stats = self.engine.stats()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a broken step fails its requests, not the process
+            log.exception("engine step failed")
+            self._fail_all(exc)
+            return []
+        finally:
+            self._start_loads(self.engine.take_kv_loads())  # a step that failed early
+            self._stats = self.engine.stats()
+        return [(out.request_id, out) for out in outputs]
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

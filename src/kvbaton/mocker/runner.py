@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from array import array
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from kvbaton.engine.scheduler import SchedulerOutput
 from kvbaton.engine.sequence import Sequence
 from kvbaton.kv_tiers import TierSettings
 from kvbaton.llm.model_files import resolve_model
+from kvbaton.mocker.async_engine import MockerAsyncEngine
 from kvbaton.mocker.tiers import mocker_tiers
 from kvbaton.mocker.timing import MockerTiming
 from kvbaton.protocols.kv import KvEvent
@@ -65,15 +65,15 @@ class MockerRunner:
         model_dir: Path,
         timing: MockerTiming,
         max_model_len: int | None = None,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        """Steps take no time here: `busy_seconds` adds up what they would take, and the
+        engine's loop (`MockerAsyncEngine`) waits it."""
         vocab_size, max_positions, never = _model_facts(model_dir)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len or max_positions
         self.eos_token_ids: frozenset[int] = frozenset()
         self.timing = timing
         self.blocks: BlockManager | None = None  # set once the engine made it: KV usage
-        self._sleep = sleep
         self._choices = [t for t in range(vocab_size) if t not in never]
         if not self._choices:
             raise ValueError(f"{model_dir} leaves no token id to generate")
@@ -98,7 +98,6 @@ class MockerRunner:
             return {}
         seconds = self.step_seconds(output)
         self.busy_seconds += seconds
-        self._sleep(seconds)
         return {i.seq.request_id: self._token(i.seq) for i in output.scheduled if i.samples}
 
     def forget(self, request_id: str) -> None:
@@ -138,4 +137,4 @@ async def create_mocker_engine(
         kv_tier = mocker_tiers(tiers, model_dir, config.block_size, timing)
     engine = LLMEngine(config, on_kv_event, runner, kv_tier=kv_tier)
     runner.blocks = engine.blocks
-    return AsyncEngine(engine)
+    return MockerAsyncEngine(engine, runner)

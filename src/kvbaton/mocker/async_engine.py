@@ -1,0 +1,98 @@
+"""The mocker's async engine: its steps run on the caller's event loop, not on a thread.
+
+A mocker step computes nothing, so the step thread of `AsyncEngine` bought it only costs: each
+step woke the event loop from the other thread and the two traded the GIL, about 30 us of CPU a
+step, more than the step itself (issue 32, the mocker's per-step cost). Here the step loop is a
+task of the loop that reads the streams.
+
+- A step's outputs are delivered once its simulated time (`MockerRunner.busy_seconds`) has
+  passed, as when a thread slept it. The loop's timers count whole milliseconds: a wait is
+  rounded up, and what it ran over (up to a tick) is taken off the next step's, so a run of
+  steps keeps the timing model's pace. Steps the model makes shorter than Python can run them
+  (speedup 1000) go as fast as it can.
+- Everything else is `AsyncEngine`'s: the messages, their order, the streams and their merging,
+  KV loads on their threads (which wake the task through the loop).
+- Create it on the loop that will read its streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+from typing import Protocol
+
+from kvbaton.engine.async_engine import IDLE_POLL_S, AsyncEngine, _Item, _Message, _Stop
+from kvbaton.engine.engine import LLMEngine
+
+TIMER_TICK_S = 0.001  # the event loop's timer resolution (libuv's: a millisecond)
+
+
+class SimulatedRunner(Protocol):
+    busy_seconds: float  # simulated time of all steps so far
+
+
+class MockerAsyncEngine(AsyncEngine):
+    def __init__(self, engine: LLMEngine, runner: SimulatedRunner) -> None:
+        self._runner = runner
+        self._event_loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        super().__init__(engine)
+
+    def _start(self) -> None:
+        self._task = self._event_loop.create_task(self._steps(), name="kvbaton-mocker-steps")
+
+    def _post(self, message: _Message | None) -> None:
+        super()._post(message)
+        if threading.get_ident() == self._loop_thread:
+            self._wakeup.set()
+        else:  # a KV load's thread
+            self._event_loop.call_soon_threadsafe(self._wakeup.set)
+
+    def _deliver_all(self, items: list[tuple[str, _Item]]) -> None:
+        with self._lock:
+            routed = self._routed(items)
+        for loop, outputs, item in routed:
+            assert loop is self._event_loop, "a mocker's streams are read on the loop it runs on"
+            outputs.put_nowait(item)
+
+    async def _stepping_stopped(self) -> None:
+        if self._task is not None:
+            await self._task
+
+    async def _steps(self) -> None:
+        loop = self._event_loop
+        due: float | None = None  # when the steps' simulated time is over; None: idle before
+        while True:
+            self._wakeup.clear()  # before reading the inbox: a message posted after sets it
+            idle, stalled = self._waits()
+            try:
+                applied = self._apply_inbox(block=False)
+            except _Stop:
+                return self._fail_all(RuntimeError("the engine shut down"))
+            if (idle or stalled) and not applied:
+                due = None
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(IDLE_POLL_S if stalled else None):
+                        await self._wakeup.wait()
+                continue
+            busy = self._runner.busy_seconds
+            outputs = self._run_step(applied)
+            now = loop.time()
+            # A wait the timers stretched (by up to a tick) is taken off the next one.
+            due = (now if due is None else max(due, now - TIMER_TICK_S)) + (
+                self._runner.busy_seconds - busy
+            )
+            await asyncio.sleep(_whole_ticks(due - now))  # yields to the loop at least
+            self._deliver_all(outputs)
+
+
+def _whole_ticks(seconds: float) -> float:
+    """`seconds` rounded up to the loop's timer tick (uvloop's timers count whole ms, rounded
+    to the nearest): a wait never ends early; 0 for none."""
+    if seconds <= 0:
+        return 0.0
+    return math.ceil(seconds / TIMER_TICK_S) * TIMER_TICK_S

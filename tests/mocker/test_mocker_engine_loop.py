@@ -1,0 +1,97 @@
+"""The mocker's async engine (steps on the caller's loop): the tokens a hand-stepped mocker gives,
+outputs no sooner than the timing model says, a run of steps at its pace, aborts and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from kvbaton.engine.connector import EngineRequest
+from kvbaton.engine.engine import LLMEngine
+from kvbaton.mocker import MockerRunner, MockerTiming, create_mocker_engine
+from kvbaton.mocker.runner import mocker_config
+from kvbaton.protocols.llm import SamplingParams
+
+pytestmark = pytest.mark.unit
+
+PROMPTS = {"a": list(range(30, 50)), "b": list(range(60, 73))}
+# Slow enough that a step is several of the loop's 1 ms timer ticks: pacing is measurable.
+TIMING = MockerTiming(speedup_ratio=2.0)
+
+
+def config(model: Path) -> object:
+    return mocker_config(model=str(model), num_kv_blocks=32, block_size=4)
+
+
+def stepped_by_hand(model: Path, params: SamplingParams) -> tuple[dict[str, list[int]], float]:
+    """Tokens per request and the simulated seconds of every step, from a bare engine."""
+    runner = MockerRunner(model, TIMING)
+    engine = LLMEngine(config(model), None, runner)  # type: ignore[arg-type]
+    runner.blocks = engine.blocks
+    tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
+    for rid, prompt in PROMPTS.items():
+        engine.add_request(EngineRequest(rid, prompt, params))
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+    return tokens, runner.busy_seconds
+
+
+async def test_tokens_are_the_mockers_and_come_at_the_timing_models_pace(
+    mocker_model: Path,
+) -> None:
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    expected, simulated = stepped_by_hand(mocker_model, params)
+    engine = await create_mocker_engine(config(mocker_model), TIMING)  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    try:
+        started = loop.time()
+        streams = {
+            rid: await engine.add_request(EngineRequest(rid, prompt, params))
+            for rid, prompt in PROMPTS.items()
+        }
+
+        async def read(rid: str) -> tuple[list[int], float]:
+            tokens, first = [], None
+            async for out in streams[rid]:
+                first = loop.time() if first is None else first
+                tokens += out.token_ids
+            assert first is not None
+            return tokens, first - started
+
+        (a, a_first), (b, _) = await asyncio.gather(read("a"), read("b"))
+        elapsed = loop.time() - started
+        assert {"a": a, "b": b} == expected
+        # The first output waits out the first step's time (a prefill of both prompts); the
+        # run takes the model's time, give or take a timer tick a step.
+        prefill_s = TIMING.step_seconds(sum(len(p) for p in PROMPTS.values()), 0, 0.0)
+        assert a_first >= prefill_s
+        assert elapsed >= simulated
+    finally:
+        await engine.shutdown()
+
+
+async def test_an_abort_mid_run_ends_the_stream_and_shutdown_fails_the_rest(
+    mocker_model: Path,
+) -> None:
+    engine = await create_mocker_engine(config(mocker_model), MockerTiming())  # type: ignore[arg-type]
+    try:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)  # 40 steps of 6 ms at least
+        a = await engine.add_request(EngineRequest("a", PROMPTS["a"], params))
+        b = await engine.add_request(EngineRequest("b", PROMPTS["b"], params))
+        await anext(a)
+        engine.abort("a")
+        finishes = [out.finish_reason async for out in a]
+        assert finishes[-1] == "abort"
+        await anext(b)
+        dump = await engine.kv_dump()  # between two steps, in order with the messages
+        assert dump is not None
+    finally:
+        await engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        async for _ in b:
+            pass
+    with pytest.raises(RuntimeError, match="shut down"):
+        await engine.add_request(EngineRequest("c", PROMPTS["a"], SamplingParams(max_tokens=1)))
