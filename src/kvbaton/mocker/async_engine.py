@@ -6,10 +6,12 @@ step, more than the step itself (issue 32, the mocker's per-step cost). Here the
 task of the loop that reads the streams.
 
 - A step's outputs are delivered once its simulated time (`MockerRunner.busy_seconds`) has
-  passed, as when a thread slept it. The loop's timers count whole milliseconds: a wait is
-  rounded up, and what it ran over (up to a tick) is taken off the next step's, so a run of
-  steps keeps the timing model's pace. Steps the model makes shorter than Python can run them
-  (speedup 1000) go as fast as it can.
+  passed: the k-th step of a busy run never before the run's start plus the modeled time of
+  its k steps.
+- The loop's timers count whole milliseconds, so a wait is rounded up; a wait that ended late
+  (that tick, or the loop busy with the streams' outputs, up to LATE_CREDIT_S) is taken off the
+  next step's, so a run keeps the model's pace. Steps the model makes shorter than Python runs
+  them (speedup 1000) go as fast as it can.
 - Everything else is `AsyncEngine`'s: the messages, their order, the streams and their merging,
   KV loads on their threads (which wake the task through the loop).
 - Create it on the loop that will read its streams.
@@ -27,6 +29,7 @@ from kvbaton.engine.async_engine import IDLE_POLL_S, AsyncEngine, _Item, _Messag
 from kvbaton.engine.engine import LLMEngine
 
 TIMER_TICK_S = 0.001  # the event loop's timer resolution (libuv's: a millisecond)
+LATE_CREDIT_S = 0.02  # how late a wait may end (timer tick, the loop's other work) and be repaid
 
 
 class SimulatedRunner(Protocol):
@@ -82,8 +85,9 @@ class MockerAsyncEngine(AsyncEngine):
             busy = self._runner.busy_seconds
             outputs = self._run_step(applied)
             now = loop.time()
-            # A wait the timers stretched (by up to a tick) is taken off the next one.
-            due = (now if due is None else max(due, now - TIMER_TICK_S)) + (
+            # A wait that ended late (the timer's tick, the loop busy with the streams) is
+            # taken off the next one.
+            due = (now if due is None else max(due, now - LATE_CREDIT_S)) + (
                 self._runner.busy_seconds - busy
             )
             await asyncio.sleep(_whole_ticks(due - now))  # yields to the loop at least
