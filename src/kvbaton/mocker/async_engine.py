@@ -81,7 +81,8 @@ class MockerAsyncEngine(AsyncEngine):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(IDLE_POLL_S if stalled else None):
                         await self._wakeup.wait()
-                continue
+                        continue  # a message came: read it first
+                # Stalled, and no message for IDLE_POLL_S: step again, as the step thread does.
             busy = self._runner.busy_seconds
             outputs = self._run_step(applied)
             now = loop.time()
