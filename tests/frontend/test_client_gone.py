@@ -108,3 +108,11 @@ async def test_an_event_stream_sends_its_events_and_stops_when_the_client_leaves
     await EventStream(events(client), {})(scope, client.receive, send)
     assert [m.get("body") for m in sent] == [None, b"data: 1\n\n"]  # no end: the client left
     assert closed == ["closed", "closed"]
+
+
+async def test_a_receive_that_fails_counts_as_the_client_gone() -> None:
+    async def broken() -> dict[str, Any]:
+        raise OSError("connection reset")
+
+    with pytest.raises(ClientLeftError):
+        await while_connected(broken, asyncio.sleep(3600))

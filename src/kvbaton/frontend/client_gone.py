@@ -36,6 +36,7 @@ async def while_connected(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
     def client_left(watcher: asyncio.Future[None]) -> None:
         nonlocal left
         if working and not watcher.cancelled():
+            watcher.exception()  # retrieved: a receive that failed leaves no client either
             left = True
             task.cancel()
 
