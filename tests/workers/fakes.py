@@ -17,6 +17,7 @@ from kvbaton.disagg.decode_side import DecodeSide
 from kvbaton.disagg.prefill_side import PrefillSide
 from kvbaton.engine import AsyncEngine, LLMEngine
 from kvbaton.engine.connector import ConnectedEngine, KvCacheView
+from kvbaton.engine.engine import StepRun
 from kvbaton.protocols.disagg import KvReady
 from kvbaton.protocols.llm import EngineOutput, KvPoolInfo, KvTarget
 from kvbaton.workers.llm_worker import LLMWorker
@@ -128,14 +129,14 @@ def kv_target(block_size: int, num_blocks: int) -> KvTarget:
 
 
 def before_held_output(engine: LLMEngine, act: Callable[[], object]) -> None:
-    """Call `act` (on the step thread) after each step that moved a request to held, before
-    `AsyncEngine` delivers that step's outputs (it does once the step returned)."""
-    step = engine.step
+    """Call `act` (where the engine steps) after each step that moved a request to held, before
+    `AsyncEngine` delivers that step's outputs (it does once `end_step` returned)."""
+    end_step = engine.end_step
 
-    def step_then_act() -> list[EngineOutput]:
-        outputs = step()
+    def end_step_then_act(run: StepRun) -> list[EngineOutput]:
+        outputs = end_step(run)
         if any(out.kv_blocks is not None for out in outputs):
             act()
         return outputs
 
-    engine.step = step_then_act  # type: ignore[method-assign]
+    engine.end_step = end_step_then_act  # type: ignore[method-assign]

@@ -42,7 +42,7 @@ from kvbaton.engine.connector import (
     KvLoadFailed,
     KvTier,
 )
-from kvbaton.engine.engine import EngineStats, LLMEngine
+from kvbaton.engine.engine import EngineStats, LLMEngine, StepRun
 from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput
 
@@ -366,24 +366,44 @@ class AsyncEngine:
             return applied
 
     def _run_step(self, applied: bool) -> list[tuple[str, _Item]]:
-        """One engine step if it has work; its outputs, to deliver. The stats snapshot is
-        renewed (before the step too if messages were `applied`: a long step may follow, and
-        the load report should show what came in)."""
+        """One engine step if it has work; its outputs, to deliver."""
+        run = self._begin_step(applied)
+        return [] if run is None else self._end_step(run)
+
+    def _begin_step(self, applied: bool) -> StepRun | None:
+        """A step scheduled and run, if the engine has work. The stats snapshot is renewed
+        before it if messages were `applied` (a long step may follow: the load report should
+        show what came in). A step that fails fails its requests, not the process."""
         if not self.engine.has_unfinished():
-            self._stats = self.engine.stats()
-            return []
+            self._renew_stats()
+            return None
         if applied:
-            self._stats = self.engine.stats()
+            self._renew_stats()
         try:
-            outputs = self.engine.step()
-        except Exception as exc:  # a broken step fails its requests, not the process
+            return self.engine.begin_step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            self._fail_all(exc)
+            self._renew_stats()
+            return None
+        finally:
+            self._start_loads(self.engine.take_kv_loads())  # a step that failed early
+
+    def _end_step(self, run: StepRun) -> list[tuple[str, _Item]]:
+        """A run step's tokens taken in; its outputs, to deliver. The stats snapshot is renewed."""
+        try:
+            outputs = self.engine.end_step(run)
+        except Exception as exc:
             log.exception("engine step failed")
             self._fail_all(exc)
             return []
         finally:
-            self._start_loads(self.engine.take_kv_loads())  # a step that failed early
-            self._stats = self.engine.stats()
+            self._renew_stats()
         return [(out.request_id, out) for out in outputs]
+
+    def _renew_stats(self) -> None:
+        """Take a snapshot of the engine's stats (on the step thread: they read its queues)."""
+        self._stats = self.engine.stats()
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

@@ -46,6 +46,14 @@ class EngineStats:
     kv_tiers: KvTierStats | None = None
 
 
+@dataclass(frozen=True)
+class StepRun:
+    """A step scheduled and run, its tokens not yet taken in (`LLMEngine.end_step`)."""
+
+    scheduled: SchedulerOutput
+    sampled: dict[str, int]
+
+
 class StepRunner(Protocol):
     """Runs one scheduled step: the sampled token of each sequence that samples, by id."""
 
@@ -233,6 +241,11 @@ class LLMEngine:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        return self.end_step(self.begin_step())
+
+    def begin_step(self) -> StepRun:
+        """Schedule a step and run it: its tokens are sampled, not yet taken in. Until
+        `end_step`, the scheduler shows the step's requests running, as during a forward pass."""
         scheduled = self.scheduler.schedule()
         if self.tier is not None and self.blocks.evicted:
             self.tier.offload(self.blocks.take_evicted())
@@ -245,6 +258,11 @@ class LLMEngine:
             # cached prefix rather than serve a wrong one.
             self.blocks.clear_kv_blocks()
             raise
+        return StepRun(scheduled, sampled)
+
+    def end_step(self, run: StepRun) -> list[EngineOutput]:
+        """Take a run step's tokens in; the outputs of its requests."""
+        scheduled, sampled = run.scheduled, run.sampled
         finished = {s.request_id for s in self.scheduler.update(scheduled, sampled)}
         self.last_step_tokens = scheduled.num_tokens
         outputs = []

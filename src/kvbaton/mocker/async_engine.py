@@ -5,7 +5,8 @@ step woke the event loop from the other thread and the two traded the GIL, about
 step, more than the step itself (issue 32, the mocker's per-step cost). Here the step loop is a
 task of the loop that reads the streams.
 
-- A step's outputs are delivered once its simulated time (`MockerRunner.busy_seconds`) has
+- A step is scheduled and run at once (its requests then show as running), and its tokens are
+  taken in and delivered once its simulated time (`MockerRunner.busy_seconds`) has
   passed: the k-th step of a busy run never before the run's start plus the modeled time of
   its k steps.
 - The loop's timers count whole milliseconds, so a wait is rounded up; a wait that ended late
@@ -84,15 +85,18 @@ class MockerAsyncEngine(AsyncEngine):
                         continue  # a message came: read it first
                 # Stalled, and no message for IDLE_POLL_S: step again, as the step thread does.
             busy = self._runner.busy_seconds
-            outputs = self._run_step(applied)
+            run = self._begin_step(applied)
+            if run is None:
+                continue
             now = loop.time()
             # A wait that ended late (the timer's tick, the loop busy with the streams) is
             # taken off the next one.
             due = (now if due is None else max(due, now - LATE_CREDIT_S)) + (
                 self._runner.busy_seconds - busy
             )
+            # The step's requests show as running while its time passes, as in a forward pass.
             await asyncio.sleep(_whole_ticks(due - now))  # yields to the loop at least
-            self._deliver_all(outputs)
+            self._deliver_all(self._end_step(run))
 
 
 def _whole_ticks(seconds: float) -> float:
