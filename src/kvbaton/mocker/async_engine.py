@@ -13,6 +13,8 @@ task of the loop that reads the streams.
   (that tick, or the loop busy with the streams' outputs, up to LATE_CREDIT_S) is taken off the
   next step's, so a run keeps the model's pace. Steps the model makes shorter than Python runs
   them (speedup 1000) go as fast as it can.
+- `stats()` is taken when asked (every caller is on the loop), not after every step: during a
+  step's time it shows the step's requests running.
 - Everything else is `AsyncEngine`'s: the messages, their order, the streams and their merging,
   KV loads on their threads (which wake the task through the loop).
 - Create it on the loop that will read its streams.
@@ -27,7 +29,7 @@ import threading
 from typing import Protocol
 
 from kvbaton.engine.async_engine import IDLE_POLL_S, AsyncEngine, _Item, _Message, _Stop
-from kvbaton.engine.engine import LLMEngine
+from kvbaton.engine.engine import EngineStats, LLMEngine
 
 TIMER_TICK_S = 0.001  # the event loop's timer resolution (libuv's: a millisecond)
 LATE_CREDIT_S = 0.02  # how late a wait may end (timer tick, the loop's other work) and be repaid
@@ -62,6 +64,13 @@ class MockerAsyncEngine(AsyncEngine):
         for loop, outputs, item in routed:
             assert loop is self._event_loop, "a mocker's streams are read on the loop it runs on"
             outputs.put_nowait(item)
+
+    def stats(self) -> EngineStats:
+        """As of now (every caller is on the loop: no step is halfway through its update)."""
+        return self.engine.stats()
+
+    def _renew_stats(self) -> None:
+        pass  # taken when asked (`stats`), not after every step
 
     async def _stepping_stopped(self) -> None:
         if self._task is not None:
