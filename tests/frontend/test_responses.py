@@ -25,6 +25,10 @@ def parse(event: bytes) -> Any:
     return msgspec.json.decode(event[6:-2])
 
 
+def head(id_: str, object_: str, model: str, shape: ResponseShape) -> dict[str, Any]:
+    return {"id": id_, "object": object_, "created": shape.created, "model": model}
+
+
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_a_chat_delta_is_one_whole_chunk(include_usage: bool) -> None:
     shape = ResponseShape("r1", "m/x", True, 2, reasoning=True)
@@ -32,11 +36,7 @@ def test_a_chat_delta_is_one_whole_chunk(include_usage: bool) -> None:
     delta = Delta(text="Hi", tokens=1, reasoning="so", tool_calls=[call], logprobs=[(5, -0.5, [])])
     state: ChoiceState = STATE
     chunk = parse(shape.chunk_event(state, 1, delta, include_usage))
-    assert chunk == {
-        "id": "chatcmpl-r1",
-        "object": "chat.completion.chunk",
-        "created": shape.created,
-        "model": "m/x",
+    assert chunk == head("chatcmpl-r1", "chat.completion.chunk", "m/x", shape) | {
         "choices": [
             {
                 "index": 1,
@@ -63,11 +63,7 @@ def test_a_completion_delta_is_one_whole_chunk_with_its_finish_reason() -> None:
     shape = ResponseShape("r2", "m", False, 1)
     delta = Delta(text='"quoted"\n', tokens=2, finish_reason="length")
     chunk = parse(shape.chunk_event(STATE, 0, delta, False))
-    assert chunk == {
-        "id": "cmpl-r2",
-        "object": "text_completion",
-        "created": shape.created,
-        "model": "m",
+    assert chunk == head("cmpl-r2", "text_completion", "m", shape) | {
         "choices": [
             {"index": 0, "text": '"quoted"\n', "logprobs": None, "finish_reason": "length"}
         ],
