@@ -1,5 +1,5 @@
 """The mocker: the engine's scheduler and block manager with a timing model in place of the
-model. Time is simulated through an injected sleep, so nothing here waits."""
+model. The runner takes no time (it adds up the modeled time), so nothing here waits."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from kvbaton.engine import LLMEngine
 from kvbaton.engine.connector import EngineRequest
-from kvbaton.mocker import MockerRunner, MockerTiming
+from kvbaton.mocker import MockerTiming
 from kvbaton.mocker.runner import MOCKER_DEFAULTS, mocker_config
 from kvbaton.mocker.timing import parse_coefficients
-from kvbaton.protocols.kv import BlockStored, KvEvent
-from kvbaton.protocols.llm import EngineOutput, SamplingParams
+from kvbaton.protocols.kv import BlockStored
+from kvbaton.protocols.llm import SamplingParams
+from tests.mocker.stepped import Mocker
 
 pytestmark = pytest.mark.unit
 
@@ -39,36 +39,6 @@ def test_bad_timing_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="three"):
         parse_coefficients("1,2")
     assert parse_coefficients("1,2.5,-3") == (1.0, 2.5, -3.0)
-
-
-class Mocker:
-    """A mocker engine stepped by hand; each step's simulated seconds are recorded."""
-
-    def __init__(self, model: Path, **config: object) -> None:
-        self.sleeps: list[float] = []
-        self.events: list[KvEvent] = []
-        self.runner = MockerRunner(model, MockerTiming())
-        options = {"num_kv_blocks": 32, "block_size": 4, **config}
-        self.engine = LLMEngine(
-            mocker_config(model=str(model), **options), self.events.append, self.runner
-        )
-        self.runner.blocks = self.engine.blocks
-
-    def run(self, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
-        outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
-        finals: dict[str, EngineOutput] = {}
-        for rid, tokens in prompts.items():
-            self.engine.add_request(EngineRequest(rid, tokens, params))
-        while self.engine.has_unfinished():
-            busy = self.runner.busy_seconds
-            step = self.engine.step()
-            self.sleeps.append(self.runner.busy_seconds - busy)
-            for out in step:
-                outputs[out.request_id] += out.token_ids
-                if out.finish_reason:
-                    finals[out.request_id] = out
-        self.finals = finals
-        return outputs
 
 
 def test_outputs_are_deterministic_never_special_and_run_to_max_tokens(

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from kvbaton.engine import EngineConfig
 from kvbaton.engine.connector import EngineRequest
-from kvbaton.engine.engine import LLMEngine
-from kvbaton.mocker import MockerRunner, MockerTiming, create_mocker_engine
+from kvbaton.mocker import MockerTiming, create_mocker_engine
 from kvbaton.mocker.runner import mocker_config
 from kvbaton.protocols.llm import SamplingParams
+from tests.mocker.stepped import Mocker
 
 pytestmark = pytest.mark.unit
 
@@ -21,30 +22,18 @@ PROMPTS = {"a": list(range(30, 50)), "b": list(range(60, 73))}
 TIMING = MockerTiming(speedup_ratio=2.0)
 
 
-def config(model: Path) -> object:
+def config(model: Path) -> EngineConfig:
+    """The pool `Mocker` steps by hand has: 32 blocks of 4 tokens."""
     return mocker_config(model=str(model), num_kv_blocks=32, block_size=4)
-
-
-def stepped_by_hand(model: Path, params: SamplingParams) -> tuple[dict[str, list[int]], float]:
-    """Tokens per request and the simulated seconds of every step, from a bare engine."""
-    runner = MockerRunner(model, TIMING)
-    engine = LLMEngine(config(model), None, runner)  # type: ignore[arg-type]
-    runner.blocks = engine.blocks
-    tokens: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
-    for rid, prompt in PROMPTS.items():
-        engine.add_request(EngineRequest(rid, prompt, params))
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.token_ids
-    return tokens, runner.busy_seconds
 
 
 async def test_tokens_are_the_mockers_and_come_at_the_timing_models_pace(
     mocker_model: Path,
 ) -> None:
     params = SamplingParams(max_tokens=10, ignore_eos=True)
-    expected, simulated = stepped_by_hand(mocker_model, params)
-    engine = await create_mocker_engine(config(mocker_model), TIMING)  # type: ignore[arg-type]
+    by_hand = Mocker(mocker_model, TIMING)
+    expected, simulated = by_hand.run(PROMPTS, params), by_hand.runner.busy_seconds
+    engine = await create_mocker_engine(config(mocker_model), TIMING)
     loop = asyncio.get_running_loop()
     try:
         started = loop.time()
@@ -76,7 +65,7 @@ async def test_tokens_are_the_mockers_and_come_at_the_timing_models_pace(
 async def test_an_abort_mid_run_ends_the_stream_and_shutdown_fails_the_rest(
     mocker_model: Path,
 ) -> None:
-    engine = await create_mocker_engine(config(mocker_model), MockerTiming())  # type: ignore[arg-type]
+    engine = await create_mocker_engine(config(mocker_model), MockerTiming())
     try:
         params = SamplingParams(max_tokens=40, ignore_eos=True)  # 40 steps of 6 ms at least
         a = await engine.add_request(EngineRequest("a", PROMPTS["a"], params))
