@@ -130,8 +130,8 @@ class StepBatch:
     num_decodes: int
     decode_kv_rows: torch.Tensor | None  # [2, D, Lmax] rows of layer 0's K, then V, for each
     # decode's context
-    decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] float32 added to the scores: 0 where
-    # attended, -inf past a decode's length; None when every decode attends to all Lmax rows
+    decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] in the model dtype, added to the scores:
+    # 0 where attended, -inf past a decode's length; None when every decode attends to all Lmax
     prefills: list[PrefillSpan]
     logits_index: torch.Tensor  # [S] flat indices of the tokens whose next token is sampled
 
@@ -359,25 +359,23 @@ class LlamaModel:
     def _decode_attention(
         self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """One query per sequence against its gathered context, in float32 batched matmuls.
+        """One query per sequence against its gathered context: [D, heads, dim].
 
         - q [D, heads, dim]; kv [2, D, L, kv_heads, dim], K then V; mask [D, 1, 1, L] added to
           the scores, or None.
-        - K and V become [2, D, kv_heads, L, dim] in float32 in one copy, converted and
-          transposed at once: the batched matmuls then take each as it is, with no copy.
-        - CPU SDPA takes a slow generic path for this shape; this is several times faster.
+        - SDPA takes K and V as gathered (a transposed view: no copy) and the query heads of a
+          KV head by themselves (`enable_gqa`): no float32 or repeated copies of the context.
         """
         c = self.config
-        d, group, length = q.shape[0], c.num_heads // c.num_kv_heads, kv.shape[2]
-        qf = q.view(d, c.num_kv_heads, group, c.head_dim).float()
-        shape = (2, d, c.num_kv_heads, length, c.head_dim)
-        kvf = torch.empty(shape, dtype=torch.float32, device=q.device).copy_(kv.transpose(2, 3))
-        scores = torch.matmul(qf, kvf[0].transpose(2, 3)).mul_(self.scale)
-        if mask is not None:
-            scores.add_(mask)
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, kvf[1])  # [D, kv_heads, group, dim]
-        return out.reshape(d, c.num_heads, c.head_dim).to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            kv[0].transpose(1, 2),
+            kv[1].transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.view(q.shape[0], c.num_heads, c.head_dim)
 
     def _decodes_per_group(self, batch: StepBatch, rows: torch.Tensor) -> int:
         """How many decodes' gathered K and V fit in `DECODE_GROUP_BYTES` (at least one)."""

@@ -209,9 +209,9 @@ class ModelRunner:
             decode_rows = tables[:, span // self.block_size] * stride + span % self.block_size
             if min(lens) != max(lens):  # equal lengths attend to every row: no mask
                 pad = span[None, :] >= lengths[:, None]
-                decode_mask = torch.zeros(pad.shape, device=self.device).masked_fill_(
-                    pad, float("-inf")
-                )[:, None, None, :]
+                decode_mask = torch.zeros(
+                    pad.shape, dtype=self.dtype, device=self.device
+                ).masked_fill_(pad, float("-inf"))[:, None, None, :]
             write_rows[: len(decodes)] = decode_rows[torch.arange(len(decodes)), lengths - 1]
             decode_kv_rows = torch.stack((decode_rows, decode_rows + self.block_size))
         spans = []
