@@ -12,6 +12,7 @@ import pytest
 from kvbaton.engine import AsyncEngine, EngineConfig, SamplingParams
 from kvbaton.engine.connector import EngineRequest, KvLoad, KvLoadFailed
 from tests.engine.conftest import TEST_DEVICE
+from tests.engine.step_loop import assert_a_broken_step_loop_fails_every_caller
 from tests.engine.test_model_vs_hf import hf_greedy, prompts
 from tests.helpers import wait_until
 
@@ -114,3 +115,13 @@ async def test_every_loading_request_starts_its_load_at_once(engine: AsyncEngine
         written.set()
     for stream in streams:
         assert len([t async for out in stream for t in out.token_ids]) == 2
+
+
+async def test_a_step_loop_that_breaks_fails_every_caller_and_refuses_more(
+    engine: AsyncEngine,
+) -> None:
+    stream = await engine.add_request(
+        EngineRequest("long", prompts()[5], SamplingParams(max_tokens=200, temperature=0))
+    )
+    await anext(stream)
+    await assert_a_broken_step_loop_fails_every_caller(engine, stream, prompts()[0])

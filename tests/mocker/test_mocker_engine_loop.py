@@ -13,6 +13,7 @@ from kvbaton.engine.connector import EngineRequest
 from kvbaton.mocker import MockerTiming, create_mocker_engine
 from kvbaton.mocker.runner import mocker_config
 from kvbaton.protocols.llm import SamplingParams
+from tests.engine.step_loop import assert_a_broken_step_loop_fails_every_caller
 from tests.mocker.stepped import Mocker
 
 pytestmark = pytest.mark.unit
@@ -84,3 +85,16 @@ async def test_an_abort_mid_run_ends_the_stream_and_shutdown_fails_the_rest(
             pass
     with pytest.raises(RuntimeError, match="shut down"):
         await engine.add_request(EngineRequest("c", PROMPTS["a"], SamplingParams(max_tokens=1)))
+
+
+async def test_a_step_loop_that_breaks_fails_every_caller_and_refuses_more(
+    mocker_model: Path,
+) -> None:
+    engine = await create_mocker_engine(config(mocker_model), MockerTiming())
+    try:
+        params = SamplingParams(max_tokens=40, ignore_eos=True)  # 40 steps of 6 ms at least
+        stream = await engine.add_request(EngineRequest("a", PROMPTS["a"], params))
+        await anext(stream)
+        await assert_a_broken_step_loop_fails_every_caller(engine, stream, PROMPTS["b"])
+    finally:
+        await engine.shutdown()

@@ -100,7 +100,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stats = engine.stats()  # a snapshot, replaced by the step thread
         engine.on_kv_loads = self._start_loads
-        self._stopped = False
+        self._stopped: str | None = None  # why requests are refused: shut down, or broken
         self._start()
 
     def _start(self) -> None:
@@ -149,8 +149,8 @@ class AsyncEngine:
             await asyncio.to_thread(guided.compile, request.params.guided)
         outputs: _Outputs = asyncio.Queue()
         with self._lock:  # shutdown takes it too: a request is either failed by it or refused
-            if self._stopped:
-                raise RuntimeError("the engine is shut down")
+            if self._stopped is not None:
+                raise RuntimeError(self._stopped)
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
@@ -227,14 +227,14 @@ class AsyncEngine:
     async def _between_steps(self, fn: Callable[[], object]) -> object:
         future: concurrent.futures.Future[object] = concurrent.futures.Future()
         with self._lock:
-            if self._stopped:
-                raise RuntimeError("the engine is shut down")
+            if self._stopped is not None:
+                raise RuntimeError(self._stopped)
             self._post(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
     async def shutdown(self) -> None:
         with self._lock:
-            self._stopped = True
+            self._stopped = "the engine is shut down"
             self._post(None)
         await self._stepping_stopped()
         if self._loads is not None:
@@ -335,15 +335,39 @@ class AsyncEngine:
         self._post(_Loaded(request_id, False, failed.token_ids, failed.writes_end))
 
     def _loop(self) -> None:
+        try:
+            while True:
+                idle, stalled = self._waits()
+                try:
+                    applied = self._apply_inbox(
+                        block=idle or stalled, timeout=IDLE_POLL_S if stalled else None
+                    )
+                except _Stop:
+                    return self._fail_all(RuntimeError("the engine shut down"))
+                self._deliver_all(self._run_step(applied))
+        except Exception as exc:
+            self._loop_failed(exc)
+
+    def _loop_failed(self, exc: Exception) -> None:
+        """The step loop broke outside a step (a step's own failure fails only its requests).
+
+        - The engine is stopped: later requests and calls are refused, as after shutdown.
+        - Every open stream and every call waiting in the inbox gets the error, so nobody
+          waits on a loop that is gone.
+        """
+        log.exception("engine step loop failed; the engine is stopped")
+        error = RuntimeError(f"the engine's step loop failed: {exc!r}")
+        with self._lock:
+            self._stopped = str(error)
+            ids = list(self._streams)
+        self._deliver_all([(request_id, error) for request_id in ids])
         while True:
-            idle, stalled = self._waits()
             try:
-                applied = self._apply_inbox(
-                    block=idle or stalled, timeout=IDLE_POLL_S if stalled else None
-                )
-            except _Stop:
-                return self._fail_all(RuntimeError("the engine shut down"))
-            self._deliver_all(self._run_step(applied))
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, _Call) and message.future.set_running_or_notify_cancel():
+                message.future.set_exception(error)
 
     def _waits(self) -> tuple[bool, bool]:
         """(idle: nothing to step, stalled: nothing ran in the last step)."""

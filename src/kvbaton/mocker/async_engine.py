@@ -77,6 +77,12 @@ class MockerAsyncEngine(AsyncEngine):
             await self._task
 
     async def _steps(self) -> None:
+        try:
+            await self._step_loop()
+        except Exception as exc:
+            self._loop_failed(exc)
+
+    async def _step_loop(self) -> None:
         loop = self._event_loop
         due: float | None = None  # when the steps' simulated time is over; None: idle before
         while True:
