@@ -17,6 +17,7 @@ from kvbaton.engine.config import MATMULS
 from kvbaton.engine.model import (
     FEW_ROWS,
     Projection,
+    amx_available,
     fp16_gemm_available,
     onednn_bf16_available,
 )
@@ -116,7 +117,8 @@ def test_the_kernel_choice() -> None:
         )
         if ok
     ]
-    assert projection_kernel("auto", torch.bfloat16, CPU) == ("+".join(usable) or "native")
+    auto = "onednn-bf16" if "onednn-bf16" in usable and amx_available() else "+".join(usable)
+    assert projection_kernel("auto", torch.bfloat16, CPU) == (auto or "native")
     for kernel in usable:
         assert projection_kernel(kernel, torch.bfloat16, CPU) == kernel
     for kernel in ("fbgemm-fp16", "onednn-bf16", "fbgemm-fp16+onednn-bf16"):

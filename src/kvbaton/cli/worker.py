@@ -212,8 +212,9 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--matmul",
         choices=["auto", "native", "fbgemm-fp16", "onednn-bf16", "fbgemm-fp16+onednn-bf16"],
-        help="a bfloat16 model's projection kernels on a CPU (default auto: oneDNN's and "
-        "FBGEMM's, those the CPU has; one alone keeps one copy of the weights)",
+        help="a bfloat16 model's projection kernels on a CPU (default auto: oneDNN's alone "
+        "with AMX, else oneDNN's and FBGEMM's, those the CPU has; one alone keeps one copy of "
+        "the weights)",
     )
     group.add_argument("--fixed-tokens", default="1,2,3", help="the fixed engine's token ids")
     disagg = parser.add_argument_group("disaggregation")

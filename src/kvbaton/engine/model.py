@@ -15,7 +15,8 @@ A bfloat16 model's projections on a CPU run on prepacked kernels (`KERNELS`):
   the result is rounded back to bfloat16. A weight beyond float16's range keeps F.linear.
 - "fbgemm-fp16+onednn-bf16": both packings (the projections' weights twice); calls of under
   `FEW_ROWS` rows (small decode batches) on FBGEMM, which streams the weights from memory
-  faster there, the rest on oneDNN, which computes faster from there on.
+  faster there on AVX-512 without AMX, the rest on oneDNN, which computes faster from there on.
+  With AMX, oneDNN is as fast at one row and faster from two: "auto" takes it alone.
 Activations, residuals and the KV cache stay bfloat16.
 
 The cache is one tensor [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]: a block is
@@ -85,6 +86,12 @@ class Projection:
 def fp16_gemm_available() -> bool:
     """Whether this PyTorch has FBGEMM's float16 GEMM (x86 builds)."""
     return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def amx_available() -> bool:
+    """Whether this CPU has AMX tiles (oneDNN's bfloat16 GEMMs run on them)."""
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(is_amx is not None and is_amx())
 
 
 def onednn_bf16_available() -> bool:

@@ -17,6 +17,7 @@ from kvbaton.engine.model import (
     ModelConfig,
     PrefillSpan,
     StepBatch,
+    amx_available,
     fp16_gemm_available,
     onednn_bf16_available,
 )
@@ -29,13 +30,15 @@ KERNEL_NEEDS = {"fbgemm-fp16": "FBGEMM (x86)", "onednn-bf16": "oneDNN's bfloat16
 
 def projection_kernel(choice: str, dtype: torch.dtype, device: torch.device) -> str:
     """The projections' kernel (one of model.KERNELS; see model.py) for an `EngineConfig.matmul`.
-    "auto": for bfloat16 on a CPU, every prepacked kernel this CPU and PyTorch have; "native"
-    otherwise."""
+    "auto": for bfloat16 on a CPU, oneDNN's alone where it runs on AMX, else every prepacked
+    kernel this CPU and PyTorch have; "native" otherwise."""
     if choice == "native":
         return "native"
     bf16_cpu = device.type == "cpu" and dtype == torch.bfloat16
     have = {"fbgemm-fp16": fp16_gemm_available(), "onednn-bf16": onednn_bf16_available()}
     if choice == "auto":
+        if bf16_cpu and have["onednn-bf16"] and amx_available():
+            return "onednn-bf16"
         usable = [kernel for kernel, ok in have.items() if ok and bf16_cpu]
         return "+".join(usable) or "native"
     kernels = choice.split("+")
