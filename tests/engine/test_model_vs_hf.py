@@ -87,6 +87,16 @@ def test_greedy_matches_hf_one_at_a_time_and_all_at_once(
     assert run(eng, prompts()) == expected
 
 
+@pytest.mark.parametrize("sdpa", [True, False], ids=["sdpa", "matmuls"])
+def test_both_decode_attentions_give_hfs_tokens(tiny_models: dict[str, Path], sdpa: bool) -> None:
+    """Prompts of different lengths: decodes of unequal contexts in one step (the mask)."""
+    model_dir = tiny_models["llama3-rope-untied"]
+    expected = [hf_greedy(model_dir, tuple(p)) for p in prompts()]
+    eng = engine(model_dir)
+    eng.runner.model.decode_on_sdpa = sdpa
+    assert run(eng, prompts()) == expected
+
+
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
 def test_decodes_taken_in_groups_give_the_same_tokens(
     tiny_models: dict[str, Path], chunked: bool, monkeypatch: pytest.MonkeyPatch
