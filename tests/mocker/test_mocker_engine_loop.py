@@ -4,11 +4,12 @@ outputs no sooner than the timing model says, a run of steps at its pace, aborts
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from kvbaton.engine import EngineConfig
+from kvbaton.engine import AsyncEngine, EngineConfig
 from kvbaton.engine.connector import EngineRequest
 from kvbaton.mocker import MockerTiming, create_mocker_engine
 from kvbaton.mocker.runner import mocker_config
@@ -63,23 +64,28 @@ async def test_tokens_are_the_mockers_and_come_at_the_timing_models_pace(
         await engine.shutdown()
 
 
+@pytest.fixture
+async def engine(mocker_model: Path) -> AsyncIterator[AsyncEngine]:
+    """A mocker engine at Dynamo's timing, shut down after the test (again, if it did)."""
+    eng = await create_mocker_engine(config(mocker_model), MockerTiming())
+    yield eng
+    await eng.shutdown()
+
+
 async def test_an_abort_mid_run_ends_the_stream_and_shutdown_fails_the_rest(
-    mocker_model: Path,
+    engine: AsyncEngine,
 ) -> None:
-    engine = await create_mocker_engine(config(mocker_model), MockerTiming())
-    try:
-        params = SamplingParams(max_tokens=40, ignore_eos=True)  # 40 steps of 6 ms at least
-        a = await engine.add_request(EngineRequest("a", PROMPTS["a"], params))
-        b = await engine.add_request(EngineRequest("b", PROMPTS["b"], params))
-        await anext(a)
-        engine.abort("a")
-        finishes = [out.finish_reason async for out in a]
-        assert finishes[-1] == "abort"
-        await anext(b)
-        dump = await engine.kv_dump()  # between two steps, in order with the messages
-        assert dump is not None
-    finally:
-        await engine.shutdown()
+    params = SamplingParams(max_tokens=40, ignore_eos=True)  # 40 steps of 6 ms at least
+    a = await engine.add_request(EngineRequest("a", PROMPTS["a"], params))
+    b = await engine.add_request(EngineRequest("b", PROMPTS["b"], params))
+    await anext(a)
+    engine.abort("a")
+    finishes = [out.finish_reason async for out in a]
+    assert finishes[-1] == "abort"
+    await anext(b)
+    dump = await engine.kv_dump()  # between two steps, in order with the messages
+    assert dump is not None
+    await engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         async for _ in b:
             pass
@@ -88,13 +94,9 @@ async def test_an_abort_mid_run_ends_the_stream_and_shutdown_fails_the_rest(
 
 
 async def test_a_step_loop_that_breaks_fails_every_caller_and_refuses_more(
-    mocker_model: Path,
+    engine: AsyncEngine,
 ) -> None:
-    engine = await create_mocker_engine(config(mocker_model), MockerTiming())
-    try:
-        params = SamplingParams(max_tokens=40, ignore_eos=True)  # 40 steps of 6 ms at least
-        stream = await engine.add_request(EngineRequest("a", PROMPTS["a"], params))
-        await anext(stream)
-        await assert_a_broken_step_loop_fails_every_caller(engine, stream, PROMPTS["b"])
-    finally:
-        await engine.shutdown()
+    params = SamplingParams(max_tokens=40, ignore_eos=True)  # 40 steps of 6 ms at least
+    stream = await engine.add_request(EngineRequest("a", PROMPTS["a"], params))
+    await anext(stream)
+    await assert_a_broken_step_loop_fails_every_caller(engine, stream, PROMPTS["b"])
