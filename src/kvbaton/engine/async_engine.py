@@ -354,6 +354,8 @@ class AsyncEngine:
         - The engine is stopped: later requests and calls are refused, as after shutdown.
         - Every open stream and every call waiting in the inbox gets the error, so nobody
           waits on a loop that is gone.
+        - Unlike `_fail_all`, nothing is aborted in the engine: its state may be what broke,
+          and an abort that raised here would leave the streams waiting.
         """
         log.exception("engine step loop failed; the engine is stopped")
         error = RuntimeError(f"the engine's step loop failed: {exc!r}")
