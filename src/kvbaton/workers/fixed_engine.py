@@ -5,6 +5,7 @@ taken out. It needs a model directory only for the tokenizer files that frontend
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from pathlib import Path
 
@@ -53,6 +54,11 @@ class FixedTokensEngine:
 
     async def kv_dump(self) -> KvDump:
         return KvDump(last_event_id=-1, block_hashes=[])
+
+    async def wait_failed(self) -> str:
+        """Never returns: nothing here can break."""
+        never: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        return await never
 
     async def shutdown(self) -> None:
         return None

@@ -8,6 +8,8 @@ disaggregation endpoints), and a model card in discovery (docs/architecture.md).
 - A request's engine id is unique in this worker even when callers reuse a request id.
 - A caller that goes away (cancel, disconnect, deadline) aborts its request in the engine, so
   its KV blocks are free before the engine's next step.
+- An engine that fails (its step loop broke, vLLM's engine core died) stops the worker as a
+  signal would (deregistered, drained), so that its supervisor starts a new one.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class ServingEngine(ConnectedEngine, Protocol):
     def stats(self) -> EngineStats: ...
     async def clear_kv_blocks(self) -> int: ...
     async def kv_dump(self) -> KvDump: ...
+    async def wait_failed(self) -> str: ...
     async def shutdown(self) -> None: ...
 
 
@@ -96,6 +99,7 @@ class LLMWorker:
         self.namespace = namespace
         self.component = runtime.namespace(namespace).component(component)
         self._ids = itertools.count()
+        self._failure: str | None = None  # why the engine failed
 
     async def generate(
         self, request: PreprocessedRequest, context: Context
@@ -200,6 +204,20 @@ class LLMWorker:
 
         return await asyncio.to_thread(read)
 
+    async def _stop_if_the_engine_fails(self) -> None:
+        """Shut the runtime down (as a signal would) if the engine fails before it does."""
+        failed = asyncio.ensure_future(self.engine.wait_failed())
+        stopped = asyncio.ensure_future(self.runtime.wait_for_shutdown())
+        try:
+            await asyncio.wait((failed, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+            stopped.cancel()
+        if failed.done() and not failed.cancelled():
+            self._failure = f"the engine failed: {failed.result()}"
+            log.error("%s; the worker stops", self._failure)
+            await self.runtime.shutdown()
+
     async def _end_subscriptions(self, publisher: KvEventPublisher) -> None:
         try:
             await self.runtime.wait_for_shutdown()
@@ -223,8 +241,9 @@ class LLMWorker:
             kv_pool=self.side.agent.info() if self.side and self.side.agent else None,
         )
 
-    async def serve(self) -> None:
-        """Publish the model card, then serve until the runtime shuts down."""
+    async def serve(self) -> str | None:
+        """Publish the model card, then serve until the runtime shuts down, or the engine fails
+        (which shuts the runtime down). Returns None, or why the engine failed."""
         try:
             instance_id = await self.runtime.ensure_instance_id()
             kv_stream = None
@@ -244,6 +263,7 @@ class LLMWorker:
                 endpoint(name).serve_endpoint(handler, request_type=request_type)
                 for name, (handler, request_type) in endpoints.items()
             ]
+            serving.append(self._stop_if_the_engine_fails())
             if self.kv_events is not None:
                 assert kv_stream is not None
                 self.kv_events.start(self.load)
@@ -261,3 +281,4 @@ class LLMWorker:
             await self.engine.shutdown()
             if self.side is not None:
                 await self.side.close()
+        return self._failure
