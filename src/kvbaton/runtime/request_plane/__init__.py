@@ -8,6 +8,8 @@ one plane (its settings') and calls an instance on whichever plane the instance'
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlparse
 
@@ -70,6 +72,12 @@ def make_request_server(settings: RuntimeSettings, nats: NatsConnections) -> Fra
     return TcpRequestServer(settings)
 
 
+@functools.lru_cache(maxsize=1024)
+def scheme_of(address: str) -> str:
+    """The address's URL scheme (parsed once per address: it is asked once per request)."""
+    return urlparse(address).scheme
+
+
 class RequestClients:
     """The calling side of every plane, each made on first use; picks by the address's scheme
     (`tcp://`, `nats://`, `http://`)."""
@@ -95,7 +103,7 @@ class RequestClients:
             self._planes[scheme] = client
         return client
 
-    async def open_stream(
+    def open_stream(
         self,
         address: str,
         endpoint: str,
@@ -104,9 +112,10 @@ class RequestClients:
         request_id: str,
         deadline: float | None = None,
         response_type: Any = Any,
-    ) -> Stream:
-        """Send a request; raises ConnectError if the peer cannot be reached (nothing sent)."""
-        return await self.plane(urlparse(address).scheme).open_stream(
+    ) -> Awaitable[Stream]:
+        """Send a request; raises ConnectError if the peer cannot be reached (nothing sent).
+        The plane's own coroutine, with none of this layer's around it (one per request)."""
+        return self.plane(scheme_of(address)).open_stream(
             address,
             endpoint,
             payload,

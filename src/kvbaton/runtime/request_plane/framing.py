@@ -7,6 +7,7 @@ bytes left over when a connection closes are errors of that one connection.
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Any
 
@@ -46,7 +47,9 @@ def encode_payload(value: Any) -> msgspec.Raw:
     return msgspec.Raw(_encoder.encode(value))
 
 
+@functools.lru_cache(maxsize=64)
 def payload_decoder(type_: Any = Any) -> msgspec.msgpack.Decoder[Any]:
+    """One decoder per response type (made once: a stream is opened per request)."""
     return _any_decoder if type_ is Any else msgspec.msgpack.Decoder(type_)
 
 
