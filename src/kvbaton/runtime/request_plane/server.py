@@ -73,13 +73,14 @@ class ServerConnection(FrameConnection):
         self.server.connections.add(self)
 
     def frame_received(self, frame: Frame) -> None:
-        if isinstance(frame, Request):
+        # `type(...) is`: exact for frames, and cheaper than isinstance (see ClientConnection).
+        if type(frame) is Request:
             self._start(frame)
-        elif isinstance(frame, Cancel):
+        elif type(frame) is Cancel:
             stream = self.streams.get(frame.stream_id)
             if stream is not None:
                 self.stop(stream)
-        elif isinstance(frame, Credit):
+        elif type(frame) is Credit:
             stream = self.streams.get(frame.stream_id)
             if stream is not None and stream.credit is not None:
                 stream.credit += max(0, frame.responses)
