@@ -27,8 +27,8 @@ def _broken(request_id: str) -> None:
 @contextlib.asynccontextmanager
 async def served(
     engine: AsyncEngine,
-) -> AsyncIterator[tuple[DistributedRuntime, Client, asyncio.Task[str | None]]]:
-    """A worker serving `engine` (its runtime, the task of `serve`) and a client of it."""
+) -> AsyncIterator[tuple[LLMWorker, Client, asyncio.Task[str | None]]]:
+    """A worker serving `engine` (the task of its `serve`) and a client of it."""
     url = f"mem://{uuid.uuid4().hex}"
     async with DistributedRuntime(url) as caller_rt:
         worker_rt = DistributedRuntime(url)
@@ -39,7 +39,7 @@ async def served(
                 response_type=EngineOutput
             )
             await client.wait_for_instances(10)
-            yield worker_rt, client, serving
+            yield worker, client, serving
             await client.close()
         finally:
             await worker_rt.shutdown()
@@ -49,7 +49,7 @@ async def served(
 async def test_a_worker_whose_engine_fails_deregisters_and_says_why(
     serving_engine: AsyncEngine,
 ) -> None:
-    async with served(serving_engine) as (_, client, serving):
+    async with served(serving_engine) as (worker, client, serving):
         request = PreprocessedRequest(
             model="m",
             token_ids=list(range(3, 12)),
@@ -67,9 +67,10 @@ async def test_a_worker_whose_engine_fails_deregisters_and_says_why(
             async for _ in stream:
                 pass
         await wait_until(lambda: not client.instances(), what="the worker deregistered")
+        assert worker.load().requests_ended == {"error": 1}  # the stream under way
 
 
 async def test_a_worker_asked_to_stop_reports_no_failure(serving_engine: AsyncEngine) -> None:
-    async with served(serving_engine) as (worker_rt, _, serving):
-        await worker_rt.shutdown()
+    async with served(serving_engine) as (worker, _, serving):
+        await worker.runtime.shutdown()
         assert await asyncio.wait_for(serving, 10) is None

@@ -305,3 +305,7 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     kv_handoffs: int = 0
     kv_handoff_wait_seconds: float = 0.0
     kv_tiers: KvTierStats | None = None  # None: no tier below the pool
+    # Requests this worker ended, so far, by how: the engine's finish reason ("stop", "length",
+    # "abort"), "handed off" (a prefill worker's: its KV went on to a decode worker), "error",
+    # or "cancelled" (the caller left before the end).
+    requests_ended: dict[str, int] = msgspec.field(default_factory=dict)

@@ -15,6 +15,7 @@ disaggregation endpoints), and a model card in discovery (docs/architecture.md).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -100,6 +101,7 @@ class LLMWorker:
         self.component = runtime.namespace(namespace).component(component)
         self._ids = itertools.count()
         self._failure: str | None = None  # why the engine failed
+        self._ended: collections.Counter[str] = collections.Counter()  # requests, by how
 
     async def generate(
         self, request: PreprocessedRequest, context: Context
@@ -125,7 +127,11 @@ class LLMWorker:
                     yield out
                     if out.finish_reason is None and context.is_stopped():
                         break
+        except Exception:
+            finish = "error"
+            raise
         finally:
+            self._ended[finish] += 1
             log.info(
                 "request %s: %d prompt tokens, %d generated, %s, %.3fs",
                 context.id,
@@ -179,6 +185,7 @@ class LLMWorker:
             kv_transfer_seconds=agent.seconds if agent else 0.0,
             kv_handoffs=side.handoffs if side else 0,
             kv_handoff_wait_seconds=side.handoff_wait_s if side else 0.0,
+            requests_ended=dict(self._ended),
             **stats,
         )
 
