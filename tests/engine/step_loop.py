@@ -16,12 +16,17 @@ def _broken(request_id: str) -> None:
     raise KeyError(f"a bug, releasing {request_id}")
 
 
+def break_the_step_loop(engine: AsyncEngine) -> None:
+    """Make the engine's step loop raise KeyError (outside a step: in a message's handling)."""
+    engine.engine.release_kv = _broken  # type: ignore[method-assign]
+    engine.release_kv("any")
+
+
 async def assert_a_broken_step_loop_fails_every_caller(
     engine: AsyncEngine, running: AsyncGenerator[EngineOutput, None], prompt: list[int]
 ) -> None:
-    """`running`: a stream with outputs to come. The loop breaks in a message's handling."""
-    engine.engine.release_kv = _broken  # type: ignore[method-assign]
-    engine.release_kv("any")
+    """`running`: a stream with outputs to come."""
+    break_the_step_loop(engine)
     with pytest.raises(RuntimeError, match="step loop failed: KeyError"):
         async for _ in running:
             pass

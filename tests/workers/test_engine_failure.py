@@ -15,13 +15,10 @@ from kvbaton.engine import AsyncEngine
 from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest, SamplingParams
 from kvbaton.runtime import Client, DistributedRuntime
 from kvbaton.workers.llm_worker import LLMWorker
+from tests.engine.step_loop import break_the_step_loop
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.unit
-
-
-def _broken(request_id: str) -> None:
-    raise KeyError(f"a bug, releasing {request_id}")
 
 
 @contextlib.asynccontextmanager
@@ -57,8 +54,7 @@ async def test_a_worker_whose_engine_fails_deregisters_and_says_why(
         )
         stream = client.round_robin(request)
         await anext(stream)  # a stream under way when the engine breaks
-        serving_engine.engine.release_kv = _broken  # type: ignore[method-assign]
-        serving_engine.release_kv("any")
+        break_the_step_loop(serving_engine)
 
         failure = await asyncio.wait_for(serving, 10)
         assert failure is not None
