@@ -23,6 +23,7 @@ VLLM_TESTS = [
     "tests/frontend/test_vllm_disagg.py",
     "tests/planner/test_vllm_local.py",
     "tests/engine/test_vllm_params.py",
+    "tests/engine/test_vllm_constraint.py",
     "tests/engine/test_vllm_options.py",
 ]
 

@@ -31,6 +31,9 @@ def test_flags_map_to_vllm_s_and_the_cpu_sizes_its_kv_cache() -> None:
     assert pairs["--num-gpu-blocks-override"] == "64"
     assert pairs["--kv-cache-memory-bytes"] == str(GIB)  # explicit: 92% of a node fails
     assert "--enforce-eager" in argv
+    # Constraints compiled as kvbaton's engine compiles them: llguidance, compact JSON.
+    assert "config.backend guidance" in " ".join(argv)
+    assert "config.disable_any_whitespace True" in " ".join(argv)
     half = mapped_args("/m", {"kv_cache_gib": 0.5}, on_cpu=False)
     assert half[half.index("--kv-cache-memory-bytes") + 1] == str(GIB // 2)
     assert "--enforce-eager" not in mapped_args("/m", {}, on_cpu=False)

@@ -9,7 +9,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvbaton.engine.vllm_params import token_logprobs, vllm_sampling_params
+from kvbaton.engine.vllm_params import (
+    REPLAYED_CONSTRAINT,
+    token_logprobs,
+    vllm_sampling_params,
+)
 from kvbaton.protocols.llm import Guided, SamplingParams, TokenLogprob
 
 pytestmark = [
@@ -70,10 +74,14 @@ def test_constraints_map_to_structured_outputs(
     assert getattr(ours.structured_outputs, field) == value
 
 
-def test_a_replayed_constraint_is_refused() -> None:
+def test_a_replayed_constraint_goes_to_kvbaton_s_logits_processor() -> None:
     guided = Guided(kind="regex", spec="a+", replay=2)
-    with pytest.raises(ValueError, match="replay"):
-        vllm_sampling_params(SamplingParams(guided=guided).validate())
+    ours = vllm_sampling_params(SamplingParams(guided=guided).validate(), {"k": 1})
+    assert ours.structured_outputs is None  # vLLM's grammar would start over
+    assert ours.extra_args == {
+        REPLAYED_CONSTRAINT: {"kind": "regex", "spec": "a+", "replay": 2},
+        "kv_transfer_params": {"k": 1},
+    }
 
 
 @dataclass

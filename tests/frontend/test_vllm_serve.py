@@ -2,8 +2,8 @@
 equal vLLM's own offline `LLM.generate`, a left stream leaves vLLM running nothing, a JSON schema
 holds, an over-long prompt is a 400, the KV router sends a shared prefix back to the worker whose
 vLLM cached it (predicting the cached tokens vLLM reports), a stream whose worker is killed
-migrates, a worker whose vLLM engine core dies exits for serve to start a new one, and a worker
-killed with SIGKILL leaves no vLLM process behind.
+migrates (a constrained one too), a worker whose vLLM engine core dies exits for serve to start
+a new one, and a worker killed with SIGKILL leaves no vLLM process behind.
 
 Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
 `.venv-vllm/bin/python -m pytest -m vllm tests/frontend/test_vllm_serve.py`; skipped elsewhere.
@@ -262,6 +262,58 @@ def test_a_stream_whose_worker_is_killed_migrates(vllm_serve: Deployment) -> Non
     assert finishes == ["length"]
     assert usage is not None and usage.completion_tokens == max_tokens
     assert "".join(texts).startswith(before)
+    wait_until_sync(  # the killed worker back, for what follows
+        lambda: int(worker, 16) not in (up := health(url, model)) and len(up) == 2,
+        READY_S,
+        "serve's restart of the killed worker",
+    )
+
+
+def test_a_constrained_stream_whose_worker_is_killed_migrates(vllm_serve: Deployment) -> None:
+    """A JSON-schema stream's worker is killed after its first tokens: the other worker's vLLM
+    resumes the constraint past them (kvbaton's logits processor), so the answer is whole and
+    valid; serve brings the worker back."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "numbers": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 100, "maximum": 999},
+                "minItems": 24,
+                "maxItems": 24,
+            }
+        },
+        "required": ["numbers"],
+        "additionalProperties": False,
+    }
+    url, model = vllm_serve.url, vllm_serve.model
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=model,
+            messages=[{"role": "user", "content": "Give me some three-digit numbers as JSON."}],
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "numbers", "schema": schema, "strict": True},
+            },
+        )
+        worker = raw.headers["x-kvbaton-worker"]
+        texts: list[str] = []
+        finishes: list[str] = []
+        before = ""
+        for chunk in raw.parse():
+            for choice in chunk.choices:
+                texts.append(choice.delta.content or "")
+                finishes += [choice.finish_reason] if choice.finish_reason else []
+            if len(texts) == 4:
+                before = "".join(texts)
+                os.kill(worker_pid(vllm_serve, worker), signal.SIGKILL)
+    answer = "".join(texts)
+    assert before and answer.startswith(before) and len(answer) > len(before)
+    assert finishes == ["stop"]
+    jsonschema.validate(json.loads(answer), schema)
     wait_until_sync(  # the killed worker back, for what follows
         lambda: int(worker, 16) not in (up := health(url, model)) and len(up) == 2,
         READY_S,

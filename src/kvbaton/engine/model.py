@@ -168,10 +168,13 @@ class ModelConfig:
             self.max_len = min(self.max_len, hf.sliding_window)  # no sliding attention here
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ValueError(f"activation {hf.hidden_act!r} is not supported (only silu)")
-        eos = getattr(hf, "eos_token_id", None)
-        self.eos_token_ids = frozenset(
-            eos if isinstance(eos, list) else [] if eos is None else [eos]
-        )
+        self.eos_token_ids = eos_token_ids(hf)
+
+
+def eos_token_ids(hf_config: Any) -> frozenset[int]:
+    """A transformers config's EOS token ids (it holds one, a list, or none)."""
+    eos = getattr(hf_config, "eos_token_id", None)
+    return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
 def rope_tables(

@@ -8,7 +8,11 @@ workers in the prefill-first order, vLLM's NIXL connector moving the KV.
   (`num_cached_tokens`).
 - `add_request` raises ValueError at once for a request vLLM could never run (a prompt longer
   than the context, options vLLM rejects, kvbaton's KV hand-off: a KV source or sink, tokens
-  sampled elsewhere); vLLM's own validation errors while streaming come out as ValueError too.
+  sampled elsewhere, a migrated request's tokens that break its constraint); vLLM's own
+  validation errors while streaming come out as ValueError too.
+- A migrated request's constraint resumes in kvbaton's logits processor, which `engine_args`
+  loads into vLLM's engine core unless speculative decoding is on (vLLM takes none with it;
+  such a worker refuses the request) (`vllm_constraint.py`).
 - Disaggregated (`create(..., disaggregated=...)`): vLLM's NixlConnector, a producer on a
   prefill worker, a consumer on a decode worker (on a CPU, from host memory); its side channel
   listens on the worker's host at a free port.
@@ -54,15 +58,20 @@ import msgspec
 
 from kvbaton.engine.connector import EngineRequest
 from kvbaton.engine.engine import EngineStats
+from kvbaton.engine.guided import GuidedDecoding
 from kvbaton.engine.vllm_cpu_pin import aggregated_binding, unpin_model_threads
 from kvbaton.engine.vllm_kv_events import VllmKvEvents
 from kvbaton.engine.vllm_kv_mirror import KvMirror
 from kvbaton.engine.vllm_options import mapped_args
-from kvbaton.engine.vllm_params import token_logprobs, vllm_sampling_params
+from kvbaton.engine.vllm_params import (
+    RESUMED_CONSTRAINTS,
+    token_logprobs,
+    vllm_sampling_params,
+)
 from kvbaton.engine.vllm_reaper import Reaper
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.protocols.kv import KvDump, KvEvent
-from kvbaton.protocols.llm import EngineOutput, Usage
+from kvbaton.protocols.llm import EngineOutput, Guided, Usage
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +157,8 @@ def engine_args(
         raise ValueError(f"vLLM rejected the arguments {list(passthrough)} (see above)") from exc
     args = AsyncEngineArgs.from_cli_args(namespace)
     args.disable_log_stats = True  # its own loggers off; `_stat_logger` records the load
+    if args.speculative_config is None:  # vLLM takes no logits processor with it
+        args.logits_processors = [*(args.logits_processors or []), RESUMED_CONSTRAINTS]
     if kv_events is not None:
         args.kv_events_config = kv_events
     return args
@@ -218,6 +229,10 @@ class VllmEngine:
         self.max_model_len: int = config.model_config.max_model_len
         self.block_size: int = config.cache_config.block_size
         self._num_blocks: int = config.cache_config.num_gpu_blocks or 0
+        self._resumes_constraints = RESUMED_CONSTRAINTS in (
+            config.model_config.logits_processors or []
+        )
+        self._guided: GuidedDecoding | None = None  # checks replayed constraints
         self._reaper = reaper
         self._kv_events = kv_events
         self._mirror = KvMirror(self.block_size, on_kv_event)
@@ -285,6 +300,9 @@ class VllmEngine:
         if not 0 < n < self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; the context is {self.max_model_len}")
         sampling, transfer = request.params.validate(), request.engine_params
+        if sampling.guided is not None and sampling.guided.replay:
+            # Off the loop: compiling a schema takes milliseconds.
+            await asyncio.to_thread(self._check_replay, sampling.guided, request.prompt_token_ids)
         if request.hold_kv and sampling.max_tokens > 1:  # the prefill for a remote decode
             sampling = msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0)
             transfer = {"do_remote_decode": True}
@@ -295,6 +313,18 @@ class VllmEngine:
                 min_tokens=max(0, sampling.min_tokens - len(sampled)),
             )
         return self._outputs(request, vllm_sampling_params(sampling, transfer))
+
+    def _check_replay(self, guided: Guided, prompt: list[int]) -> None:
+        """ValueError unless vLLM can resume `guided` past the prompt's replayed tail."""
+        from kvbaton.engine.vllm_constraint import guided_decoding
+
+        if not self._resumes_constraints:
+            raise ValueError("this vLLM worker cannot resume a constraint (speculative decoding)")
+        if guided.replay > len(prompt):
+            raise ValueError("the constraint replays more tokens than the prompt has")
+        if self._guided is None:
+            self._guided = guided_decoding(self._llm.vllm_config.model_config)
+        self._guided.matcher(guided, prompt[len(prompt) - guided.replay :])
 
     async def _outputs(
         self, request: EngineRequest, params: Any

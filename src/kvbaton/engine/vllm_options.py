@@ -10,8 +10,10 @@ after `--`, which wins. No vLLM import here: vLLM's parser reads both (`vllm_eng
 - On the CPU the KV cache is always sized explicitly (`DEFAULT_CPU_KV_CACHE_GIB` unless a flag
   sizes it): vLLM otherwise reserves a share of the NUMA node's memory (92% by default), which
   fails with two workers on one machine. The CPU runs eagerly (no torch.compile, no graphs).
-- Constraints go to vLLM's llguidance backend, the library kvbaton's engine uses (the same Lark
-  grammars), unless the pass-through names another.
+- Constraints go to vLLM's llguidance backend, the library kvbaton's engine uses, with no free
+  whitespace in JSON, as kvbaton's engine compiles it (`llm/constraints.py`): the same grammars,
+  so a migrated request's constraint resumes on them (`vllm_constraint.py`). The pass-through
+  may name others.
 """
 
 from __future__ import annotations
@@ -57,4 +59,5 @@ def mapped_args(model_dir: str, flags: Mapping[str, Any], *, on_cpu: bool) -> li
     if on_cpu:
         argv.append("--enforce-eager")
     argv += ["--structured-outputs-config.backend", "guidance"]
+    argv += ["--structured-outputs-config.disable_any_whitespace", "True"]
     return argv

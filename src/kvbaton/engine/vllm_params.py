@@ -7,7 +7,9 @@ vLLM is imported when a function runs, never at import.
 - Outputs stream as deltas (`RequestOutputKind.DELTA`), token ids only: vLLM does not
   detokenize (the frontend does, and matches stop strings there).
 - A constraint replayed over a migrated request's tokens (`Guided.replay`) has no vLLM
-  counterpart: ValueError.
+  counterpart (vLLM's grammar starts at the first generated token): it goes in
+  `extra_args[REPLAYED_CONSTRAINT]`, which kvbaton's logits processor applies
+  (`vllm_constraint.py`).
 - KV connector parameters (disaggregation) go in `extra_args["kv_transfer_params"]`, where
   vLLM's connectors read them.
 """
@@ -17,10 +19,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 from kvbaton.protocols.llm import SamplingParams, TokenLogprob
 
 # kvbaton's constraint kind -> vLLM's StructuredOutputsParams field.
 GUIDED_FIELDS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+# The `extra_args` key of a replayed constraint (a `Guided` as a dict).
+REPLAYED_CONSTRAINT = "kvbaton_replayed_constraint"
+# The logits processor that applies it, as vLLM loads one (its module imports vLLM).
+RESUMED_CONSTRAINTS = "kvbaton.engine.vllm_constraint:ResumedConstraints"
 
 
 def vllm_sampling_params(params: SamplingParams, kv_transfer: dict[str, Any] | None = None) -> Any:
@@ -31,10 +39,13 @@ def vllm_sampling_params(params: SamplingParams, kv_transfer: dict[str, Any] | N
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     structured = None
-    if params.guided is not None:
-        guided = params.guided
-        if guided.replay:
-            raise ValueError("--engine vllm cannot resume a constraint (guided.replay)")
+    extra: dict[str, Any] = {}
+    if kv_transfer:
+        extra["kv_transfer_params"] = dict(kv_transfer)
+    guided = params.guided
+    if guided is not None and guided.replay:
+        extra[REPLAYED_CONSTRAINT] = msgspec.structs.asdict(guided)
+    elif guided is not None:
         spec: Any = json.loads(guided.spec) if guided.kind == "choice" else guided.spec
         structured = StructuredOutputsParams(**{GUIDED_FIELDS[guided.kind]: spec})
     return VllmSamplingParams(
@@ -56,7 +67,7 @@ def vllm_sampling_params(params: SamplingParams, kv_transfer: dict[str, Any] | N
         structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,
-        extra_args={"kv_transfer_params": dict(kv_transfer)} if kv_transfer else None,
+        extra_args=extra or None,
     )
 
 
