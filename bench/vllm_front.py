@@ -209,11 +209,12 @@ def report(runs: list[dict[str, dict[int, Figures]]], comparison: Comparison) ->
 
 
 def median_ratios(runs: list[dict[str, dict[int, Figures]]], c: int) -> tuple[float, float]:
-    """kvbaton over vllm serve at concurrency `c`: the (upper) median over repeats of the
-    throughput ratio and of the TTFT p50 ratio."""
-    throughput = sorted(r["kvbaton"][c].tokens_per_s / r["vllm"][c].tokens_per_s for r in runs)
-    ttft = sorted(r["kvbaton"][c].ttft_p50_ms / r["vllm"][c].ttft_p50_ms for r in runs)
-    return throughput[len(throughput) // 2], ttft[len(ttft) // 2]
+    """kvbaton over vllm serve at concurrency `c`: the median over repeats of the throughput
+    ratio and of the TTFT p50 ratio (of an even count, the mean of the middle two: the upper one
+    took the better throughput and the worse TTFT of two repeats)."""
+    throughput = [r["kvbaton"][c].tokens_per_s / r["vllm"][c].tokens_per_s for r in runs]
+    ttft = [r["kvbaton"][c].ttft_p50_ms / r["vllm"][c].ttft_p50_ms for r in runs]
+    return statistics.median(throughput), statistics.median(ttft)
 
 
 def report_headlines(runs: list[dict[str, dict[int, Figures]]], comparison: Comparison) -> None:
