@@ -81,13 +81,12 @@ class _Abort:
     outputs: object = None  # the stream that asked; None: whatever runs under the id
 
 
-class _Stop(Exception):
-    """The stop message was read: the step loop ends."""
-
-
-_Message = EngineRequest | _Abort | _Call | _Loaded | _Release | _Reclaim
-_Item = EngineOutput | BaseException  # what a request's stream is handed
-_Outputs = asyncio.Queue[_Item]  # a request's stream, read on its caller's loop
+# The step loop's messages, and what a request's stream is handed: the seams a subclass with
+# a step loop of its own (the mocker's) overrides `_post` and `_deliver_all` with.
+Message = EngineRequest | _Abort | _Call | _Loaded | _Release | _Reclaim
+StreamItem = EngineOutput | BaseException
+_Outputs = asyncio.Queue[StreamItem]  # a request's stream, read on its caller's loop
+SHUT_DOWN = "the engine is shut down"
 IDLE_POLL_S = 0.5  # a step that ran nothing waits this long for a message, at most
 
 
@@ -95,7 +94,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._loads: concurrent.futures.ThreadPoolExecutor | None = None
-        self._inbox: queue.SimpleQueue[_Message | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Outputs]] = {}
         self._lock = threading.Lock()
         self._stats = engine.stats()  # a snapshot, replaced by the step thread
@@ -109,7 +108,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="kvbaton-engine", daemon=True)
         self._thread.start()
 
-    def _post(self, message: _Message | None) -> None:
+    def _post(self, message: Message | None) -> None:
         """Hand a message to the step loop (None: stop), from any thread."""
         self._inbox.put(message)
 
@@ -240,7 +239,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         with self._lock:
-            self._stopped = "the engine is shut down"
+            self._stopped = SHUT_DOWN
             self._post(None)
         await self._stepping_stopped()
         if self._loads is not None:
@@ -253,13 +252,13 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join, 30)
 
     # -- the step thread ---------------------------------------------------------------------
-    def _deliver(self, request_id: str, item: _Item) -> None:
+    def _deliver(self, request_id: str, item: StreamItem) -> None:
         self._deliver_all([(request_id, item)])
 
-    def _deliver_all(self, items: list[tuple[str, _Item]]) -> None:
+    def _deliver_all(self, items: list[tuple[str, StreamItem]]) -> None:
         """Hand each item to its request's stream: one wake-up of each caller's loop for all
         of a step's outputs (a wake-up per output cost as much as the step, under load)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Outputs, _Item]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Outputs, StreamItem]]] = {}
         with self._lock:
             for loop, outputs, item in self._routed(items):
                 by_loop.setdefault(loop, []).append((outputs, item))
@@ -268,8 +267,8 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, puts)
 
     def _routed(
-        self, items: list[tuple[str, _Item]]
-    ) -> list[tuple[asyncio.AbstractEventLoop, _Outputs, _Item]]:
+        self, items: list[tuple[str, StreamItem]]
+    ) -> list[tuple[asyncio.AbstractEventLoop, _Outputs, StreamItem]]:
         """Each item with its stream and the stream's loop (hold the lock): items of streams
         that ended are dropped; a stream's last item (or error) ends it."""
         routed = []
@@ -282,7 +281,7 @@ class AsyncEngine:
             routed.append((*entry, item))
         return routed
 
-    def _apply(self, message: _Message) -> None:
+    def _apply(self, message: Message) -> None:
         if isinstance(message, _Loaded):
             final = self.engine.finish_kv_load(
                 message.request_id, message.ok, message.token_ids, message.writes_end
@@ -344,12 +343,11 @@ class AsyncEngine:
         try:
             while True:
                 idle, stalled = self._waits()
-                try:
-                    applied = self._apply_inbox(
-                        block=idle or stalled, timeout=IDLE_POLL_S if stalled else None
-                    )
-                except _Stop:
-                    return self._fail_all(RuntimeError("the engine shut down"))
+                applied = self._apply_inbox(
+                    block=idle or stalled, timeout=IDLE_POLL_S if stalled else None
+                )
+                if applied is None:
+                    return
                 self._deliver_all(self._run_step(applied))
         except Exception as exc:
             self._loop_failed(exc)
@@ -384,21 +382,23 @@ class AsyncEngine:
         # Requests wait for blocks that loads or holds keep: only a message can change that.
         return idle, not idle and self.engine.last_step_tokens == 0
 
-    def _apply_inbox(self, block: bool, timeout: float | None = None) -> bool:
+    def _apply_inbox(self, block: bool, timeout: float | None = None) -> bool | None:
         """Apply the waiting messages (with `block`, waiting up to `timeout` for the first);
-        whether any was. Raises _Stop at the stop message."""
+        whether any was. None at the stop message: every open stream got SHUT_DOWN, and the
+        step loop ends."""
         applied = False
         try:
             while True:
                 message = self._inbox.get(block=block and not applied, timeout=timeout)
                 if message is None:
-                    raise _Stop
+                    self._fail_all(RuntimeError(SHUT_DOWN))
+                    return None
                 self._apply(message)
                 applied = True
         except queue.Empty:
             return applied
 
-    def _run_step(self, applied: bool) -> list[tuple[str, _Item]]:
+    def _run_step(self, applied: bool) -> list[tuple[str, StreamItem]]:
         """One engine step if it has work; its outputs, to deliver."""
         run = self._begin_step(applied)
         return [] if run is None else self._end_step(run)
@@ -422,7 +422,7 @@ class AsyncEngine:
         finally:
             self._start_loads(self.engine.take_kv_loads())  # a step that failed early
 
-    def _end_step(self, run: StepRun) -> list[tuple[str, _Item]]:
+    def _end_step(self, run: StepRun) -> list[tuple[str, StreamItem]]:
         """A run step's tokens taken in; its outputs, to deliver. The stats snapshot is renewed."""
         try:
             outputs = self.engine.end_step(run)
@@ -446,6 +446,6 @@ class AsyncEngine:
         self._deliver_all([(request_id, exc) for request_id in ids])
 
 
-def _put_all(puts: list[tuple[_Outputs, _Item]]) -> None:
+def _put_all(puts: list[tuple[_Outputs, StreamItem]]) -> None:
     for outputs, item in puts:
         outputs.put_nowait(item)

@@ -28,7 +28,7 @@ import math
 import threading
 from typing import Protocol
 
-from kvbaton.engine.async_engine import IDLE_POLL_S, AsyncEngine, _Item, _Message, _Stop
+from kvbaton.engine.async_engine import IDLE_POLL_S, AsyncEngine, Message, StreamItem
 from kvbaton.engine.engine import EngineStats, LLMEngine
 
 TIMER_TICK_S = 0.001  # the event loop's timer resolution (libuv's: a millisecond)
@@ -51,14 +51,14 @@ class MockerAsyncEngine(AsyncEngine):
     def _start(self) -> None:
         self._task = self._event_loop.create_task(self._steps(), name="kvbaton-mocker-steps")
 
-    def _post(self, message: _Message | None) -> None:
+    def _post(self, message: Message | None) -> None:
         super()._post(message)
         if threading.get_ident() == self._loop_thread:
             self._wakeup.set()
         else:  # a KV load's thread
             self._event_loop.call_soon_threadsafe(self._wakeup.set)
 
-    def _deliver_all(self, items: list[tuple[str, _Item]]) -> None:
+    def _deliver_all(self, items: list[tuple[str, StreamItem]]) -> None:
         with self._lock:
             routed = self._routed(items)
         for loop, outputs, item in routed:
@@ -88,10 +88,9 @@ class MockerAsyncEngine(AsyncEngine):
         while True:
             self._wakeup.clear()  # before reading the inbox: a message posted after sets it
             idle, stalled = self._waits()
-            try:
-                applied = self._apply_inbox(block=False)
-            except _Stop:
-                return self._fail_all(RuntimeError("the engine shut down"))
+            applied = self._apply_inbox(block=False)
+            if applied is None:
+                return
             if (idle or stalled) and not applied:
                 due = None
                 with contextlib.suppress(TimeoutError):
