@@ -81,7 +81,7 @@ async def _timed(
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
-    limit, what = first_s, "its first output"
+    limit, first = first_s, True  # `first`: no output came yet
     waiting_since: float | None = None  # set only while this task awaits the worker
     fired = False
     timer: asyncio.TimerHandle
@@ -105,14 +105,15 @@ async def _timed(
                 return
             except asyncio.CancelledError:
                 if fired and task.uncancel() == 0:
+                    what = "its first output" if first else "between outputs"
                     raise WorkerSilentError(
                         f"the worker sent nothing for {limit:g} s ({what})"
                     ) from None
                 raise
             finally:
                 waiting_since = None
-            if what != "between outputs":  # the first output came
-                limit, what = idle_s, "between outputs"
+            if first:
+                limit, first = idle_s, False
                 timer.cancel()
                 timer = loop.call_at(loop.time() + limit, check)
             yield out
