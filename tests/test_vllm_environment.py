@@ -24,6 +24,7 @@ VLLM_TESTS = [
     "tests/planner/test_vllm_local.py",
     "tests/engine/test_vllm_params.py",
     "tests/engine/test_vllm_constraint.py",
+    "tests/engine/test_vllm_worker_errors.py",
     "tests/engine/test_vllm_options.py",
 ]
 

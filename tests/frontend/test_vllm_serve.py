@@ -1,9 +1,10 @@
 """`kvbaton serve --engine vllm --workers 2` on SmolLM2 (issue 30, aggregated): greedy answers
-equal vLLM's own offline `LLM.generate`, a left stream leaves vLLM running nothing, a JSON schema
-holds, an over-long prompt is a 400, the KV router sends a shared prefix back to the worker whose
-vLLM cached it (predicting the cached tokens vLLM reports), a stream whose worker is killed
-migrates (a constrained one too), a worker whose vLLM engine core dies exits for serve to start
-a new one, and a worker killed with SIGKILL leaves no vLLM process behind.
+equal vLLM's own offline `LLM.generate`, a left stream leaves vLLM running nothing, busy
+workers (by vLLM's KV usage) shed new requests, a JSON schema holds, an over-long prompt is a
+400, the KV router sends a shared prefix back to the worker whose vLLM cached it (predicting
+the cached tokens vLLM reports), a stream whose worker is killed migrates (a constrained one
+too), a worker whose vLLM engine core dies exits for serve to start a new one, and a worker
+killed with SIGKILL leaves no vLLM process behind.
 
 Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
 `.venv-vllm/bin/python -m pytest -m vllm tests/frontend/test_vllm_serve.py`; skipped elsewhere.
@@ -121,6 +122,56 @@ async def test_a_left_stream_leaves_vllm_running_nothing(vllm_serve: Deployment)
             return all(load.running == load.waiting == 0 for load in await all_loads(runtime))
 
         await poll(nothing_runs, 30, "vLLM still runs the left request")
+
+
+async def test_busy_vllm_workers_shed_new_requests(vllm_serve: Deployment) -> None:
+    """Busy detection reads vLLM's KV usage as the worker reports it: with a threshold that
+    any running request passes, one long stream on each worker makes both busy, a new request
+    gets a 503 with Retry-After at once, and once the streams end it is served."""
+    url, model = vllm_serve.url, vllm_serve.model
+    long: dict[str, Any] = {"max_tokens": 400, "stream": True, "extra_body": {"ignore_eos": True}}
+    async with (
+        httpx.AsyncClient(base_url=url) as http,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as ai,
+        contextlib.AsyncExitStack() as streams,
+    ):
+        before = (await http.get("/busy_threshold")).json()
+        busy = {"kv_usage": 0.001, "prefill_tokens": None}  # one block in use is busy
+        assert (await http.post("/busy_threshold", json=busy)).status_code == 200
+        try:
+            workers: set[str] = set()
+            for take in range(6):  # until each worker runs one (the router spreads them)
+                raw = await ai.completions.with_raw_response.create(
+                    model=model, prompt=f"Count to a thousand, take {take}:", **long
+                )
+                await streams.enter_async_context(raw.parse())
+                workers.add(raw.headers["x-kvbaton-worker"])
+                if len(workers) == 2:
+                    break
+            assert len(workers) == 2, workers
+
+            async def shed() -> bool:
+                try:
+                    await ai.completions.create(model=model, prompt="Hi", max_tokens=1)
+                except openai.APIStatusError as exc:
+                    assert exc.status_code == 503, exc
+                    assert exc.response.headers["retry-after"] == str(before["retry_after_s"])
+                    return True
+                return False
+
+            await poll(shed, 60, "no 503 while both vLLM workers run a stream")
+            await streams.aclose()  # the streams end: vLLM aborts them
+
+            async def served() -> bool:
+                with contextlib.suppress(openai.APIStatusError):
+                    await ai.completions.create(model=model, prompt="Hi", max_tokens=1)
+                    return True
+                return False
+
+            await poll(served, 60, "still shed once the streams ended")
+        finally:
+            limits = {key: before[key] for key in busy}
+            assert (await http.post("/busy_threshold", json=limits)).status_code == 200
 
 
 async def all_loads(runtime: DistributedRuntime) -> list[WorkerLoad]:
