@@ -1,4 +1,5 @@
-"""Small helpers for tests: bounded waits, stream collection, running a benchmark."""
+"""Small helpers for tests: bounded waits, stream collection, running a benchmark, the skip of
+tests that need vLLM."""
 
 from __future__ import annotations
 
@@ -11,9 +12,15 @@ from collections.abc import AsyncIterable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 T = TypeVar("T")
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
+NEEDS_VLLM = pytest.mark.skipif(
+    not VLLM_INSTALLED,
+    reason="vLLM is not installed here: build .venv-vllm with scripts/vllm_env.sh",
+)
 
 
 async def wait_until(

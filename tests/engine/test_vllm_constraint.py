@@ -4,7 +4,7 @@ the tokens another worker generated (no engine started). Runs where vLLM is inst
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,15 +19,13 @@ import transformers
 from kvbaton.engine.vllm_params import REPLAYED_CONSTRAINT, RESUMED_CONSTRAINTS
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import Guided
+from tests.helpers import NEEDS_VLLM
 from tests.tiny_models import build_chat_model
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.unit,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed here: build .venv-vllm with scripts/vllm_env.sh",
-    ),
+    NEEDS_VLLM,
 ]
 
 SCHEMA = {

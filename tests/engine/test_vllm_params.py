@@ -3,7 +3,6 @@ Runs where vLLM is installed (scripts/vllm_env.sh); skipped elsewhere."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 
@@ -15,14 +14,12 @@ from kvbaton.engine.vllm_params import (
     vllm_sampling_params,
 )
 from kvbaton.protocols.llm import Guided, SamplingParams, TokenLogprob
+from tests.helpers import NEEDS_VLLM
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.unit,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed here: build .venv-vllm with scripts/vllm_env.sh",
-    ),
+    NEEDS_VLLM,
 ]
 
 

@@ -4,7 +4,6 @@ is: scripts/vllm_env.sh)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -14,13 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvbaton.engine.vllm_engine import INSTALL_HINT
+from tests.helpers import NEEDS_VLLM, VLLM_INSTALLED
 from tests.tiny_models import build_chat_model
 
-VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
-NEEDS_VLLM = pytest.mark.skipif(
-    not VLLM_INSTALLED,
-    reason="vLLM is not installed here: build .venv-vllm with scripts/vllm_env.sh",
-)
 START_S = 300  # vLLM's import alone takes seconds on a loaded 2-core machine
 
 
