@@ -81,7 +81,7 @@ def test_requests_without_a_replayed_constraint_are_not_tracked(model_dir: Path)
     assert processor(model_dir).new_req_logits_processor(SamplingParams()) is None
 
 
-def test_every_vllm_worker_loads_it_unless_it_decodes_speculatively(model_dir: Path) -> None:
+def test_a_cpu_worker_loads_it_unless_it_decodes_speculatively(model_dir: Path) -> None:
     from kvbaton.engine.vllm_engine import engine_args
 
     assert RESUMED_CONSTRAINTS in engine_args(model_dir, {}, []).logits_processors

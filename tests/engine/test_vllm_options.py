@@ -8,12 +8,14 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from kvbaton.cli.main import build_parser, split_passthrough
 from kvbaton.cli.worker import check_engine_flags
 from kvbaton.engine.vllm_cpu_pin import aggregated_binding, first_bound_core
+from kvbaton.engine.vllm_engine import resumes_constraints
 from kvbaton.engine.vllm_options import GIB, mapped_args
 from kvbaton.engine.vllm_reaper import Reaper, descendants, start_time
 from tests.helpers import wait_until_sync
@@ -38,6 +40,16 @@ def test_flags_map_to_vllm_s_and_the_cpu_sizes_its_kv_cache() -> None:
     assert half[half.index("--kv-cache-memory-bytes") + 1] == str(GIB // 2)
     assert "--enforce-eager" not in mapped_args("/m", {}, on_cpu=False)
     assert "--kv-cache-memory-bytes" not in mapped_args("/m", {}, on_cpu=False)  # GPU: vLLM's
+
+
+def test_constraints_resume_where_vllm_schedules_synchronously() -> None:
+    def args(async_scheduling: bool | None, speculative: object = None) -> SimpleNamespace:
+        return SimpleNamespace(async_scheduling=async_scheduling, speculative_config=speculative)
+
+    assert resumes_constraints(args(None), on_cpu=True)  # vLLM's CPU never schedules async
+    assert resumes_constraints(args(False), on_cpu=False)  # --no-async-scheduling on a GPU
+    assert not resumes_constraints(args(None), on_cpu=False)  # the GPU's default: async
+    assert not resumes_constraints(args(None, {"method": "ngram"}), on_cpu=True)
 
 
 def test_flags_vllm_has_no_use_for_are_refused() -> None:

@@ -1,8 +1,11 @@
-"""A migrated request's constraint on a vLLM worker: vLLM's structured outputs start their
-grammar at the first token vLLM generates, so a constraint that resumes past tokens another
-worker generated (`Guided.replay`, the prompt's tail) is applied here, as a logits processor in
-vLLM's engine core, loaded into every vLLM worker's engine by name (`RESUMED_CONSTRAINTS`).
+"""A migrated request's constraint on a vLLM worker, as a logits processor in vLLM's engine core.
 
+- vLLM's structured outputs start their grammar at the first token vLLM generates. A constraint
+  resumed past tokens another worker generated (`Guided.replay`, the prompt's tail) is applied
+  here instead.
+- Loaded by name (`RESUMED_CONSTRAINTS`) where vLLM schedules synchronously
+  (`vllm_engine.resumes_constraints`): any logits processor makes vLLM's async scheduling wait
+  for each step's tokens. A CPU never schedules async.
 - Requests without `extra_args[REPLAYED_CONSTRAINT]` (`vllm_params.py`) are not tracked: they
   pay nothing per step.
 - The grammar and matcher are kvbaton's engine's (`guided.py`, llguidance), which vLLM's

@@ -11,8 +11,8 @@ workers in the prefill-first order, vLLM's NIXL connector moving the KV.
   sampled elsewhere, a migrated request's tokens that break its constraint); vLLM's own
   validation errors while streaming come out as ValueError too.
 - A migrated request's constraint resumes in kvbaton's logits processor, which `engine_args`
-  loads into vLLM's engine core unless speculative decoding is on (vLLM takes none with it;
-  such a worker refuses the request) (`vllm_constraint.py`).
+  loads into vLLM's engine core where vLLM schedules synchronously and does not decode
+  speculatively (`resumes_constraints`); elsewhere the worker refuses such a request.
 - Disaggregated (`create(..., disaggregated=...)`): vLLM's NixlConnector, a producer on a
   prefill worker, a consumer on a decode worker (on a CPU, from host memory); its side channel
   listens on the worker's host at a free port.
@@ -157,11 +157,21 @@ def engine_args(
         raise ValueError(f"vLLM rejected the arguments {list(passthrough)} (see above)") from exc
     args = AsyncEngineArgs.from_cli_args(namespace)
     args.disable_log_stats = True  # its own loggers off; `_stat_logger` records the load
-    if args.speculative_config is None:  # vLLM takes no logits processor with it
+    if resumes_constraints(args, current_platform.is_cpu()):
         args.logits_processors = [*(args.logits_processors or []), RESUMED_CONSTRAINTS]
     if kv_events is not None:
         args.kv_events_config = kv_events
     return args
+
+
+def resumes_constraints(args: Any, on_cpu: bool) -> bool:
+    """Whether to load kvbaton's logits processor (`vllm_constraint.py`) into the engine of
+    `args` (vLLM's AsyncEngineArgs): only where vLLM schedules synchronously (always on a CPU;
+    on a GPU with `--no-async-scheduling`), and never with speculative decoding (vLLM takes
+    no logits processor then). Any logits processor makes vLLM's async scheduling wait for
+    each step's sampled tokens, for every request."""
+    synchronous = on_cpu or args.async_scheduling is False
+    return synchronous and args.speculative_config is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +329,10 @@ class VllmEngine:
         from kvbaton.engine.vllm_constraint import guided_decoding
 
         if not self._resumes_constraints:
-            raise ValueError("this vLLM worker cannot resume a constraint (speculative decoding)")
+            raise ValueError(
+                "this vLLM worker cannot resume a constraint: run it with --no-async-scheduling "
+                "and without speculative decoding (`vllm_constraint.py`)"
+            )
         if guided.replay > len(prompt):
             raise ValueError("the constraint replays more tokens than the prompt has")
         if self._guided is None:
