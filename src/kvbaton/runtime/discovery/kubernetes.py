@@ -189,7 +189,9 @@ class KubernetesDiscovery(Discovery):
             except Exception as exc:  # unreachable or refused: retry, never give up
                 if not isinstance(exc, KubernetesUnavailableError):
                     log.warning("keep-alive of lease %s failed: %s", lease.name, exc)
-                wait = backoff.next()
+                # No longer apart than a renewal: after an outage readers give every lease a
+                # fresh TTL (kube_watch.py), which the first renewal must beat.
+                wait = min(backoff.next(), lease.ttl / 3)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
                     await lease.wake.wait()
