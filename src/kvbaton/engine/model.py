@@ -168,12 +168,11 @@ class ModelConfig:
             self.max_len = min(self.max_len, hf.sliding_window)  # no sliding attention here
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ValueError(f"activation {hf.hidden_act!r} is not supported (only silu)")
-        self.eos_token_ids = eos_token_ids(hf)
+        self.eos_token_ids = eos_token_ids(getattr(hf, "eos_token_id", None))
 
 
-def eos_token_ids(hf_config: Any) -> frozenset[int]:
-    """A transformers config's EOS token ids (it holds one, a list, or none)."""
-    eos = getattr(hf_config, "eos_token_id", None)
+def eos_token_ids(eos: int | list[int] | None) -> frozenset[int]:
+    """The EOS token ids of a model config's `eos_token_id` (one, a list, or none)."""
     return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 

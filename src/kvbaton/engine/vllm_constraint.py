@@ -41,7 +41,7 @@ def guided_decoding(model_config: Any) -> GuidedDecoding:
     directory = Path(model_config.tokenizer)
     if not (directory / "tokenizer.json").is_file():
         raise ValueError(f"cannot resume a constraint: {directory} has no tokenizer.json")
-    eos = eos_token_ids(model_config.hf_config)
+    eos = eos_token_ids(getattr(model_config.hf_config, "eos_token_id", None))
     return GuidedDecoding(directory, model_config.get_vocab_size(), eos)
 
 

@@ -20,6 +20,7 @@ from kvbaton.engine.async_engine import AsyncEngine
 from kvbaton.engine.block_manager import BlockManager
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.engine import LLMEngine
+from kvbaton.engine.model import eos_token_ids
 from kvbaton.engine.scheduler import SchedulerOutput
 from kvbaton.engine.sequence import Sequence
 from kvbaton.kv_tiers import TierSettings
@@ -50,8 +51,7 @@ def _mix(x: int) -> int:
 def _model_facts(model_dir: Path) -> tuple[int, int, set[int]]:
     """(vocab size, max positions, ids never to emit: EOS and the tokenizer's added tokens)."""
     config = json.loads((model_dir / "config.json").read_text())
-    eos = config.get("eos_token_id")
-    never = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    never = set(eos_token_ids(config.get("eos_token_id")))
     tokenizer_file = model_dir / "tokenizer.json"
     if tokenizer_file.is_file():
         added = json.loads(tokenizer_file.read_text()).get("added_tokens", [])
