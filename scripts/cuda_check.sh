@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The engine on CUDA, in one go (for a machine with an NVIDIA GPU; CI never runs this):
 #   1. the engine's tests with the engine and the HF reference on cuda (KVBATON_TEST_DEVICE),
-#      including the bfloat16/float16 agreement check, which is skipped on the CPU;
+#      including the bfloat16/float16 agreement check, which is skipped on the CPU, and the
+#      KV tiers' tests (the cache's host mirror pinned);
 #   2. bench/engine.py on a random-weight model of SmolLM2-135M's shape, bfloat16 on cuda.
 # Logs go to $OUT (default /tmp/cuda_check). Wheels of packages the machine lacks may wait in
 # .whl/ (installed into /tmp/site first).
@@ -24,8 +25,8 @@ export PYTHONPATH="src:.${PYTHONPATH:+:$PYTHONPATH}"
 torch.version.cuda, torch.cuda.get_device_name(0), 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.log"
 
-KVBATON_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest tests/engine -q \
-    -m "not slow" -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/tests.log"
+KVBATON_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest tests/engine \
+    tests/kv_tiers -q -m "not slow" -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/tests.log"
 tests_rc=$?
 
 timeout "${BENCH_TIMEOUT:-240}" python3 bench/engine.py --random-weights --device cuda \

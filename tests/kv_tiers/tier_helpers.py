@@ -1,9 +1,11 @@
 """Shared helpers of the KV tier tests: a tiny-model engine with tiers, driven synchronously
-(each step's tier loads run right after it), and greedy runs of it."""
+(each step's tier loads run right after it), and greedy runs of it. The engine runs on
+KVBATON_TEST_DEVICE (scripts/cuda_check.sh: cuda, its cache's host mirror pinned)."""
 
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,8 +13,10 @@ from kvbaton.engine import EngineConfig, LLMEngine, SamplingParams
 from kvbaton.engine.connector import EngineRequest, KvLoadFailed
 from kvbaton.engine.sequence import Sequence
 from kvbaton.kv_tiers import KvTiers, TierSettings
+from kvbaton.kv_transfer import KvPool
 from kvbaton.protocols.kv import KvEvent
 from kvbaton.protocols.llm import KvTierStats
+from tests.engine.conftest import TEST_DEVICE
 
 BLOCK_SIZE = 8
 NEW_TOKENS = 6
@@ -26,21 +30,26 @@ def tiered_engine(
     num_kv_blocks: int = 24,
     on_event: Callable[[KvEvent], None] | None = None,
 ) -> LLMEngine:
-    """A float32 engine with a small pool, its cache in a host buffer, and the tiers asked for
-    (none with neither `host_bytes` nor `disk_dir`); its KV events go to `on_event`."""
+    """A float32 engine with a small pool, its cache in a host buffer (a pinned mirror on
+    CUDA, unpinned once the engine is gone), and the tiers asked for (none with neither
+    `host_bytes` nor `disk_dir`); its KV events go to `on_event`."""
     config = EngineConfig(
         model=str(model_dir),
         dtype="float32",
+        device=TEST_DEVICE,
         block_size=BLOCK_SIZE,
         num_kv_blocks=num_kv_blocks,
     )
     settings = TierSettings(host_bytes, disk_dir, disk_bytes)
-    return LLMEngine(
+    pool = KvPool(shared=False, pin=TEST_DEVICE.startswith("cuda"))
+    engine = LLMEngine(
         config,
         on_event,
-        cache_buffer=lambda n: memoryview(bytearray(n)),
+        cache_buffer=pool.allocate,
         kv_tier=settings.for_model(model_dir) if settings.enabled else None,
     )
+    weakref.finalize(engine, pool.close)
+    return engine
 
 
 def greedy(eng: LLMEngine, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:

@@ -97,3 +97,69 @@ def test_a_pool_closed_while_viewed_stays_mapped_and_exits_quietly() -> None:
     assert int(total) == 7 << 20  # every byte of the view still mapped, and written
     assert run.stderr == ""  # no "Exception ignored ... BufferError" at exit
     assert not Path(f"/dev/shm/{name}").exists()  # unlinked by close
+
+
+class FakeCudart:
+    """CUDA's runtime as `host_pin` calls it: registrations by address, a refusal if told."""
+
+    def __init__(self, pool: KvPool, refuse: bool = False) -> None:
+        self.pool, self.refuse = pool, refuse
+        self.registered: dict[int, int] = {}
+        self.mapped_at_unregister: list[bool] = []
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        if self.refuse:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered[address] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.mapped_at_unregister.append(self.pool.segment is not None)
+        return 0 if self.registered.pop(address, None) is not None else 1
+
+
+def fake_cuda(monkeypatch: pytest.MonkeyPatch, cudart: FakeCudart) -> None:
+    import torch
+
+    def check_error(result: int) -> None:  # as torch's, whose CudaError needs a real CUDA
+        if result:
+            raise RuntimeError(f"CUDA error {result}")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "check_error", check_error)
+
+
+@needs_fallocate
+def test_a_pinned_pool_registers_its_buffer_and_unregisters_it_before_unmapping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = KvPool(shared=True, pin=True)
+    cudart = FakeCudart(pool)
+    fake_cuda(monkeypatch, cudart)
+    buffer = pool.allocate(NBYTES)
+    assert pool.pinned is buffer and list(cudart.registered.values()) == [NBYTES]
+    pool.close()
+    assert pool.pinned is None and cudart.registered == {}
+    assert cudart.mapped_at_unregister == [True]
+
+
+def test_a_pool_that_cuda_refuses_to_pin_works_unpinned(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = KvPool(shared=False, pin=True)
+    cudart = FakeCudart(pool, refuse=True)
+    fake_cuda(monkeypatch, cudart)
+    with caplog.at_level(logging.WARNING, logger="kvbaton.kv_transfer.host_pin"):
+        buffer = pool.allocate(NBYTES)
+    assert pool.pinned is None and len(buffer) == NBYTES
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    buffer[:4] = b"kvkv"
+    pool.close()
+    assert cudart.mapped_at_unregister == []  # nothing to undo
+
+
+def test_without_cuda_a_pool_asked_to_pin_pins_nothing() -> None:
+    pool = KvPool(shared=False, pin=True)
+    assert len(pool.allocate(NBYTES)) == NBYTES and pool.pinned is None
+    pool.close()

@@ -34,8 +34,12 @@ async def run_worker(args: argparse.Namespace, runtime: DistributedRuntime) -> i
 
     check_engine_flags(args)
     component = args.component or ("prefill" if args.role == "prefill" else "backend")
-    # A prefill or decode worker's pool lives in shared memory, for peers on this host.
-    pool = KvPool(shared=args.role != "agg" and args.kv_transfer != "tcp")
+    # A prefill or decode worker's pool lives in shared memory, for peers on this host; on a
+    # GPU it is the cache's host mirror, pinned for the GPU's copies.
+    pool = KvPool(
+        shared=args.role != "agg" and args.kv_transfer != "tcp",
+        pin=args.device.startswith("cuda"),
+    )
     try:
         engine, publisher = await _engine(args, pool, runtime.settings.host)
         try:

@@ -144,18 +144,34 @@ class ModelRunner:
         (before a peer moves them)."""
         if self.mirror is not None and block_ids:
             assert self.cache is not None
-            index = torch.tensor(block_ids, dtype=torch.long)
-            part = slice(*layers) if layers else slice(None)
-            self.mirror[index, part] = self.cache[index.to(self.device), part].cpu()
+            self._copy_blocks(self.mirror, self.cache, block_ids, layers)
 
     def stage_in(self, block_ids: list[int], layers: tuple[int, int] | None = None) -> None:
         """Copy blocks of the host mirror (layers [first, end) of each, if given) into the
         cache (after a peer moved them there)."""
         if self.mirror is not None and block_ids:
             assert self.cache is not None
-            index = torch.tensor(block_ids, dtype=torch.long)
-            part = slice(*layers) if layers else slice(None)
-            self.cache[index.to(self.device), part] = self.mirror[index, part].to(self.device)
+            self._copy_blocks(self.cache, self.mirror, block_ids, layers)
+
+    def _copy_blocks(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        block_ids: list[int],
+        layers: tuple[int, int] | None,
+    ) -> None:
+        """- One copy per run of consecutive blocks (a contiguous piece of each tensor), or per
+          block when only some layers go.
+        - Between a GPU and a pinned mirror the copies are asynchronous (DMA), and done when
+          this returns."""
+        part = slice(*layers) if layers else slice(None)
+        runs = block_runs(block_ids) if layers is None else [(b, 1) for b in block_ids]
+        for first, count in runs:
+            dst[first : first + count, part].copy_(
+                src[first : first + count, part], non_blocking=True
+            )
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def kv_layout(self) -> str:
         """The cache's dtype and block shape: caches exchange blocks only when equal."""
@@ -281,3 +297,14 @@ class ModelRunner:
         seqs = [s.seq for s in sampling]
         tokens = self.sampler(logits, seqs)
         return {seq.request_id: token for seq, token in zip(seqs, tokens, strict=True)}
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive ids, in order: [3, 4, 5, 9] -> [(3, 3), (9, 1)]."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs

@@ -4,8 +4,11 @@ across all layers, so a block is one piece; within it, layer l's K and V are the
 num_layers` bytes from l * that, so a run of layers of a block is one piece too). The buffer
 lives in a shared-memory segment when peers on this host may reach it there.
 
-Invariant: the segment is created by the pool's owner, which alone unlinks it (`close`, or its
-resource tracker if the process dies); peers only attach (`attach_segment`)."""
+Invariants:
+- The segment is created by the pool's owner, which alone unlinks it (`close`, or its resource
+  tracker if the process dies); peers only attach (`attach_segment`).
+- A pool made with `pin` (a GPU's host mirror) pins its buffer where CUDA allows, and unpins it
+  on `close`, before the segment is unmapped."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvbaton.kv_transfer import host_pin
 from kvbaton.protocols.llm import KvPoolInfo
 
 log = logging.getLogger(__name__)
@@ -54,8 +58,10 @@ def host_id() -> str:
 class KvPool:
     """Call `attach(buffer, ...)` once the engine laid its cache over the buffer."""
 
-    def __init__(self, shared: bool = True) -> None:
+    def __init__(self, shared: bool = True, pin: bool = False) -> None:
         self.shared = shared
+        self.pin = pin
+        self.pinned: memoryview | None = None  # the buffer, while pinned
         self.segment: shared_memory.SharedMemory | None = None
         self.blocks: np.ndarray | None = None  # uint8 [num_blocks, block_bytes]
         self.layout = ""
@@ -66,27 +72,33 @@ class KvPool:
     def allocate(self, nbytes: int) -> memoryview:
         """The buffer for the engine's cache (zeroed): in shared memory if `shared` and the
         shared-memory file system has room for all of it, its pages allocated at once."""
-        if self.shared and nbytes > 0:
-            segment = _Segment(create=True, size=nbytes)
-            _OWNED.add(segment.name)
-            try:
-                _reserve(segment, nbytes)
-            except OSError as e:
-                segment.close()
-                segment.unlink()
-                _OWNED.discard(segment.name)
-                log.warning(
-                    "no room for a %.2f GiB KV pool in /dev/shm (%s): peers reach it over TCP only",
-                    nbytes / 2**30,
-                    e.strerror or e,
-                )
-                self.shared = False
-            else:
-                self.segment = segment
-                buffer = segment.buf
-                assert buffer is not None
-                return buffer[:nbytes]
-        return memoryview(bytearray(nbytes))
+        buffer = self._shared_buffer(nbytes) if self.shared and nbytes > 0 else None
+        if buffer is None:
+            buffer = memoryview(bytearray(nbytes))
+        if self.pin and host_pin.pin(buffer):
+            self.pinned = buffer
+        return buffer
+
+    def _shared_buffer(self, nbytes: int) -> memoryview | None:
+        segment = _Segment(create=True, size=nbytes)
+        _OWNED.add(segment.name)
+        try:
+            _reserve(segment, nbytes)
+        except OSError as e:
+            segment.close()
+            segment.unlink()
+            _OWNED.discard(segment.name)
+            log.warning(
+                "no room for a %.2f GiB KV pool in /dev/shm (%s): peers reach it over TCP only",
+                nbytes / 2**30,
+                e.strerror or e,
+            )
+            self.shared = False
+            return None
+        self.segment = segment
+        buffer = segment.buf
+        assert buffer is not None
+        return buffer[:nbytes]
 
     def attach(
         self,
@@ -132,6 +144,9 @@ class KvPool:
 
     def close(self) -> None:
         self.blocks = None
+        if self.pinned is not None:
+            pinned, self.pinned = self.pinned, None
+            host_pin.unpin(pinned)
         if self.segment is not None:
             segment, self.segment = self.segment, None
             with contextlib.suppress(BufferError):  # the engine's cache still views it
