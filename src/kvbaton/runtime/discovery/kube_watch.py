@@ -11,7 +11,7 @@ is resumed; one that cannot resume (410 Gone) or breaks lists again and delivers
 Once its first watch is open it lists once more: an API that does not replay the changes made
 between a list and its watch (an emulator, a caching proxy) would otherwise hide a deletion
 made in between until the TTL. After an outage every lease gets a fresh TTL (its owner could
-not renew either). Pods are listed and watched once per handle (`PodReadiness`), from the first
+not renew either), from the first list or watch event that gets through. Pods are listed and watched once per handle (`PodReadiness`), from the first
 lease that names one.
 """
 
@@ -228,6 +228,7 @@ class LeaseWatch:
                 await self.pods.ensure(self.records)
                 async for event in self.api.watch_leases(self.version):
                     if event["type"] == "OPEN":
+                        self._reconnected()
                         self.response = event["response"]
                         if self.watch is None:  # see the module's docstring
                             await self._relist(publish=False)
@@ -242,7 +243,7 @@ class LeaseWatch:
                         record = None if event["type"] == "DELETED" else ko.parse_lease(obj)
                         self._apply(name, record)
                         self.publish()
-                    self.connected = True
+                    self._reconnected()
                 if time.monotonic() - opened > 1.0:
                     backoff.reset()
                     continue  # the server ended the watch: resume from the last version
@@ -264,16 +265,21 @@ class LeaseWatch:
     async def _relist(self, publish: bool = True) -> None:
         with contextlib.suppress(KubernetesUnavailableError, KubernetesDiscoveryError):
             records, version = await self.api.list_leases()
-            fresh = not self.connected  # after an outage every lease gets a fresh TTL
+            self._reconnected()
             for name in self.records.keys() - records.keys():
                 self._apply(name, None)
             for name, record in records.items():
                 self._apply(name, record)
-                if fresh:
-                    self.observed[name] = time.monotonic()
-            self.version, self.connected = version, True
+            self.version = version
             if publish:
                 self.publish()
+
+    def _reconnected(self) -> None:
+        """The API answered: after an outage every lease gets a fresh TTL (its owner could not
+        renew either), whether a list or a watch is the first to get through."""
+        if not self.connected:
+            self.observed = dict.fromkeys(self.records, time.monotonic())
+            self.connected = True
 
     async def _tick(self) -> None:
         """Confirm and reap the leases whose renewals stopped."""
