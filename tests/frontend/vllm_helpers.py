@@ -5,7 +5,6 @@ answers to compare with (greedy, and seeded with penalties)."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,17 +15,14 @@ from pathlib import Path
 import pytest
 
 from tests.frontend.conftest import _READY, Deployment, _start
+from tests.helpers import NEEDS_VLLM
 
 MODEL_DIR = Path.home() / ".cache" / "kvbaton" / "models" / "smollm2"  # `kvbaton pull`
 VLLM_MARKS = [
     pytest.mark.vllm,
     pytest.mark.integration,
     pytest.mark.timeout(900),  # a module's deployment starts in its first test's time
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed here: build .venv-vllm with scripts/vllm_env.sh and run "
-        ".venv-vllm/bin/python -m pytest -m vllm tests/frontend",
-    ),
+    NEEDS_VLLM,
     pytest.mark.skipif(not MODEL_DIR.is_dir(), reason="SmolLM2 is not pulled (`kvbaton pull`)"),
 ]
 MAX_MODEL_LEN = 1024
