@@ -11,8 +11,8 @@ is resumed; one that cannot resume (410 Gone) or breaks lists again and delivers
 Once its first watch is open it lists once more: an API that does not replay the changes made
 between a list and its watch (an emulator, a caching proxy) would otherwise hide a deletion
 made in between until the TTL. After an outage every lease gets a fresh TTL (its owner could
-not renew either), from the first list or watch event that gets through. Pods are listed and watched once per handle (`PodReadiness`), from the first
-lease that names one.
+not renew either), from the first list or watch event that gets through. Pods are listed and
+watched once per handle (`PodReadiness`), from the first lease that names one.
 """
 
 from __future__ import annotations
