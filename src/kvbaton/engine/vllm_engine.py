@@ -52,13 +52,12 @@ import socket
 import sys
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvbaton.engine.connector import EngineRequest
 from kvbaton.engine.engine import EngineStats
-from kvbaton.engine.guided import GuidedDecoding
 from kvbaton.engine.vllm_cpu_pin import aggregated_binding, unpin_model_threads
 from kvbaton.engine.vllm_kv_events import VllmKvEvents
 from kvbaton.engine.vllm_kv_mirror import KvMirror
@@ -72,6 +71,9 @@ from kvbaton.engine.vllm_reaper import Reaper
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput, Guided, Usage
+
+if TYPE_CHECKING:  # torch and llguidance load only where a constraint resumes
+    from kvbaton.engine.guided import GuidedDecoding
 
 log = logging.getLogger(__name__)
 
