@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvbaton.llm.model_files import eos_token_ids
+
 SUPPORTED = ("llama", "mistral", "qwen2")
 
 
@@ -169,11 +171,6 @@ class ModelConfig:
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ValueError(f"activation {hf.hidden_act!r} is not supported (only silu)")
         self.eos_token_ids = eos_token_ids(getattr(hf, "eos_token_id", None))
-
-
-def eos_token_ids(eos: int | list[int] | None) -> frozenset[int]:
-    """The EOS token ids of a model config's `eos_token_id` (one, a list, or none)."""
-    return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
 def rope_tables(

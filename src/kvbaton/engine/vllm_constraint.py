@@ -28,8 +28,8 @@ import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
 from kvbaton.engine.guided import GuidedDecoding
-from kvbaton.engine.model import eos_token_ids
 from kvbaton.engine.vllm_params import REPLAYED_CONSTRAINT
+from kvbaton.llm.model_files import eos_token_ids
 from kvbaton.protocols.llm import Guided
 
 log = logging.getLogger(__name__)

@@ -59,6 +59,11 @@ def resolve_model(name_or_path: str) -> Path:
     )
 
 
+def eos_token_ids(eos: int | list[int] | None) -> frozenset[int]:
+    """The EOS token ids of a model config's `eos_token_id` (one, a list, or none)."""
+    return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
 def served_name(name_or_path: str) -> str:
     """The name clients ask for by default: a pulled model's name, or the directory's name."""
     return Path(os.path.normpath(name_or_path)).name

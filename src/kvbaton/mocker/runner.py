@@ -20,11 +20,10 @@ from kvbaton.engine.async_engine import AsyncEngine
 from kvbaton.engine.block_manager import BlockManager
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.engine import LLMEngine
-from kvbaton.engine.model import eos_token_ids
 from kvbaton.engine.scheduler import SchedulerOutput
 from kvbaton.engine.sequence import Sequence
 from kvbaton.kv_tiers import TierSettings
-from kvbaton.llm.model_files import resolve_model
+from kvbaton.llm.model_files import eos_token_ids, resolve_model
 from kvbaton.mocker.async_engine import MockerAsyncEngine
 from kvbaton.mocker.tiers import mocker_tiers
 from kvbaton.mocker.timing import MockerTiming
