@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from multiprocessing import shared_memory
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ from kvbaton.cli.worker import check_engine_flags
 from kvbaton.engine.vllm_cpu_pin import aggregated_binding, first_bound_core
 from kvbaton.engine.vllm_engine import resumes_constraints
 from kvbaton.engine.vllm_options import GIB, mapped_args
-from kvbaton.engine.vllm_reaper import Reaper, descendants, start_time
+from kvbaton.engine.vllm_reaper import SHM, Reaper, descendants, mapped_segments, start_time
 from tests.helpers import wait_until_sync
 
 pytestmark = pytest.mark.unit
@@ -95,6 +96,48 @@ def test_the_reaper_ends_the_processes_once_its_pipe_closes(tmp_path: Path) -> N
         for proc in (sleeper, before):
             proc.kill()
             proc.wait()
+
+
+MAKE_SEGMENTS = """
+from multiprocessing import resource_tracker, shared_memory
+import time
+made = [shared_memory.SharedMemory(create=True, size=4096) for _ in range(2)]
+for segment in made:  # as vLLM does: its own unlink runs only in a normal end
+    resource_tracker.unregister(segment._name, "shared_memory")
+print(*(segment.name for segment in made), flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_reaper_unlinks_the_shared_memory_its_processes_left() -> None:
+    """A noted process that dies leaves its segments; the reaper unlinks those no process maps
+    any more (one this process still maps stays), and leaves alone a segment no noted process
+    mapped."""
+    unrelated = shared_memory.SharedMemory(create=True, size=4096)
+    reaper = Reaper.start()
+    assert reaper.pid is not None
+    wait_until_sync(lambda: ticks_since_boot() > (start_time(reaper.pid) or 0), 5, "a tick")
+    maker = subprocess.Popen(
+        [sys.executable, "-c", MAKE_SEGMENTS], stdout=subprocess.PIPE, text=True
+    )
+    assert maker.stdout is not None
+    left, shared = maker.stdout.readline().split()
+    kept = shared_memory.SharedMemory(shared)
+    try:
+        assert {left, shared} <= mapped_segments(maker.pid)
+        reaper.started()
+        reaper.close(10)
+        assert maker.wait(10) == -signal.SIGTERM
+        assert not (SHM / left).exists()
+        assert (SHM / shared).exists()
+        assert (SHM / unrelated.name).exists()
+    finally:
+        maker.kill()
+        maker.wait()
+        (SHM / left).unlink(missing_ok=True)
+        for segment in (kept, unrelated):
+            segment.close()
+            segment.unlink()
 
 
 def ticks_since_boot() -> int:

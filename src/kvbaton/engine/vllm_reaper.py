@@ -7,7 +7,7 @@ with a pipe on its stdin. The reaper notes the worker's descendants: every `SCAN
 starts, once more when the worker writes a line (vLLM is up), then no more. When the pipe
 closes (the worker ended, however), it sends SIGTERM to each noted process still alive,
 SIGKILL to those alive `GRACE_S` later, removes the directories it was given (vLLM's ipc
-endpoints), and exits.
+endpoints) and the shared memory its processes left (vLLM's ring buffers), and exits.
 
 - Only processes that started after the reaper (a clock tick later at least) are noted:
   what the worker ran before it (anything not vLLM's) is left alone.
@@ -15,6 +15,10 @@ endpoints), and exits.
   process since is left alone.
 - The reaper ignores SIGINT and SIGTERM (a terminal's Ctrl-C, or a signal to the worker's
   group, must not end it before the worker), and runs in a session of its own.
+- Shared memory: the `psm_*` segments of /dev/shm (multiprocessing's names, vLLM's ring
+  buffers) a noted process mapped when noted. After the processes end, each such segment that
+  no process maps any more is unlinked; vLLM's own unlink runs only in a process that ends
+  normally.
 - It imports nothing of kvbaton (no torch in a process that only waits).
 - Linux only (/proc); elsewhere `Reaper.start` starts nothing.
 """
@@ -34,6 +38,8 @@ from pathlib import Path
 GRACE_S = 5.0
 POLL_S = 0.1
 SCAN_S = 1.0  # while vLLM starts
+SHM = Path("/dev/shm")
+SEGMENT_PREFIX = "psm_"  # multiprocessing.shared_memory's names
 
 
 def start_time(pid: int) -> int | None:
@@ -66,6 +72,32 @@ def descendants(pid: int) -> list[int]:
         found.append(child)
         todo += children.get(child, [])
     return found
+
+
+def mapped_segments(pid: int) -> set[str]:
+    """The names of the `psm_*` segments of /dev/shm the process maps and that are not
+    unlinked yet; none if it is gone."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return set()
+    found = set()
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
+        path = fields[5] if len(fields) == 6 else ""
+        if path.startswith(f"{SHM}/{SEGMENT_PREFIX}") and not path.endswith(" (deleted)"):
+            found.add(path.removeprefix(f"{SHM}/"))
+    return found
+
+
+def unlink_unmapped(segments: set[str]) -> None:
+    """Unlink each of the segments no process maps."""
+    mapped: set[str] = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            mapped |= mapped_segments(int(entry.name))
+    for name in segments - mapped:
+        (SHM / name).unlink(missing_ok=True)
 
 
 class Reaper:
@@ -117,18 +149,27 @@ def _signal(noted: dict[int, int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
+def _wait_for_ends(noted: dict[int, int]) -> None:
+    deadline = time.monotonic() + GRACE_S
+    while _alive(noted) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+
+
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     worker, remove = int(argv[0]), argv[1:]
     born = start_time(os.getpid()) or 0
     noted: dict[int, int] = {}
+    segments: set[str] = set()
 
     def note() -> None:
         for pid in descendants(worker):
             start = start_time(pid)
             if pid != os.getpid() and pid not in noted and start is not None and start > born:
                 noted[pid] = start
+        for pid in _alive(noted):
+            segments.update(mapped_segments(pid))
 
     stdin, scanning = sys.stdin.fileno(), True
     while True:
@@ -141,12 +182,12 @@ def main(argv: list[str]) -> None:
         note()
         scanning = False
     _signal(noted, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
-    while _alive(noted) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+    _wait_for_ends(noted)
     _signal(noted, signal.SIGKILL)
+    _wait_for_ends(noted)  # a killed process unmaps its memory as it ends
     for directory in remove:
         shutil.rmtree(directory, ignore_errors=True)
+    unlink_unmapped(segments)
 
 
 if __name__ == "__main__":
