@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationS
 from kvbaton.frontend.shedding import LoadMonitor, admit
 from kvbaton.llm.hashing import block_extra_keys, reusable_blocks
 from kvbaton.llm.model_cards import model_cards_prefix, parse_model_card_key
-from kvbaton.llm.tokenizer import Tokenizer
+from kvbaton.llm.tokenizer import Tokenizer, preload
 from kvbaton.protocols.llm import EngineOutput, ModelCard, PreprocessedRequest
 from kvbaton.router import (
     PrefillRouter,
@@ -57,6 +58,7 @@ from kvbaton.runtime.errors import ConnectError, NoInstancesError, StreamBrokenE
 log = logging.getLogger(__name__)
 
 TOKENIZER_FETCH_TIMEOUT_S = 30.0
+PRELOAD_JOIN_S = 60.0  # the tokenizer preload's imports, waited for at close
 
 
 @dataclass
@@ -371,8 +373,10 @@ class ModelManager:
         self._prefill: dict[str, PrefillPool] = {}  # by model name
         self._prefill_loading: dict[str, asyncio.Task[None]] = {}
         self._files_dir = Path(tempfile.mkdtemp(prefix="kvbaton-frontend-"))
+        self._preload: threading.Thread | None = None
 
     async def start(self) -> None:
+        self._preload = preload()  # while no worker registered yet: its tokenizer loads sooner
         self._watch = await self.runtime.discovery.watch_prefix(model_cards_prefix(self.namespace))
         for key, value in self._watch.snapshot.items():
             self._apply("put", key, value)
@@ -408,6 +412,8 @@ class ModelManager:
             if pool.loads is not None:
                 await pool.loads.close()
         shutil.rmtree(self._files_dir, ignore_errors=True)
+        if self._preload is not None:  # an import cut short by the interpreter's exit can crash
+            await asyncio.to_thread(self._preload.join, PRELOAD_JOIN_S)
 
     def get(self, name: str) -> ServedModel | None:
         return self.models.get(name)

@@ -1,17 +1,39 @@
-"""The model's tokenizer (HF tokenizers through transformers), with its chat template."""
+"""The model's tokenizer (HF tokenizers through transformers), with its chat template.
+
+- Importing transformers' `AutoTokenizer` takes seconds (it imports torch); reading a
+  tokenizer's files after that, a fraction of one. `preload` does the import ahead, on a thread,
+  so that a `Tokenizer` made later (a frontend's first model) only reads files.
+- One thread imports transformers at a time (`_IMPORTING`): its modules import each other, and
+  two threads importing them at once can deadlock on Python's module locks.
+"""
 
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 from typing import Any
+
+_IMPORTING = threading.Lock()
+
+
+def preload() -> threading.Thread:
+    """Import what a `Tokenizer` needs, on a thread of its own (started, returned)."""
+    thread = threading.Thread(target=_import_auto_tokenizer, name="tokenizer-preload", daemon=True)
+    thread.start()
+    return thread
+
+
+def _import_auto_tokenizer() -> Any:
+    with _IMPORTING:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer
 
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
-        from transformers import AutoTokenizer
-
-        self.hf: Any = AutoTokenizer.from_pretrained(str(model_dir))
+        self.hf: Any = _import_auto_tokenizer().from_pretrained(str(model_dir))
         self.backend: Any = self.hf.backend_tokenizer  # the Rust tokenizer: encodes 2x faster
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.vocab_size: int = len(self.hf)
