@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -148,3 +150,36 @@ def test_a_token_the_grammar_refuses_aborts_that_request_only(
                 finished[out.request_id] = out.finish_reason
     assert finished == {"bad": "abort", "good": "length"}
     assert eng.stats().kv_blocks_used == 0  # the aborted request's blocks freed too
+
+
+ENGINE_THEN_CONSTRAINT = """
+import json, sys
+import torch
+from kvbaton.engine import EngineConfig, LLMEngine
+from kvbaton.protocols.llm import Guided
+
+engine = LLMEngine(EngineConfig(model=sys.argv[1], dtype="float32", num_kv_blocks=64))
+started = sorted(m for m in ("llguidance.torch", "torch._dynamo") if m in sys.modules)
+from torch._dynamo.utils import counters
+guided = engine.runner.guided
+constraint = Guided(kind="regex", spec="[ab]+")
+guided.compile(constraint)
+graphs = counters["stats"]["unique_graphs"]
+guided.mask(torch.zeros(3, guided.vocab_size), [(1, guided.matcher(constraint, []))])
+print(json.dumps([started, graphs, counters["stats"]["unique_graphs"]]))
+"""
+
+
+def test_the_mask_kernel_compiles_at_the_first_constraint_not_at_start(model_dir: Path) -> None:
+    """An engine starts without llguidance's compiled kernel (seconds of start-up); the first
+    constraint's `compile` (off the step loop) builds it, so the step's first mask does not."""
+    done = subprocess.run(
+        [sys.executable, "-c", ENGINE_THEN_CONSTRAINT, str(model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    started, compiled, after_mask = json.loads(done.stdout.splitlines()[-1])
+    assert started == [], "an engine with no constraint yet imported torch's compiler"
+    assert compiled > 0 and after_mask == compiled

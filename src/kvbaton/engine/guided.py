@@ -7,15 +7,19 @@ by llguidance.
   sequence has (those sampled elsewhere too: a prefill worker's, a migrated request's).
 - Once the grammar is complete its mask allows only EOS: the request stops as usual.
 - Rows with no constraint pay nothing.
+- llguidance's torch helpers compile their mask kernel with torch.compile: importing them
+  imports torch's compiler (seconds), and the kernel's first call compiles it (seconds more).
+  Both happen at the first constraint's `compile`, off the step loop; an engine that never sees
+  a constraint pays neither.
 """
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import ModuleType
 
 import llguidance
-import llguidance.torch
 import torch
 
 from kvbaton.llm.constraints import grammar
@@ -34,10 +38,19 @@ class GuidedDecoding:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._templates: dict[tuple[str, str], llguidance.LLMatcher] = {}  # oldest first
         self._lock = threading.Lock()  # compile runs on callers' threads
+        self._warming = threading.Lock()  # not `_lock`: matcher() must not wait for a warm-up
+        self._warm = False
 
     def compile(self, guided: Guided) -> None:
-        """Compile the constraint into the cache (a no-op once there); ValueError if invalid."""
+        """Compile the constraint into the cache (a no-op once there), and the mask kernel at
+        the first one; ValueError if invalid."""
         self._template(guided)
+        with self._warming:
+            if not self._warm:
+                ops = _mask_ops()
+                logits = torch.zeros(1, self.vocab_size)
+                ops.apply_token_bitmask_inplace(logits, ops.allocate_token_bitmask(*logits.shape))
+                self._warm = True
 
     def matcher(self, guided: Guided, output_token_ids: list[int]) -> llguidance.LLMatcher:
         """A fresh matcher for a sequence, past `output_token_ids`; ValueError if they break
@@ -72,10 +85,17 @@ class GuidedDecoding:
 
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, llguidance.LLMatcher]]) -> None:
         """Mask, in place, the tokens each row's matcher does not allow next."""
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
+        ops = _mask_ops()
+        bitmask = ops.allocate_token_bitmask(len(rows), self.vocab_size)
         for k, (_, matcher) in enumerate(rows):
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, k)
+            ops.fill_next_token_bitmask(matcher, bitmask, k)
         index = torch.tensor([row for row, _ in rows], dtype=torch.long)
         masked = logits[index].float()
-        llguidance.torch.apply_token_bitmask_inplace(masked, bitmask)
+        ops.apply_token_bitmask_inplace(masked, bitmask.to(masked.device))
         logits[index] = masked.to(logits.dtype)
+
+
+def _mask_ops() -> ModuleType:
+    import llguidance.torch
+
+    return llguidance.torch
