@@ -64,13 +64,13 @@ def first_answer(url: str, deadline: float) -> None:
 def kvbaton_serve(model_dir: Path, *flags: str) -> Callable[[], float]:
     def launch() -> float:
         started = time.monotonic()
-        discovery = f"file://{tempfile.mkdtemp(prefix='kvbaton-bench-')}"
-        serve = start_serve(discovery, "--model", str(model_dir), *flags)
-        try:
-            first_answer(serve.url, started + STARTUP_S)
-            return time.monotonic() - started
-        finally:
-            stop(serve.proc)  # type: ignore[arg-type]
+        with tempfile.TemporaryDirectory(prefix="kvbaton-bench-") as discovery:
+            serve = start_serve(f"file://{discovery}", "--model", str(model_dir), *flags)
+            try:
+                first_answer(serve.url, started + STARTUP_S)
+                return time.monotonic() - started
+            finally:
+                stop(serve.proc)  # type: ignore[arg-type]
 
     return launch
 
@@ -90,11 +90,13 @@ def vllm_serve(python: Path, model_dir: Path) -> Callable[[], float]:
             )
         try:
             first_answer(f"http://127.0.0.1:{port}", started + STARTUP_S)
-            return time.monotonic() - started
+            seconds = time.monotonic() - started
         except RuntimeError as e:
             raise RuntimeError(f"{e}; its output: {out.name}") from None
         finally:
             stop(proc)  # type: ignore[arg-type]
+        Path(out.name).unlink()  # kept only where it did not answer
+        return seconds
 
     return launch
 
