@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import subprocess
 import sys
 import time
@@ -58,6 +59,19 @@ async def collect(stream: AsyncIterable[T], limit: int | None = None) -> list[T]
 
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def fresh_interpreter(script: str, *args: str, timeout: float = 300) -> Any:
+    """Run `script` in a fresh Python (what it imports is its own); the JSON of its last line
+    of output."""
+    out = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    ).stdout
+    return json.loads(out.splitlines()[-1])
 
 
 def run_bench(script: str, *args: str) -> tuple[str, list[list[str]]]:

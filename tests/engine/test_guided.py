@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -17,6 +15,7 @@ from kvbaton.engine.connector import EngineRequest
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import Guided, SamplingParams
 from tests.engine.conftest import TEST_DEVICE
+from tests.helpers import fresh_interpreter
 from tests.tiny_models import build_chat_model
 
 pytestmark = pytest.mark.unit
@@ -173,13 +172,6 @@ print(json.dumps([started, graphs, counters["stats"]["unique_graphs"]]))
 def test_the_mask_kernel_compiles_at_the_first_constraint_not_at_start(model_dir: Path) -> None:
     """An engine starts without llguidance's compiled kernel (seconds of start-up); the first
     constraint's `compile` (off the step loop) builds it, so the step's first mask does not."""
-    done = subprocess.run(
-        [sys.executable, "-c", ENGINE_THEN_CONSTRAINT, str(model_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    started, compiled, after_mask = json.loads(done.stdout.splitlines()[-1])
+    started, compiled, after_mask = fresh_interpreter(ENGINE_THEN_CONSTRAINT, str(model_dir))
     assert started == [], "an engine with no constraint yet imported torch's compiler"
     assert compiled > 0 and after_mask == compiled

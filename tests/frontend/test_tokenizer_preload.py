@@ -3,14 +3,12 @@ starts, before any worker registers, so that its first model's tokenizer only re
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvbaton.llm.tokenizer import Tokenizer
+from tests.helpers import fresh_interpreter
 
 pytestmark = pytest.mark.integration
 
@@ -42,14 +40,7 @@ asyncio.run(main(sys.argv[1]))
 def test_a_started_frontend_imports_the_tokenizer_classes_with_no_worker(
     chat_model: Path,
 ) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", STARTED_FRONTEND, str(chat_model)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=True,
-    ).stdout
-    before, after, tokens = json.loads(out.splitlines()[-1])
+    before, after, tokens = fresh_interpreter(STARTED_FRONTEND, str(chat_model))
     assert not before, "the frontend's modules import transformers' tokenizers themselves"
     assert after, "no tokenizer preload once the frontend started"
     assert tokens == Tokenizer(chat_model).encode("hello world")
