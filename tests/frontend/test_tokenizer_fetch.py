@@ -4,6 +4,8 @@ request plane (frontend and workers on different machines)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -19,7 +21,12 @@ from tests.helpers import wait_until
 pytestmark = pytest.mark.integration
 
 
-async def test_tokenizer_files_come_from_the_worker(chat_model: Path) -> None:
+async def test_tokenizer_files_come_from_the_worker(
+    chat_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manager makes a directory only to fetch into (a frontend killed before its close
+    leaves whatever it made), and removes it at close."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     async with (
         DistributedRuntime("mem://fetch") as worker_rt,
         DistributedRuntime("mem://fetch") as frontend_rt,
@@ -34,9 +41,10 @@ async def test_tokenizer_files_come_from_the_worker(chat_model: Path) -> None:
             await wait_until(lambda: manager.get("tiny") is not None, 30.0, "model served")
             served = manager.get("tiny")
             assert served is not None
+            assert not os.listdir(tmp_path), "a directory made with nothing to fetch"
             card = msgspec.structs.replace(served.card, model_path="/nonexistent/elsewhere")
             fetched_dir = await manager.fetch_tokenizer_files(card)
-            assert fetched_dir != chat_model
+            assert fetched_dir != chat_model and fetched_dir.is_relative_to(tmp_path)
             fetched = Tokenizer(fetched_dir)
             local = Tokenizer(chat_model)
             text = "Grüße 🙂 The capital"
@@ -47,4 +55,4 @@ async def test_tokenizer_files_come_from_the_worker(chat_model: Path) -> None:
             await manager.close()
             await worker_rt.shutdown()
             await serving
-        assert not fetched_dir.exists()  # the manager cleans up what it fetched
+        assert not os.listdir(tmp_path)  # the manager cleans up what it fetched

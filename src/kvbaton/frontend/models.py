@@ -372,7 +372,7 @@ class ModelManager:
         self._forgetting: set[asyncio.Task[None]] = set()  # models with no card left
         self._prefill: dict[str, PrefillPool] = {}  # by model name
         self._prefill_loading: dict[str, asyncio.Task[None]] = {}
-        self._files_dir = Path(tempfile.mkdtemp(prefix="kvbaton-frontend-"))
+        self._files_dir: Path | None = None  # made at the first fetch: a killed frontend leaks it
         self._preload: threading.Thread | None = None
 
     async def start(self) -> None:
@@ -411,7 +411,8 @@ class ModelManager:
                 await pool.router.close()
             if pool.loads is not None:
                 await pool.loads.close()
-        shutil.rmtree(self._files_dir, ignore_errors=True)
+        if self._files_dir is not None:
+            shutil.rmtree(self._files_dir, ignore_errors=True)
         if self._preload is not None:  # an import cut short by the interpreter's exit can crash
             await asyncio.to_thread(self._preload.join, PRELOAD_JOIN_S)
 
@@ -570,6 +571,8 @@ class ModelManager:
             ).__anext__()
         finally:
             await client.close()
+        if self._files_dir is None:
+            self._files_dir = Path(tempfile.mkdtemp(prefix="kvbaton-frontend-"))
         target = self._files_dir / f"{card.instance_id:x}"
         target.mkdir(parents=True, exist_ok=True)
         for file_name, data in files.items():
