@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -189,6 +190,7 @@ async def run(args: argparse.Namespace) -> None:
             proc.send_signal(signal.SIGINT)
         for proc in (frontend, worker):
             proc.wait(30)
+    shutil.rmtree(tmp, ignore_errors=True)  # the logs stay where it failed
 
     def med(key: str, f: Callable[[list[float]], float]) -> float:
         return statistics.median(f(trial) for trial in rows[key])

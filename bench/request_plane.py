@@ -327,7 +327,8 @@ def main() -> None:
         file=sys.stderr,
         flush=True,
     )
-    discovery = f"file://{tempfile.mkdtemp(prefix='kvb-bench-')}/discovery"
+    scratch = tempfile.mkdtemp(prefix="kvb-bench-")
+    discovery = f"file://{scratch}/discovery"
     me = os.path.abspath(__file__)
     baseline = subprocess.Popen(
         [sys.executable, me, "--serve-baseline"], stdout=subprocess.PIPE, text=True
@@ -355,6 +356,7 @@ def main() -> None:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -5,14 +5,17 @@ deployment, and reading an OpenAI SSE stream."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -60,6 +63,13 @@ async def sse_chunks(response: httpx.Response) -> AsyncIterator[tuple[float, dic
         if "error" in chunk:
             raise RuntimeError(f"stream error: {chunk['error']}")
         yield now, chunk
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new temporary directory, removed when the benchmark's process exits."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def clean_env() -> dict[str, str]:

@@ -47,6 +47,7 @@ from serving import (
     log,
     pct,
     run_benchmark,
+    scratch_dir,
     serve_run,
     start_serve,
     stop,
@@ -135,7 +136,7 @@ async def start_vllm(
 
 async def start_kvbaton(args: argparse.Namespace, model_dir: Path) -> System:
     """`kvbaton serve --engine vllm` with one worker, like `vllm serve`'s one engine."""
-    discovery = f"file://{tempfile.mkdtemp(prefix='kvbaton-bench-')}"
+    discovery = f"file://{scratch_dir('kvbaton-bench-')}"
     serve = start_serve(
         discovery, "--engine", "vllm", "--workers", "1", "--model", str(model_dir),
         "--kv-cache-gib", str(args.kv_cache_gib), *engine_flags(args), "--log-level", "WARNING",

@@ -58,6 +58,7 @@ from serving import (
     pct,
     role_of,
     run_benchmark,
+    scratch_dir,
     start_serve,
     stop,
 )
@@ -182,7 +183,7 @@ async def start_dynamo(args: argparse.Namespace, model_dir: Path, name: str) -> 
 
 
 async def start_kvbaton(args: argparse.Namespace, model_dir: Path, name: str) -> Stack:
-    discovery = f"file://{tempfile.mkdtemp(prefix='kvbaton-bench-')}"
+    discovery = f"file://{scratch_dir('kvbaton-bench-')}"
     serve = start_serve(
         discovery, "--engine", "mocker", "--model", args.model, "--workers", "1",
         "--speedup-ratio", str(args.speedup_ratio), "--router-mode", "round-robin",

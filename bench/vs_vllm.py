@@ -18,16 +18,15 @@ defaults, the same model and streamed workload at concurrency 1 and 16, in one r
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
-from serving import STARTUP_S, run_benchmark, start_serve, wait_for_workers
+from serving import STARTUP_S, run_benchmark, scratch_dir, start_serve, wait_for_workers
 from vllm_front import Comparison, System, arguments, kv_cache_flags, run
 
 
 async def start_kvbaton(args: argparse.Namespace, model_dir: Path) -> System:
     """`kvbaton serve` with its defaults (but for where it registers: a directory of its own)."""
-    discovery = f"file://{tempfile.mkdtemp(prefix='kvbaton-bench-')}"
+    discovery = f"file://{scratch_dir('kvbaton-bench-')}"
     serve = start_serve(discovery, "--model", str(model_dir))
     model = await wait_for_workers(serve.url, 0, 1, STARTUP_S)
     return System(serve.proc, serve.url, model)
