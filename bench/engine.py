@@ -237,7 +237,8 @@ def main() -> None:
 
     device = torch.device(args.device)
     if args.random_weights:
-        model_dir = random_smollm2_135m(Path(tempfile.mkdtemp(prefix="smollm2-135m-random-")))
+        scratch = tempfile.TemporaryDirectory(prefix="smollm2-135m-random-")  # gone at exit
+        model_dir = random_smollm2_135m(Path(scratch.name))
         name = "SmolLM2-135M shape, random weights"
     else:
         model_dir = resolve_model(args.model)
