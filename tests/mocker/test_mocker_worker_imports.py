@@ -6,10 +6,9 @@ the disaggregated sides' included."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+
+from tests.helpers import fresh_interpreter
 
 pytestmark = pytest.mark.unit
 
@@ -28,11 +27,9 @@ WORKER_PATH = [
 
 def test_a_mocker_worker_s_modules_do_not_import_torch() -> None:
     script = (
-        "import sys\n"
+        "import json, sys\n"
         + "".join(f"import {m}\n" for m in WORKER_PATH)
-        + ("print(sorted(m for m in ('torch', 'llguidance') if m in sys.modules))")
+        + "print(json.dumps(sorted(m for m in ('torch', 'llguidance') if m in sys.modules)))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert done.stdout.strip() == "[]", done.stdout
+    loaded = fresh_interpreter(script, timeout=60)
+    assert loaded == [], loaded
