@@ -15,6 +15,7 @@ by llguidance.
 
 from __future__ import annotations
 
+import functools
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -38,19 +39,12 @@ class GuidedDecoding:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._templates: dict[tuple[str, str], llguidance.LLMatcher] = {}  # oldest first
         self._lock = threading.Lock()  # compile runs on callers' threads
-        self._warming = threading.Lock()  # not `_lock`: matcher() must not wait for a warm-up
-        self._warm = False
 
     def compile(self, guided: Guided) -> None:
         """Compile the constraint into the cache (a no-op once there), and the mask kernel at
         the first one; ValueError if invalid."""
         self._template(guided)
-        with self._warming:
-            if not self._warm:
-                ops = _mask_ops()
-                logits = torch.zeros(1, self.vocab_size)
-                ops.apply_token_bitmask_inplace(logits, ops.allocate_token_bitmask(*logits.shape))
-                self._warm = True
+        _compiled_mask_ops(self.vocab_size)
 
     def matcher(self, guided: Guided, output_token_ids: list[int]) -> llguidance.LLMatcher:
         """A fresh matcher for a sequence, past `output_token_ids`; ValueError if they break
@@ -85,7 +79,7 @@ class GuidedDecoding:
 
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, llguidance.LLMatcher]]) -> None:
         """Mask, in place, the tokens each row's matcher does not allow next."""
-        ops = _mask_ops()
+        ops = _compiled_mask_ops(self.vocab_size)
         bitmask = ops.allocate_token_bitmask(len(rows), self.vocab_size)
         for k, (_, matcher) in enumerate(rows):
             ops.fill_next_token_bitmask(matcher, bitmask, k)
@@ -95,7 +89,13 @@ class GuidedDecoding:
         logits[index] = masked.to(logits.dtype)
 
 
-def _mask_ops() -> ModuleType:
+@functools.cache
+def _compiled_mask_ops(vocab_size: int) -> ModuleType:
+    """llguidance's torch helpers, their mask kernel run once on a row of `vocab_size` (which
+    compiles it: the compiled kernel is the process's, not an instance's)."""
     import llguidance.torch
 
+    logits = torch.zeros(1, vocab_size)
+    bitmask = llguidance.torch.allocate_token_bitmask(*logits.shape)
+    llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
     return llguidance.torch
