@@ -88,7 +88,9 @@ def _start(
     discovery: Path | str | None,
     model: str,
     ready_s: float = READY_S,
+    env: dict[str, str] | None = None,
 ) -> Deployment:
+    """`env`: variables set for the deployment beside the clean environment."""
     url = f"file://{discovery}" if isinstance(discovery, Path) else discovery or ""
     proc = subprocess.Popen(
         [
@@ -100,7 +102,7 @@ def _start(
             "0",
             *(["--discovery", url] if url else []),
         ],
-        env=clean_env() | {"KVBATON_LEASE_TTL": "3"},
+        env=clean_env() | {"KVBATON_LEASE_TTL": "3"} | (env or {}),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )

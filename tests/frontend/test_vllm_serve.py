@@ -4,7 +4,7 @@ workers (by vLLM's KV usage) shed new requests, a JSON schema holds, an over-lon
 400, the KV router sends a shared prefix back to the worker whose vLLM cached it (predicting
 the cached tokens vLLM reports), a stream whose worker is killed migrates (a constrained one
 too), a worker whose vLLM engine core dies exits for serve to start a new one, and a worker
-killed with SIGKILL leaves no vLLM process behind.
+killed with SIGKILL leaves no vLLM process behind, nor vLLM's ipc sockets.
 
 Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
 `.venv-vllm/bin/python -m pytest -m vllm tests/frontend/test_vllm_serve.py`; skipped elsewhere.
@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,10 +56,20 @@ def offline() -> list[str]:
 
 
 @pytest.fixture(scope="module")
+def ipc_base() -> Iterator[Path]:
+    """Where the deployment's vLLM engines make their ipc sockets (a short path: theirs start
+    with it)."""
+    path = Path(tempfile.mkdtemp(prefix="kvb-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
 def vllm_serve(
-    offline: list[str], tmp_path_factory: pytest.TempPathFactory
+    offline: list[str], tmp_path_factory: pytest.TempPathFactory, ipc_base: Path
 ) -> Iterator[Deployment]:
-    deployment = serve_vllm(tmp_path_factory.mktemp("discovery"), "--workers", "2")
+    discovery = tmp_path_factory.mktemp("discovery")
+    deployment = serve_vllm(discovery, "--workers", "2", ipc_base=ipc_base)
     yield deployment
     stop_serve(deployment.proc)
 
@@ -408,12 +420,16 @@ def test_a_worker_whose_vllm_engine_core_dies_exits_and_is_started_again(
     )
 
 
-def test_a_killed_worker_leaves_no_vllm_process(vllm_serve: Deployment) -> None:
+def test_a_killed_worker_leaves_no_vllm_process_or_socket(
+    vllm_serve: Deployment, ipc_base: Path
+) -> None:
     """Killed serving, then killed again while serve's restart of it loads vLLM's model (the
     reaper notes vLLM's processes as they start). Last in the module."""
     pid = serve_slot(vllm_serve, "worker-0")["pid"]
     assert "VLLM::EngineCore" in named(pid), "vLLM's engine runs in a child process"
-    kill_and_check(pid)
+    (ipc,) = ipc_base.glob(f"kvbaton-vllm-{pid}-*")
+    assert any(path.is_socket() for path in ipc.iterdir()), "vLLM's sockets are in it"
+    kill_and_check(pid, ipc_base)
     wait_until_sync(
         lambda: (
             (p := serve_slot(vllm_serve, "worker-0")["pid"]) != pid and "VLLM::Worker" in named(p)
@@ -421,7 +437,7 @@ def test_a_killed_worker_leaves_no_vllm_process(vllm_serve: Deployment) -> None:
         READY_S,
         "serve's new worker-0 loading vLLM's model",
     )
-    kill_and_check(serve_slot(vllm_serve, "worker-0")["pid"])
+    kill_and_check(serve_slot(vllm_serve, "worker-0")["pid"], ipc_base)
 
 
 def named(pid: int) -> dict[str, int]:
@@ -434,11 +450,15 @@ def named(pid: int) -> dict[str, int]:
     return found
 
 
-def kill_and_check(pid: int) -> None:
+def kill_and_check(pid: int, ipc_base: Path) -> None:
+    """Kill the worker: its vLLM processes end, its ipc directory (in `ipc_base`) goes, and no
+    socket is left outside an engine's directory."""
     children = descendants(pid)
+    (ipc,) = ipc_base.glob(f"kvbaton-vllm-{pid}-*")
     os.kill(pid, signal.SIGKILL)
     wait_until_sync(
-        lambda: all(start_time(c) is None for c in children),
+        lambda: all(start_time(c) is None for c in children) and not ipc.exists(),
         30,
-        f"processes {children} outliving their worker",
+        f"processes {children} or {ipc} outliving their worker",
     )
+    assert not [path for path in ipc_base.iterdir() if path.is_socket()]

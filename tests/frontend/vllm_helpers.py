@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -87,7 +88,8 @@ def offline_texts(sampling: str = "greedy") -> list[str]:
 
 @functools.cache
 def _offline() -> dict[str, list[str]]:
-    """Every sampling's answers, from one offline engine, once per session."""
+    """Every sampling's answers, from one offline engine, once per session (its ipc sockets,
+    which vLLM leaves, go with its directory)."""
     with tempfile.TemporaryDirectory(prefix="vllm-offline-") as directory:
         script = Path(directory) / "offline.py"
         script.write_text(OFFLINE)
@@ -99,6 +101,7 @@ def _offline() -> dict[str, list[str]]:
             text=True,
             timeout=READY_S,
             cwd=directory,
+            env=os.environ | {"VLLM_RPC_BASE_PATH": directory},
         )
     lines = [line for line in done.stdout.splitlines() if line.startswith("OFFLINE ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
@@ -107,7 +110,9 @@ def _offline() -> dict[str, list[str]]:
     return texts
 
 
-def serve_vllm(discovery: Path, *flags: str) -> Deployment:
-    """`kvbaton serve --engine vllm` on SmolLM2 with `flags`, once it is ready."""
+def serve_vllm(discovery: Path, *flags: str, ipc_base: Path | None = None) -> Deployment:
+    """`kvbaton serve --engine vllm` on SmolLM2 with `flags`, once it is ready; `ipc_base`:
+    where vLLM's ipc sockets go (`VLLM_RPC_BASE_PATH`; None: vLLM's default)."""
     command = ["serve", "--engine", "vllm", "--model", str(MODEL_DIR), *ENGINE_FLAGS, *flags]
-    return _start(command, _READY, discovery, MODEL_DIR.name, ready_s=READY_S)
+    env = {} if ipc_base is None else {"VLLM_RPC_BASE_PATH": str(ipc_base)}
+    return _start(command, _READY, discovery, MODEL_DIR.name, ready_s=READY_S, env=env)

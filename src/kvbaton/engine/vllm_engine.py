@@ -38,6 +38,10 @@ workers in the prefill-first order, vLLM's NIXL connector moving the KV.
   `clear_kv_blocks` resets vLLM's prefix cache: the blocks the mirror held went.
 - vLLM's EngineCore runs in child processes: a reaper (`vllm_reaper.py`) ends them if this
   process dies without shutting the engine down.
+- vLLM's ZMQ ipc sockets (between its processes, and the KV events') are made in a directory of
+  the engine's own (`ipc_directory`), which the reaper removes however the engine ends: vLLM
+  leaves its sockets behind even when it shuts down normally (seven per engine, in the
+  temporary directory by default).
 - vLLM is imported in `create`, never at import: without it, `create` raises ValueError naming
   the extra to install.
 """
@@ -45,12 +49,14 @@ workers in the prefill-first order, vLLM's NIXL connector moving the KV.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import socket
 import sys
-from collections.abc import AsyncGenerator, Callable, Sequence
+import tempfile
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +89,7 @@ INSTALL_HINT = (
 )
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 LIVENESS_POLL_S = 1.0  # how often `wait_failed` looks at vLLM's engine-dead flag
+RPC_BASE_PATH = "VLLM_RPC_BASE_PATH"  # where vLLM makes its ipc sockets
 
 
 def vllm_missing() -> str | None:
@@ -222,6 +229,28 @@ class Disaggregated:
         return env
 
 
+def ipc_directory() -> Path:
+    """A new directory for one engine's ipc sockets, named after this process, where vLLM would
+    make them (`RPC_BASE_PATH` if set, else the temporary directory)."""
+    base = os.environ.get(RPC_BASE_PATH)
+    return Path(tempfile.mkdtemp(prefix=f"kvbaton-vllm-{os.getpid()}-", dir=base))
+
+
+@contextlib.contextmanager
+def sockets_in(directory: Path) -> Iterator[None]:
+    """vLLM makes its ipc sockets in `directory` while in the block, and so do the processes it
+    starts there (they inherit the setting); the setting before is restored after."""
+    before = os.environ.get(RPC_BASE_PATH)
+    os.environ[RPC_BASE_PATH] = str(directory)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[RPC_BASE_PATH]
+        else:
+            os.environ[RPC_BASE_PATH] = before
+
+
 class VllmEngine:
     def __init__(
         self,
@@ -268,7 +297,8 @@ class VllmEngine:
             raise ValueError(missing)
         model_dir = resolve_model(model)
         load = _Load()
-        kv_events = VllmKvEvents()
+        ipc = ipc_directory()
+        kv_events = VllmKvEvents(ipc)
 
         def start() -> Any:
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -277,10 +307,11 @@ class VllmEngine:
             if disaggregated is not None:
                 args.kv_transfer_config = disaggregated.config()
                 os.environ.update(disaggregated.environment())  # its processes inherit them
-            return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(load)])
+            with sockets_in(ipc):
+                return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(load)])
 
         # Before vLLM's processes: a kill while they start ends them.
-        reaper = Reaper.start(remove=(kv_events.directory,))
+        reaper = Reaper.start(remove=(ipc,))
         try:
             llm = await asyncio.to_thread(start)
         except BaseException as exc:

@@ -1,8 +1,9 @@
 """The subscription to vLLM's KV cache events, feeding a `KvMirror` (`vllm_kv_mirror.py`).
 
-- vLLM's engine process publishes its events on a ZMQ PUB socket bound to an ipc endpoint in a
-  private directory of this worker (`KVEventsConfig`); this process subscribes on its event
-  loop, from before the first request. The vLLM reaper removes the directory.
+- vLLM's engine process publishes its events on a ZMQ PUB socket bound to an ipc endpoint in
+  the engine's private directory (`KVEventsConfig`; `vllm_engine.ipc_directory`); this process
+  subscribes on its event loop, from before the first request. The vLLM reaper removes the
+  directory.
 - A batch's sequence number that skips (vLLM's publisher dropped batches at its high-water
   mark), or a batch that does not decode, clears the mirror (`KvMirror.lost`); so does a
   subscription that fails, which ends (logged).
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,8 @@ ENDPOINT_NAME = "kv-events"
 
 
 class VllmKvEvents:
-    def __init__(self) -> None:
-        self.directory = Path(tempfile.mkdtemp(prefix="kvbaton-vllm-"))
-        self.endpoint = f"ipc://{self.directory / ENDPOINT_NAME}"
+    def __init__(self, directory: Path) -> None:
+        self.endpoint = f"ipc://{directory / ENDPOINT_NAME}"
         self._task: asyncio.Task[None] | None = None
 
     def config(self) -> Any:
