@@ -39,6 +39,7 @@ from kvbaton.engine import EngineConfig, LLMEngine, SamplingParams
 from kvbaton.engine.connector import EngineRequest
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.mocker.tiers import MODELED_DTYPE_BYTES, modeled_block_bytes
+from serving import vllm_env
 
 PROMPT_LEN = 32
 NEW_TOKENS = 128
@@ -188,6 +189,7 @@ def vllm_decode(
             stdout=subprocess.PIPE,
             text=True,
             timeout=VLLM_TIMEOUT_S,
+            env=vllm_env(),
         )
     except subprocess.TimeoutExpired:
         sys.exit(f"vLLM's offline run did not end within {VLLM_TIMEOUT_S:.0f} s")

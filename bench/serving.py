@@ -77,6 +77,12 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
 
 
+def vllm_env() -> dict[str, str]:
+    """`clean_env()` for a vLLM process, its ipc sockets in a scratch directory: vLLM leaves
+    them behind, even when it ends normally."""
+    return clean_env() | {"VLLM_RPC_BASE_PATH": str(scratch_dir("vllm-ipc-"))}
+
+
 @dataclass
 class Frontend:
     proc: subprocess.Popen[bytes]

@@ -30,7 +30,16 @@ import httpx
 
 from headline import report
 from kvbaton.llm.model_files import resolve_model
-from serving import STARTUP_S, clean_env, free_port, log, run_benchmark, start_serve, stop
+from serving import (
+    STARTUP_S,
+    clean_env,
+    free_port,
+    log,
+    run_benchmark,
+    start_serve,
+    stop,
+    vllm_env,
+)
 
 BENCH = Path(__file__).resolve().parent
 VLLM_KV_CACHE_BYTES = 1 << 30
@@ -86,7 +95,7 @@ def vllm_serve(python: Path, model_dir: Path) -> Callable[[], float]:
         ]  # fmt: skip
         with tempfile.NamedTemporaryFile(prefix="vllm-serve-", suffix=".log", delete=False) as out:
             proc = subprocess.Popen(
-                command, env=clean_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=out
+                command, env=vllm_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=out
             )
         try:
             first_answer(f"http://127.0.0.1:{port}", started + STARTUP_S)

@@ -40,7 +40,6 @@ from kvbaton.llm.model_files import resolve_model, served_name
 from serving import (
     STARTUP_S,
     Request,
-    clean_env,
     cpu_by_role,
     free_port,
     loadavg,
@@ -51,6 +50,7 @@ from serving import (
     serve_run,
     start_serve,
     stop,
+    vllm_env,
     wait_for_workers,
 )
 
@@ -111,7 +111,7 @@ def launch_vllm(args: argparse.Namespace, model_dir: Path, name: str, flags: lis
     ]  # fmt: skip
     with tempfile.NamedTemporaryFile(prefix="vllm-serve-", suffix=".log", delete=False) as output:
         proc = subprocess.Popen(
-            command, env=clean_env(), stdin=subprocess.DEVNULL, stdout=output, stderr=output
+            command, env=vllm_env(), stdin=subprocess.DEVNULL, stdout=output, stderr=output
         )
     return System(proc, f"http://127.0.0.1:{port}", name, Path(output.name))
 
