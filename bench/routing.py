@@ -38,14 +38,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -210,7 +213,24 @@ async def drive(
     return results
 
 
-def start_serve(args: argparse.Namespace, mode: str) -> tuple[subprocess.Popen[str], str]:
+@contextlib.contextmanager
+def disk_tier(args: argparse.Namespace, mode: str) -> Iterator[Path | None]:
+    """A fresh directory for one run's shared disk tier under `--kv-disk-dir` (no hits left from
+    the run before), removed after the run; None without `--kv-disk-dir`."""
+    if args.kv_disk_dir is None:
+        yield None
+        return
+    disk = Path(tempfile.mkdtemp(prefix=f"routing-{mode}-", dir=args.kv_disk_dir))
+    try:
+        yield disk
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def start_serve(
+    args: argparse.Namespace, mode: str, disk: Path | None
+) -> tuple[subprocess.Popen[str], str]:
+    """`disk`: the workers' shared disk tier (None: none)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
     command = ["serve", "--engine", "mocker", "--model", args.model, "--http-port", "0"]
     command += ["--workers", str(args.workers), "--speedup-ratio", str(args.speedup_ratio)]
@@ -219,8 +239,7 @@ def start_serve(args: argparse.Namespace, mode: str) -> tuple[subprocess.Popen[s
         command += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.kv_offload_gib is not None:
         command += ["--kv-offload-gib", str(args.kv_offload_gib)]
-    if args.kv_disk_dir is not None:  # a fresh directory per run: no hits left from the last one
-        disk = Path(tempfile.mkdtemp(prefix=f"routing-{mode}-", dir=args.kv_disk_dir))
+    if disk is not None:
         command += ["--kv-disk-dir", str(disk)]
     if args.kv_overlap_score_weight is not None:
         command += ["--kv-overlap-score-weight", str(args.kv_overlap_score_weight)]
@@ -346,14 +365,15 @@ async def run(args: argparse.Namespace) -> None:
     for repeat in range(args.repeats):
         for mode in args.modes:
             log(f"run {repeat + 1}/{args.repeats}, router mode {mode}: starting serve...")
-            proc, url = await asyncio.to_thread(start_serve, args, mode)
-            try:
-                await wait_for_workers(url, model, args.workers)
-                t0 = time.perf_counter()
-                results = await drive(url, model, sessions, args)
-                log(f"  {len(results)} requests in {time.perf_counter() - t0:.1f}s")
-            finally:
-                await asyncio.to_thread(stop, proc)
+            with disk_tier(args, mode) as disk:
+                proc, url = await asyncio.to_thread(start_serve, args, mode, disk)
+                try:
+                    await wait_for_workers(url, model, args.workers)
+                    t0 = time.perf_counter()
+                    results = await drive(url, model, sessions, args)
+                    log(f"  {len(results)} requests in {time.perf_counter() - t0:.1f}s")
+                finally:
+                    await asyncio.to_thread(stop, proc)
             runs[mode].append(figures(results, args))
             best.append(best_hit_rate(results, tokenizer, args.block_size))
     best_rate = statistics.median(best)
