@@ -94,6 +94,17 @@ async def used_blocks(runtime: DistributedRuntime, component: str) -> dict[int, 
     return used
 
 
+def loads_said(loads: list[WorkerLoad]) -> str:
+    """How many loads were read, and the busiest of them (running, pending prefill, blocks)."""
+    if not loads:
+        return "no load read"
+    top = max(loads, key=lambda load: load.running)
+    return (
+        f"{len(loads)} loads read; the most running: {top.running} running, "
+        f"{top.active_prefill_tokens} prefill tokens pending, {top.kv_blocks_used} blocks used"
+    )
+
+
 def signal_mid_work(
     discovery: str,
     component: str,
@@ -102,9 +113,11 @@ def signal_mid_work(
     sig: signal.Signals,
     streams: int,
     stop: threading.Event,
+    seen: list[WorkerLoad],
 ) -> WorkerLoad | None:
     """Send `sig` to `victim` (instance `instance` of `component`) once its load shows it
-    mid-work; the load it was signalled at, or None if `stop` was set first. Mid-work: a prefill
+    mid-work; the load it was signalled at, or None if `stop` was set first. Each load read is
+    appended to `seen` (what a victim never seen mid-work did instead). Mid-work: a prefill
     worker has computed prompts (its pending prefill fell) and has more to compute; another runs
     `streams` requests or more, each past its prompt, which have decoded a few tokens since (their
     blocks grew by a quarter of their number: with 16-token blocks, about 4 tokens each).
@@ -122,6 +135,7 @@ def signal_mid_work(
             try:
                 while not stop.is_set():
                     load: WorkerLoad = await anext(client.direct(None, instance, timeout=5))
+                    seen.append(load)
                     pending, used = load.active_prefill_tokens, load.kv_blocks_used
                     peak = max(peak, pending)
                     if component == "prefill":
@@ -213,6 +227,7 @@ async def test_a_worker_killed_under_50_streams_loses_no_request_and_no_token(
             victim_id = instance_id(worker_log(tmp_path, victim_index))
             half_its_share = STREAMS // serving // 2  # of the streams, on a serving victim
             stop = threading.Event()
+            seen: list[WorkerLoad] = []
             killer = asyncio.create_task(
                 asyncio.to_thread(
                     signal_mid_work,
@@ -223,6 +238,7 @@ async def test_a_worker_killed_under_50_streams_loses_no_request_and_no_token(
                     sig,
                     half_its_share,
                     stop,
+                    seen,
                 )
             )
             try:
@@ -230,7 +246,7 @@ async def test_a_worker_killed_under_50_streams_loses_no_request_and_no_token(
             finally:
                 stop.set()
             killed_at = await killer
-            assert killed_at is not None, "the victim was never seen mid-work"
+            assert killed_at is not None, f"the victim was never seen mid-work: {loads_said(seen)}"
             assert victim.wait(10) == (-sig if sig == signal.SIGKILL else 0)
             assert disturbed == reference, killed_at  # every token, once, in order; same text
 
