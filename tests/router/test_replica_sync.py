@@ -26,17 +26,28 @@ COMPONENT = "ns.backend"
 
 
 @asynccontextmanager
-async def frontend(discovery: str) -> AsyncIterator[KvRouter]:
-    """A KV router whose requests the other frontends of `discovery` count, and theirs it."""
+async def routers(discovery: str, *models: str) -> AsyncIterator[dict[str, KvRouter]]:
+    """A frontend's KV routers, one per model, all on `COMPONENT`: the other frontends of
+    `discovery` count their requests, and they the others'."""
     async with DistributedRuntime(discovery, lease_ttl=2) as runtime:
         sync = ReplicaSync(runtime, "ns")
-        router = KvRouter(KvIndexer(), BLOCK, component=COMPONENT, sync=sync)
+        by_model = {
+            model: KvRouter(KvIndexer(), BLOCK, model=model, component=COMPONENT, sync=sync)
+            for model in models
+        }
         running = asyncio.create_task(sync.run())
         try:
-            yield router
+            yield by_model
         finally:
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
+
+
+@asynccontextmanager
+async def frontend(discovery: str) -> AsyncIterator[KvRouter]:
+    """A frontend with one KV router."""
+    async with routers(discovery, "m") as by_model:
+        yield by_model["m"]
 
 
 def prompt(i: int) -> list[int]:
@@ -94,3 +105,28 @@ async def test_two_requests_through_two_frontends_go_to_two_workers() -> None:
         await wait_until(lambda: len(b.active) == 1, 10, "b told of a's request")
         second = b.route(RouteRequest(prompt(1)), [1, 2])
         assert second.ranking[0] != first.ranking[0]
+
+
+async def test_two_models_on_one_component_are_counted_apart() -> None:
+    """Workers of two models register on one component (the default "backend"): each model's
+    router counts the other frontends' requests of its model only, from the snapshot on too, and
+    one model's request ending leaves the other's counted."""
+    discovery = f"mem://{uuid.uuid4().hex}"
+    async with routers(discovery, "a", "b") as one, routers(discovery, "a", "b") as two:
+        of_a = one["a"].route(RouteRequest(prompt(0)), [1])
+        of_a.start(1)
+        of_b = one["b"].route(RouteRequest(prompt(1)), [2])
+        of_b.start(2)
+
+        def counted(routers: dict[str, KvRouter]) -> bool:
+            a, b = routers["a"].active, routers["b"].active
+            return (len(a), a.requests(1), len(b), b.requests(2)) == (1, 1, 1, 1)
+
+        await wait_until(lambda: counted(two), 10, "each model's request in its router")
+        async with routers(discovery, "a", "b") as late:
+            await wait_until(lambda: counted(late), 10, "both requests in the snapshot")
+        of_a.done()
+        await wait_until(lambda: len(two["a"].active) == 0, 10, "a's request freed")
+        assert two["b"].active.requests(2) == 1
+        of_b.done()
+        await wait_until(lambda: len(two["b"].active) == 0, 10, "b's request freed")

@@ -18,6 +18,7 @@ class RouteEventKind(enum.IntEnum):
 class RouteEvent(msgspec.Struct, array_like=True, kw_only=True):
     kind: RouteEventKind
     component: str  # "namespace.component" of the workers routed to
+    model: str  # their model (workers of several models may share a component)
     key: int  # the request, unique among the frontend's
     worker: int = 0
     block_hashes: list[int] = msgspec.field(default_factory=list)

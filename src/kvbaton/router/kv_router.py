@@ -72,7 +72,7 @@ class KvRouter(Router):
         self.loads: dict[int, WorkerLoad] = subscriber.loads if subscriber else {}
         self.active = ActiveSequences()
         self.sync = sync
-        self._publisher = sync.register(component, self.active) if sync else None
+        self._publisher = sync.register((component, model), self.active) if sync else None
         self._rng = random.Random(seed)
         if isinstance(indexer, ApproxKvIndexer):
             self.mode = "kv-approx"
@@ -85,7 +85,7 @@ class KvRouter(Router):
 
     async def close(self) -> None:
         if self.sync is not None:
-            self.sync.unregister(self.component)
+            self.sync.unregister((self.component, self.model), self.active)
         if self.metrics is not None:
             self.metrics.watch_index(self.model, self.component, None)
         if self.subscriber is not None:

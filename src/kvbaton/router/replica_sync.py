@@ -7,6 +7,8 @@ does not pile onto one worker (docs/architecture.md, "Router replica sync").
   and free as it happens (`protocols/router_sync.py`).
 - Each frontend follows every other frontend's stream and counts their requests in its KV
   routers' `ActiveSequences` beside its own, keyed by (frontend, request).
+- A KV router is known by its (component, model): workers of several models may register on
+  one component (`kvbaton worker`'s default "backend"), each model with its own router.
 - A frontend that leaves discovery, or whose stream breaks, has all its requests taken out of
   the counts at once; its stream is followed again from a new snapshot.
 - Publishing never waits: a follower that falls `MAX_BACKLOG` events behind is cut off (it then
@@ -31,6 +33,8 @@ from kvbaton.runtime import Client, Context, DistributedRuntime
 
 log = logging.getLogger(__name__)
 
+RouterId = tuple[str, str]  # (component, model)
+
 MAX_BACKLOG = 10_000  # events queued for one follower before it is cut off
 RESYNC_DELAY_S = 0.5  # between two tries at a peer's stream
 RECHECK_S = 1.0  # the live peers are looked at again at least this often
@@ -41,7 +45,7 @@ class _Connection:
     """One stream from a peer: the requests it had counted here (dropped when it ends)."""
 
     id: int
-    counted: set[tuple[str, int]] = field(default_factory=set)
+    counted: set[tuple[str, str, int]] = field(default_factory=set)  # (*RouterId, key)
 
 
 @dataclass(eq=False)  # (kept in a set: hashed by identity)
@@ -54,37 +58,34 @@ class _Follower:
 class RoutePublisher:
     """What one KV router tells the other frontends (made by `ReplicaSync.register`)."""
 
-    def __init__(self, sync: ReplicaSync, component: str) -> None:
+    def __init__(self, sync: ReplicaSync, router: RouterId) -> None:
         self._sync = sync
-        self._component = component
-        self._keys = itertools.count()
+        self._component, self._model = router
 
     def key(self) -> int:
-        """A new request's key."""
-        return next(self._keys)
+        """A new request's key (unique among this frontend's)."""
+        return next(self._sync.keys)
 
     def added(
         self, key: int, worker: int, block_hashes: Sequence[int], prefill_tokens: int
     ) -> None:
-        self._sync.publish(
-            RouteEvent(
-                kind=RouteEventKind.ADDED,
-                component=self._component,
-                key=key,
-                worker=worker,
-                block_hashes=list(block_hashes),
-                prefill_tokens=prefill_tokens,
-            )
+        self._publish(
+            RouteEventKind.ADDED,
+            key,
+            worker=worker,
+            block_hashes=list(block_hashes),
+            prefill_tokens=prefill_tokens,
         )
 
     def prefilled(self, key: int) -> None:
-        self._sync.publish(
-            RouteEvent(kind=RouteEventKind.PREFILLED, component=self._component, key=key)
-        )
+        self._publish(RouteEventKind.PREFILLED, key)
 
     def freed(self, key: int) -> None:
+        self._publish(RouteEventKind.FREED, key)
+
+    def _publish(self, kind: RouteEventKind, key: int, **details: Any) -> None:
         self._sync.publish(
-            RouteEvent(kind=RouteEventKind.FREED, component=self._component, key=key)
+            RouteEvent(kind=kind, component=self._component, model=self._model, key=key, **details)
         )
 
 
@@ -92,28 +93,31 @@ class ReplicaSync:
     def __init__(self, runtime: DistributedRuntime, namespace: str) -> None:
         self.runtime = runtime
         self.endpoint = f"{namespace}.frontend.router_sync"
-        self._actives: dict[str, ActiveSequences] = {}  # component -> its router's counts
-        self._own: dict[tuple[str, int], RouteEvent] = {}  # what this frontend counts now
+        self._actives: dict[RouterId, ActiveSequences] = {}  # a router's counts
+        self._own: dict[tuple[str, str, int], RouteEvent] = {}  # what this frontend counts now
         self._followers: set[_Follower] = set()
         self._peers: dict[int, asyncio.Task[None]] = {}  # peer -> the task following it
         self._connections = itertools.count()
+        self.keys = itertools.count()  # this frontend's requests
         self._me: int | None = None
 
-    def register(self, component: str, active: ActiveSequences) -> RoutePublisher:
-        """Count the other frontends' requests to `component` in `active`; what to tell them.
-        The peers' streams are followed again, from snapshots that include `component`."""
-        self._actives[component] = active
+    def register(self, router: RouterId, active: ActiveSequences) -> RoutePublisher:
+        """Count the other frontends' requests of `router` in `active`; what to tell them.
+        The peers' streams are followed again, from snapshots that include `router`."""
+        self._actives[router] = active
         for task in self._peers.values():
             task.cancel()  # (its stream's requests leave the counts as it ends)
         self._peers.clear()
-        return RoutePublisher(self, component)
+        return RoutePublisher(self, router)
 
-    def unregister(self, component: str) -> None:
-        self._actives.pop(component, None)
+    def unregister(self, router: RouterId, active: ActiveSequences) -> None:
+        """Stop counting in `active` (unless a newer router of `router` took its place)."""
+        if self._actives.get(router) is active:
+            del self._actives[router]
 
     # -- this frontend's side ----------------------------------------------------------------
     def publish(self, event: RouteEvent) -> None:
-        own = (event.component, event.key)
+        own = (event.component, event.model, event.key)
         if event.kind is RouteEventKind.ADDED:
             self._own[own] = event
         elif event.kind is RouteEventKind.PREFILLED:
@@ -194,10 +198,10 @@ class ReplicaSync:
             await asyncio.sleep(RESYNC_DELAY_S)
 
     def _apply(self, connection: _Connection, event: RouteEvent) -> None:
-        active = self._actives.get(event.component)
+        active = self._actives.get((event.component, event.model))
         if active is None:
             return  # a model this frontend does not route (yet)
-        own = (event.component, event.key)
+        own = (event.component, event.model, event.key)
         key = (connection.id, *own)
         if event.kind is RouteEventKind.ADDED:
             active.add(key, event.worker, event.block_hashes, event.prefill_tokens)
@@ -210,8 +214,8 @@ class ReplicaSync:
 
     def _drop(self, connection: _Connection) -> None:
         """Take every request the stream counted out of the counts."""
-        for component, key in connection.counted:
-            active = self._actives.get(component)
+        for component, model, key in connection.counted:
+            active = self._actives.get((component, model))
             if active is not None:
-                active.free((connection.id, component, key))
+                active.free((connection.id, component, model, key))
         connection.counted.clear()
