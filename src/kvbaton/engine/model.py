@@ -137,8 +137,8 @@ class StepBatch:
     positions: torch.Tensor  # [T]
     write_rows: torch.Tensor  # [T] cache row of each token's K in layer 0
     num_decodes: int
-    decode_kv_rows: torch.Tensor | None  # [2, D, Lmax] rows of layer 0's K, then V, for each
-    # decode's context
+    decode_blocks: torch.Tensor | None  # [D, ceil(Lmax / block size)] each decode's blocks
+    decode_len: int  # Lmax, the longest decode context
     decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] in the model dtype, added to the scores:
     # 0 where attended, -inf past a decode's length; None when every decode attends to all Lmax
     prefills: list[PrefillSpan]
@@ -359,7 +359,7 @@ class LlamaModel:
             rows.index_copy_(0, write[i, 1], v)
             if on_layer is not None:
                 on_layer(i)
-            attn = self._attention(batch, q, k, v, rows, i * layer_stride, block_size)
+            attn = self._attention(batch, q, k, v, cache, i)
             h = h + w.o(attn)
             x = rms_norm(h, w.post_norm, c.eps)
             gate, up = w.gate_up(x).chunk(2, dim=-1)
@@ -368,28 +368,28 @@ class LlamaModel:
         return self.lm_head(h).float()
 
     def _decode_attention(
-        self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         """One query per sequence against its gathered context: [D, heads, dim].
 
-        - q [D, heads, dim]; kv [2, D, L, kv_heads, dim], K then V; mask [D, 1, 1, L] added to
-          the scores, or None.
+        - q [D, heads, dim]; k and v [D, L, kv_heads, dim]; mask [D, 1, 1, L] added to the
+          scores, or None.
         - On SDPA where `decode_on_sdpa` (see `__init__`), else in float32 batched matmuls.
         """
         if self.decode_on_sdpa:
-            return self._decode_sdpa(q, kv, mask)
-        return self._decode_matmuls(q, kv, mask)
+            return self._decode_sdpa(q, k, v, mask)
+        return self._decode_matmuls(q, k, v, mask)
 
     def _decode_sdpa(
-        self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         """SDPA takes K and V as gathered (a transposed view: no copy) and the query heads of a
         KV head by themselves (`enable_gqa`): no float32 or repeated copies of the context."""
         c = self.config
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),
-            kv[0].transpose(1, 2),
-            kv[1].transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
             attn_mask=mask,
             scale=self.scale,
             enable_gqa=True,
@@ -397,15 +397,17 @@ class LlamaModel:
         return out.view(q.shape[0], c.num_heads, c.head_dim)
 
     def _decode_matmuls(
-        self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """K and V become [2, D, kv_heads, L, dim] in float32 in one copy, converted and
+        """K and V become [2, D, kv_heads, L, dim] in float32 in one copy each, converted and
         transposed at once: the batched matmuls then take each as it is, with no copy."""
         c = self.config
-        d, group, length = q.shape[0], c.num_heads // c.num_kv_heads, kv.shape[2]
+        d, group, length = q.shape[0], c.num_heads // c.num_kv_heads, k.shape[1]
         qf = q.view(d, c.num_kv_heads, group, c.head_dim).float()
         shape = (2, d, c.num_kv_heads, length, c.head_dim)
-        kvf = torch.empty(shape, dtype=torch.float32, device=q.device).copy_(kv.transpose(2, 3))
+        kvf = torch.empty(shape, dtype=torch.float32, device=q.device)
+        kvf[0].copy_(k.transpose(1, 2))
+        kvf[1].copy_(v.transpose(1, 2))
         scores = torch.matmul(qf, kvf[0].transpose(2, 3)).mul_(self.scale)
         if mask is not None:
             scores.add_(mask)
@@ -413,29 +415,36 @@ class LlamaModel:
         out = torch.matmul(probs, kvf[1])  # [D, kv_heads, group, dim]
         return out.reshape(d, c.num_heads, c.head_dim).to(q.dtype)
 
-    def _decodes_per_group(self, batch: StepBatch, rows: torch.Tensor) -> int:
+    def _decodes_per_group(self, batch: StepBatch, cache: torch.Tensor) -> int:
         """How many decodes' gathered K and V fit in `DECODE_GROUP_BYTES` (at least one)."""
-        if batch.decode_kv_rows is None:
+        if batch.decode_blocks is None:
             return 1
-        context_bytes = batch.decode_kv_rows[:, 0].numel() * rows[0].nbytes
+        context_bytes = batch.decode_blocks.shape[1] * cache[0, 0].nbytes
         return max(1, DECODE_GROUP_BYTES // context_bytes)
 
     def _decode_group(
         self,
         batch: StepBatch,
         q: torch.Tensor,
-        rows: torch.Tensor,
-        offset: int,
+        cache: torch.Tensor,
+        layer: int,
         start: int,
         end: int,
     ) -> torch.Tensor:
-        """Attention [end - start, heads, dim] of decodes start..end, gathered from `rows`."""
+        """Attention [end - start, heads, dim] of decodes start..end, their K and V gathered a
+        block at a time (a block's K, or V, of one layer is one contiguous piece)."""
         c = self.config
-        assert batch.decode_kv_rows is not None
-        idx = batch.decode_kv_rows[:, start:end] + offset
-        kv = rows.index_select(0, idx.flatten()).view(*idx.shape, c.num_kv_heads, c.head_dim)
+        assert batch.decode_blocks is not None
+        blocks = batch.decode_blocks[start:end]
+        pieces = cache.view(cache.shape[0], c.num_layers, 2, -1)[:, layer]
+        k, v = (
+            pieces[:, i]
+            .index_select(0, blocks.flatten())
+            .view(end - start, -1, c.num_kv_heads, c.head_dim)[:, : batch.decode_len]
+            for i in (0, 1)
+        )
         mask = None if batch.decode_mask is None else batch.decode_mask[start:end]
-        return self._decode_attention(q[start:end], kv, mask)
+        return self._decode_attention(q[start:end], k, v, mask)
 
     def _attention(
         self,
@@ -443,9 +452,8 @@ class LlamaModel:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        rows: torch.Tensor,
-        offset: int,
-        block_size: int,
+        cache: torch.Tensor,
+        layer: int,
     ) -> torch.Tensor:
         """[T, heads * dim]: each decode against its context, then each prefill span.
 
@@ -456,13 +464,13 @@ class LlamaModel:
         - A step of decodes in one group returns their attention itself, with no copy.
         """
         d = batch.num_decodes
-        per = self._decodes_per_group(batch, rows)
+        per = self._decodes_per_group(batch, cache)
         if d and d <= per and not batch.prefills:
-            return self._decode_group(batch, q, rows, offset, 0, d).view(d, -1)
+            return self._decode_group(batch, q, cache, layer, 0, d).view(d, -1)
         out = torch.empty_like(q)
         for start in range(0, d, per):
             end = min(d, start + per)
-            out[start:end] = self._decode_group(batch, q, rows, offset, start, end)
+            out[start:end] = self._decode_group(batch, q, cache, layer, start, end)
         for span in batch.prefills:
             qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
             n = span.end - span.start
@@ -473,7 +481,9 @@ class LlamaModel:
                     qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
                 )
             else:
-                idx = span.context_rows + offset
+                c, block_size = self.config, cache.shape[3]
+                rows = cache.view(-1, c.num_kv_heads, c.head_dim)
+                idx = span.context_rows + layer * 2 * block_size
                 ks = rows.index_select(0, idx).transpose(0, 1).unsqueeze(0)
                 vs = rows.index_select(0, idx + block_size).transpose(0, 1).unsqueeze(0)
                 prefix = span.context_len - n

@@ -214,25 +214,35 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         stride = self.model.config.num_layers * 2 * self.block_size
         write_rows = torch.empty_like(pos)
-        decode_kv_rows = decode_mask = None
+        decode_blocks = decode_mask = None
+        decode_len = 0
         if decodes:
             lens = [s.seq.num_computed_tokens + 1 for s in decodes]  # host ints: no device sync
-            lengths = torch.tensor(lens, device=self.device)
-            width = max(len(s.seq.block_table) for s in decodes)
-            tables = torch.tensor(
-                [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes],
+            decode_len = max(lens)
+            width = -(-decode_len // self.block_size)  # the blocks that hold the longest context
+            decode_blocks = torch.tensor(
+                [
+                    s.seq.block_table[:width] + [0] * (width - len(s.seq.block_table))
+                    for s in decodes
+                ],
                 dtype=torch.long,
                 device=self.device,
             )
-            span = torch.arange(max(lens), device=self.device)
-            decode_rows = tables[:, span // self.block_size] * stride + span % self.block_size
-            if min(lens) != max(lens):  # equal lengths attend to every row: no mask
-                pad = span[None, :] >= lengths[:, None]
+            write_rows[: len(decodes)] = torch.tensor(
+                [
+                    s.seq.block_table[(n - 1) // self.block_size] * stride
+                    + (n - 1) % self.block_size
+                    for s, n in zip(decodes, lens, strict=True)
+                ],
+                dtype=torch.long,
+                device=self.device,
+            )
+            if min(lens) != decode_len:  # equal lengths attend to every row: no mask
+                lengths = torch.tensor(lens, device=self.device)
+                pad = torch.arange(decode_len, device=self.device)[None, :] >= lengths[:, None]
                 decode_mask = torch.zeros(
                     pad.shape, dtype=self.dtype, device=self.device
                 ).masked_fill_(pad, float("-inf"))[:, None, None, :]
-            write_rows[: len(decodes)] = decode_rows[torch.arange(len(decodes)), lengths - 1]
-            decode_kv_rows = torch.stack((decode_rows, decode_rows + self.block_size))
         spans = []
         flat = len(decodes)
         for s in prefills:
@@ -255,7 +265,8 @@ class ModelRunner:
             positions=pos,
             write_rows=write_rows,
             num_decodes=len(decodes),
-            decode_kv_rows=decode_kv_rows,
+            decode_blocks=decode_blocks,
+            decode_len=decode_len,
             decode_mask=decode_mask,
             prefills=spans,
             logits_index=torch.tensor(
