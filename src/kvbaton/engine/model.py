@@ -125,7 +125,7 @@ class PrefillSpan:
     start: int
     end: int
     context_len: int
-    context_rows: torch.Tensor | None  # [context_len] cache rows of layer 0's K; None: no prefix
+    context_blocks: torch.Tensor | None  # [1, ceil(context_len / block size)]; None: no prefix
 
 
 @dataclass
@@ -433,18 +433,27 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Attention [end - start, heads, dim] of decodes start..end, their K and V gathered a
         block at a time (a block's K, or V, of one layer is one contiguous piece)."""
-        c = self.config
         assert batch.decode_blocks is not None
         blocks = batch.decode_blocks[start:end]
+        k, v = self._gather(cache, layer, blocks, batch.decode_len)
+        mask = None if batch.decode_mask is None else batch.decode_mask[start:end]
+        return self._decode_attention(q[start:end], k, v, mask)
+
+    def _gather(
+        self, cache: torch.Tensor, layer: int, blocks: torch.Tensor, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [N, length, kv_heads, dim] in `layer` of the contexts in blocks [N, W]: a
+        block at a time (a block's K, or V, of one layer is one contiguous piece of the cache),
+        the tail past `length` sliced off."""
+        c = self.config
         pieces = cache.view(cache.shape[0], c.num_layers, 2, -1)[:, layer]
         k, v = (
             pieces[:, i]
             .index_select(0, blocks.flatten())
-            .view(end - start, -1, c.num_kv_heads, c.head_dim)[:, : batch.decode_len]
+            .view(blocks.shape[0], -1, c.num_kv_heads, c.head_dim)[:, :length]
             for i in (0, 1)
         )
-        mask = None if batch.decode_mask is None else batch.decode_mask[start:end]
-        return self._decode_attention(q[start:end], k, v, mask)
+        return k, v
 
     def _attention(
         self,
@@ -474,18 +483,15 @@ class LlamaModel:
         for span in batch.prefills:
             qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
             n = span.end - span.start
-            if span.context_rows is None:  # the whole context is this chunk
+            if span.context_blocks is None:  # the whole context is this chunk
                 ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
                 vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
                 )
             else:
-                c, block_size = self.config, cache.shape[3]
-                rows = cache.view(-1, c.num_kv_heads, c.head_dim)
-                idx = span.context_rows + layer * 2 * block_size
-                ks = rows.index_select(0, idx).transpose(0, 1).unsqueeze(0)
-                vs = rows.index_select(0, idx + block_size).transpose(0, 1).unsqueeze(0)
+                ks, vs = self._gather(cache, layer, span.context_blocks, span.context_len)
+                ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)
                 prefix = span.context_len - n
                 mask = torch.ones(n, span.context_len, dtype=torch.bool, device=q.device).tril(
                     diagonal=prefix

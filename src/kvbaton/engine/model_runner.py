@@ -200,6 +200,16 @@ class ModelRunner:
         stride = self.model.config.num_layers * 2 * self.block_size
         return table[positions // self.block_size] * stride + positions % self.block_size
 
+    def _blocks(self, tables: list[list[int]], length: int) -> torch.Tensor:
+        """[N, ceil(length / block size)]: the blocks of each block table that hold its first
+        `length` positions (block 0 past a shorter table's end)."""
+        width = -(-length // self.block_size)
+        return torch.tensor(
+            [table[:width] + [0] * (width - len(table)) for table in tables],
+            dtype=torch.long,
+            device=self.device,
+        )
+
     def build(self, scheduled: list[ScheduledSeq]) -> tuple[StepBatch, list[ScheduledSeq]]:
         """The step's tensors, and the scheduled sequences in the order their logits come."""
         decodes = [s for s in scheduled if s.num_tokens == 1]
@@ -219,15 +229,7 @@ class ModelRunner:
         if decodes:
             lens = [s.seq.num_computed_tokens + 1 for s in decodes]  # host ints: no device sync
             decode_len = max(lens)
-            width = -(-decode_len // self.block_size)  # the blocks that hold the longest context
-            decode_blocks = torch.tensor(
-                [
-                    s.seq.block_table[:width] + [0] * (width - len(s.seq.block_table))
-                    for s in decodes
-                ],
-                dtype=torch.long,
-                device=self.device,
-            )
+            decode_blocks = self._blocks([s.seq.block_table for s in decodes], decode_len)
             write_rows[: len(decodes)] = torch.tensor(
                 [
                     s.seq.block_table[(n - 1) // self.block_size] * stride
@@ -247,12 +249,13 @@ class ModelRunner:
         flat = len(decodes)
         for s in prefills:
             end = flat + s.num_tokens
-            context_len = s.seq.num_computed_tokens + s.num_tokens
-            all_rows = self._rows(s.seq.block_table, torch.arange(context_len, device=self.device))
-            write_rows[flat:end] = all_rows[s.seq.num_computed_tokens :]
-            spans.append(
-                PrefillSpan(flat, end, context_len, all_rows if s.seq.num_computed_tokens else None)
-            )
+            computed = s.seq.num_computed_tokens
+            context_len = computed + s.num_tokens
+            chunk = torch.arange(computed, context_len, device=self.device)
+            write_rows[flat:end] = self._rows(s.seq.block_table, chunk)
+            # With a prefix in the cache, the chunk attends to it too.
+            blocks = self._blocks([s.seq.block_table], context_len) if computed else None
+            spans.append(PrefillSpan(flat, end, context_len, blocks))
             flat = end
         sampling = [i for i, s in enumerate(ordered) if s.samples]
         ends = []
