@@ -4,6 +4,7 @@ that stop the deployment, a graceful stop, the state file."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -165,3 +166,43 @@ def test_a_deployment_never_announced_stops_after_the_ready_timeout(folder: Path
     assert supervisor.run() == 1
     assert supervisor.failure == "not serving after 0.5 s"
     assert supervisor.slots[0].process and supervisor.slots[0].process.returncode == -15
+
+
+# Stops a supervisor with no slots from a trace function at its loop's k-th line (a trace
+# function runs where a signal handler can: between any two lines of the main thread, inside
+# the standard library's locked sections too), for each k in turn; prints how many it stopped.
+STOP_AT_EVERY_LINE = """
+import sys
+import kvbaton.cli.supervisor as supervisor_module
+from kvbaton.cli.supervisor import Supervisor
+
+supervisor_module.TICK_S = 0.001
+for k in range(1, 301):
+    supervisor = Supervisor([], {})
+    lines = 0
+
+    def trace(frame, event, arg):
+        def local(frame, event, arg):
+            global lines
+            if event == "line":
+                lines += 1
+                if lines == k:
+                    supervisor.stop()
+            return local
+        return local
+
+    sys.settrace(trace)
+    code = supervisor.run()
+    sys.settrace(None)
+    assert code == 0, code
+print(k, flush=True)
+"""
+
+
+def test_a_stop_asked_between_any_two_lines_of_the_loop_ends_it() -> None:
+    """As serve's SIGINT handler may run: a stop that waited on a lock its own thread held
+    would hang the deployment forever."""
+    done = subprocess.run(
+        [sys.executable, "-c", STOP_AT_EVERY_LINE], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout) == (0, "300\n"), done.stderr[-2000:]

@@ -170,12 +170,17 @@ class Supervisor:
         self.state_extra = state_extra or {}
         self.announce = announce
         self.failure = ""  # why the deployment stopped, if a slot could not start
-        self._stop_asked = threading.Event()
+        self._stop_asked = False  # a plain flag: see `stop`
         self._written: list[dict[str, Any]] = []
 
     def stop(self) -> None:
-        """Stop the deployment (from a signal handler or another thread)."""
-        self._stop_asked.set()
+        """Stop the deployment (from a signal handler or another thread).
+
+        - Takes no lock: a signal handler runs between any two lines of the main thread, even
+          where that thread holds a lock (a `threading.Event`'s, in its `wait`), and would wait
+          on it forever.
+        """
+        self._stop_asked = True
 
     def run(self) -> int:
         """Supervise until stopped (0) or a slot cannot start its child (1)."""
@@ -185,7 +190,7 @@ class Supervisor:
                 self._start(slot)
             announced = False
             started = time.monotonic()
-            while not self._stop_asked.wait(TICK_S):
+            while not self._stop_asked_after(TICK_S):
                 for slot in self.slots:
                     self._tick(slot)
                 if not announced and all(s.state is SlotState.READY for s in self.slots):
@@ -202,6 +207,11 @@ class Supervisor:
             if self.state_file is not None:
                 self.state_file.unlink(missing_ok=True)
         return code
+
+    def _stop_asked_after(self, seconds: float) -> bool:
+        """Whether a stop was asked, after `seconds` (a signal's handler runs within them)."""
+        time.sleep(seconds)
+        return self._stop_asked
 
     # -- a slot's transitions ----------------------------------------------------------------
     def _start(self, slot: Slot) -> None:
@@ -242,7 +252,7 @@ class Supervisor:
 
     def _exited(self, slot: Slot, how: str) -> None:
         """The slot's child exited unasked: into BACKOFF, or DeploymentFailed."""
-        if self._stop_asked.is_set():
+        if self._stop_asked:
             return  # a Ctrl-C reaches the children too: they may exit before the loop ends
         assert slot.process is not None
         pid = slot.process.pid
