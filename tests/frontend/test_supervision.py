@@ -109,7 +109,9 @@ async def serving(chat_model: Path, tmp_path: Path, *extra: str) -> AsyncIterato
     try:
         yield deployment
     finally:
-        assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
+        code = await asyncio.to_thread(stop_serve, deployment.proc)
+        tail = "\n".join(deployment.lines[-80:])
+        assert code == 0, f"serve exited {code}; its last lines:\n{tail}"
 
 
 CASES = {
