@@ -110,7 +110,7 @@ async def serving(chat_model: Path, tmp_path: Path, *extra: str) -> AsyncIterato
         yield deployment
     finally:
         code = await asyncio.to_thread(stop_serve, deployment.proc)
-        tail = "\n".join(deployment.lines[-80:])
+        tail = "\n".join(deployment.log_text().splitlines()[-80:])
         assert code == 0, f"serve exited {code}; its last lines:\n{tail}"
 
 
