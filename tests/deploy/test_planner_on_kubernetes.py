@@ -18,7 +18,7 @@ import pytest
 
 from kvbaton.deploy.kubernetes import KubernetesOptions, manifests
 from kvbaton.planner.types import Profile, ProfilePoint
-from tests.frontend.conftest import clean_env, start_frontend, stop_serve
+from tests.frontend.conftest import clean_env, start_frontend, stop_cleanly
 from tests.servers import KubeStandIn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -114,4 +114,4 @@ async def test_the_generated_planner_scales_the_generated_decode_deployment(
         finally:
             planner.send_signal(signal.SIGTERM)
             planner.wait(timeout=20)
-            assert await asyncio.to_thread(stop_serve, front.proc) == 0
+            await asyncio.to_thread(stop_cleanly, front)

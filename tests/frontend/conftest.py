@@ -202,6 +202,16 @@ def stop_serve(proc: subprocess.Popen[bytes]) -> int:
     return proc.wait()
 
 
+def stop_cleanly(deployment: Deployment) -> None:
+    """Stops the deployment as `stop_serve` does.
+
+    - Fails unless it exited 0, with its last 80 log lines in the message.
+    """
+    code = stop_serve(deployment.proc)
+    tail = "\n".join(deployment.log_text().splitlines()[-80:])
+    assert code == 0, f"kvbaton exited {code}; its last lines:\n{tail}"
+
+
 @pytest.fixture(scope="module")
 def served(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     deployment = start_serve(chat_model, tmp_path_factory.mktemp("discovery"))

@@ -18,7 +18,7 @@ from tests.conftest import WorkerFactory
 from tests.frontend.conftest import (
     Deployment,
     start_frontend,
-    stop_serve,
+    stop_cleanly,
     wait_for_health,
     worker_load,
 )
@@ -76,7 +76,7 @@ async def running_frontend(tmp_path: Path, *flags: str) -> AsyncIterator[Deploym
     try:
         yield deployment
     finally:
-        assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
+        await asyncio.to_thread(stop_cleanly, deployment)
 
 
 async def ready(frontend: Deployment, model: Path, prefill: int = 1, serving: int = 1) -> None:

@@ -17,7 +17,7 @@ import pydantic
 import pytest
 
 from kvbaton.llm.model_files import pull
-from tests.frontend.conftest import Deployment, start_serve, stop_serve
+from tests.frontend.conftest import Deployment, start_serve, stop_cleanly
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -97,7 +97,7 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     model = pull("smollm2", progress=lambda line: None)
     deployment = start_serve(model, tmp_path_factory.mktemp("discovery"))
     yield deployment
-    assert stop_serve(deployment.proc) == 0
+    stop_cleanly(deployment)
 
 
 @pytest.fixture(scope="module")

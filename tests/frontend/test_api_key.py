@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from kvbaton.frontend.asgi import RequestIdAndLimits
-from tests.frontend.conftest import start_frontend, stop_serve
+from tests.frontend.conftest import start_frontend, stop_cleanly
 
 
 async def ok_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -61,4 +61,4 @@ def test_the_official_client_with_and_without_the_key(tmp_path: Path) -> None:
             assert good.models.list().data == []
         assert httpx.get(f"{frontend.url}/live").status_code == 200
     finally:
-        assert stop_serve(frontend.proc) == 0
+        stop_cleanly(frontend)

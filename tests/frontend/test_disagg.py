@@ -22,7 +22,7 @@ from kvbaton.runtime import DistributedRuntime
 from tests.frontend.conftest import (
     Deployment,
     start_serve,
-    stop_serve,
+    stop_cleanly,
     wait_for_health,
     worker_load,
 )
@@ -103,7 +103,7 @@ def disagg(
     )
     wait_for_health(deployment.url, deployment.model, 1)
     yield Disagg(**vars(deployment), backend=backend, order=order, push=push)
-    assert stop_serve(deployment.proc) == 0
+    stop_cleanly(deployment)
 
 
 def complete(

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from kvbaton.llm.model_files import pull
-from tests.frontend.conftest import start_serve, stop_serve, wait_for_health
+from tests.frontend.conftest import start_serve, stop_cleanly, wait_for_health
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -72,4 +72,4 @@ def test_smollm2_disaggregated_answers_equal_aggregated(tmp_path: Path, order: s
             assert answers[0] == answers[1], (extra, question)
             assert answers[0][0] or answers[0][1]
     finally:
-        assert stop_serve(deployment.proc) == 0
+        stop_cleanly(deployment)

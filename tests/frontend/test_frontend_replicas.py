@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvbaton.runtime.http_embed import bound
-from tests.frontend.conftest import clean_env, serve_slot, start_serve, stop_serve
+from tests.frontend.conftest import clean_env, serve_slot, start_serve, stop_cleanly
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.integration
@@ -99,7 +99,7 @@ async def test_replicas_share_the_port_and_one_killed_leaves_the_other_serving(
     finally:
         for client in clients:
             await client.aclose()
-        assert stop_serve(deployment.proc) == 0
+        stop_cleanly(deployment)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["held", "held-shared"])

@@ -13,7 +13,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from tests.frontend.conftest import Deployment, start_serve, stop_serve
+from tests.frontend.conftest import Deployment, start_serve, stop_cleanly
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +24,7 @@ def fuzzed(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     deployment = start_serve(chat_model, tmp_path_factory.mktemp("discovery"), "--engine", "fixed")
     yield deployment
     alive = deployment.proc.poll() is None
-    assert stop_serve(deployment.proc) == 0
+    stop_cleanly(deployment)
     assert alive, deployment.log_text()[-3000:]
 
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from kvbaton.runtime.discovery import kube_objects as ko
-from tests.frontend.conftest import Deployment, clean_env, start_frontend, stop_serve
+from tests.frontend.conftest import Deployment, clean_env, start_frontend, stop_cleanly
 from tests.servers import KubeStandIn, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -138,7 +138,7 @@ async def frontend(cluster: Cluster) -> AsyncIterator[Deployment]:
     try:
         yield deployment
     finally:
-        assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
+        await asyncio.to_thread(stop_cleanly, deployment)
 
 
 async def until(check: Any, what: str, timeout: float = STARTUP_S) -> None:

@@ -24,6 +24,7 @@ from tests.frontend.conftest import (
     serve_slot,
     start_frontend,
     start_serve,
+    stop_cleanly,
     stop_serve,
     wait_for_health,
 )
@@ -67,7 +68,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         "1024",  # room for the whole answer (the last value given wins)
     )
     yield deployment
-    assert stop_serve(deployment.proc) == 0
+    stop_cleanly(deployment)
 
 
 async def test_client_leaving_mid_stream_frees_its_blocks(served: Deployment) -> None:
@@ -148,7 +149,7 @@ async def test_dead_worker_gives_503_and_mid_stream_death_an_error_event(
             assert r.status_code == 503, r.text
             assert r.json()["error"]["code"] == "no_workers"
     finally:
-        assert await asyncio.to_thread(stop_serve, frontend.proc) == 0
+        await asyncio.to_thread(stop_cleanly, frontend)
 
 
 async def test_serve_with_two_workers_stops_them_all_on_sigint(
@@ -160,7 +161,7 @@ async def test_serve_with_two_workers_stops_them_all_on_sigint(
     try:
         await asyncio.to_thread(wait_for_health, deployment.url, deployment.model, 2)
     finally:
-        assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
+        await asyncio.to_thread(stop_cleanly, deployment)
     assert "did not stop" not in deployment.log_text()  # each one stopped on its own
     status = await asyncio.to_thread(kvbaton_status, deployment.discovery)
     assert status.splitlines()[1] == "no instances"
@@ -178,7 +179,7 @@ async def test_serve_on_a_discovery_of_its_own_names_it_and_removes_it(chat_mode
         rows = [line.split()[:3] for line in status.splitlines()[2:]]
         assert ["kvbaton", "backend", "generate"] in rows, status
     finally:
-        assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
+        await asyncio.to_thread(stop_cleanly, deployment)
     assert not await asyncio.to_thread(os.path.exists, own.removeprefix("file://"))
 
 

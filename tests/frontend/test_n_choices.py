@@ -26,7 +26,7 @@ from tests.conftest import WorkerFactory, instance_id, worker_log
 from tests.frontend.conftest import (
     Deployment,
     start_serve,
-    stop_serve,
+    stop_cleanly,
     wait_for_health,
     worker_load,
 )
@@ -48,7 +48,7 @@ def agg(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         chat_model, tmp_path_factory.mktemp("discovery"), "--canary-period", "0"
     )
     yield deployment
-    assert stop_serve(deployment.proc) == 0
+    stop_cleanly(deployment)
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +256,7 @@ def disagg(
     )
     wait_for_health(deployment.url, deployment.model, 1)
     yield deployment
-    assert stop_serve(deployment.proc) == 0
+    stop_cleanly(deployment)
 
 
 async def disagg_loads(discovery: str) -> tuple[WorkerLoad, WorkerLoad]:

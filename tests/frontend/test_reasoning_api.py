@@ -13,7 +13,12 @@ import openai
 import pytest
 
 from kvbaton.llm.tokenizer import Tokenizer
-from tests.frontend.conftest import start_frontend, start_serve, stop_serve, wait_for_health
+from tests.frontend.conftest import (
+    start_frontend,
+    start_serve,
+    stop_cleanly,
+    wait_for_health,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -56,9 +61,9 @@ def frontends(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
                 openai.OpenAI(base_url=f"{plain.url}/v1", api_key="none", max_retries=0),
             )
         finally:
-            assert stop_serve(plain.proc) == 0
+            stop_cleanly(plain)
     finally:
-        assert stop_serve(served.proc) == 0
+        stop_cleanly(served)
 
 
 def whole(client: openai.OpenAI, f: Frontends, **extra: Any) -> tuple[Any, str | None, str | None]:

@@ -27,7 +27,12 @@ import pytest
 from kvbaton.protocols.kv import KvDump
 from kvbaton.runtime import DistributedRuntime
 from tests.conftest import WorkerFactory
-from tests.frontend.conftest import Deployment, kvbaton_status, start_frontend, stop_serve
+from tests.frontend.conftest import (
+    Deployment,
+    kvbaton_status,
+    start_frontend,
+    stop_cleanly,
+)
 from tests.helpers import collect
 from tests.servers import EtcdServer, NatsServer, running
 
@@ -98,7 +103,7 @@ async def frontend(cluster: Cluster) -> AsyncIterator[Deployment]:
     try:
         yield deployment
     finally:
-        assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
+        await asyncio.to_thread(stop_cleanly, deployment)
 
 
 async def health(http: httpx.AsyncClient) -> tuple[set[str], set[str]]:

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from kvbaton.llm.tokenizer import Tokenizer
-from tests.frontend.conftest import Deployment, start_serve, stop_serve
+from tests.frontend.conftest import Deployment, start_serve, stop_cleanly
 from tests.tiny_models import TOOLS_TEMPLATE, build_chat_model
 
 pytestmark = pytest.mark.integration
@@ -75,7 +75,7 @@ def _client(deployment: Deployment) -> openai.OpenAI:
 def tiny(tools_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     deployment = start_serve(tools_model, tmp_path_factory.mktemp("discovery"))
     yield deployment
-    assert stop_serve(deployment.proc) == 0
+    stop_cleanly(deployment)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def fixed(tools_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         tokens,
     )
     yield deployment
-    assert stop_serve(deployment.proc) == 0
+    stop_cleanly(deployment)
 
 
 def _valid(call: Any) -> None:

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from kvbaton.planner.types import Profile, ProfilePoint
-from tests.frontend.conftest import Deployment, clean_env, start_frontend, stop_serve
+from tests.frontend.conftest import Deployment, clean_env, start_frontend, stop_cleanly
 from tests.tiny_models import build_chat_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -55,7 +55,7 @@ async def frontend(tmp_path: Path) -> AsyncIterator[Deployment]:
     try:
         yield deployment
     finally:
-        assert await asyncio.to_thread(stop_serve, deployment.proc) == 0
+        await asyncio.to_thread(stop_cleanly, deployment)
 
 
 @pytest.fixture
