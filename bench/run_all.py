@@ -67,6 +67,7 @@ BENCHMARKS = (
     Benchmark("request_plane", ("--duration", "1", "--trials", "3")),
     Benchmark("frontend", ("--requests", "1000", "--duration", "2", "--trials", "3")),
     Benchmark("engine", ("--trials", "1", "--batches", "1", "64")),
+    Benchmark("step_breakdown", ("--trials", "1")),
     Benchmark("startup", ("--trials", "1")),
     Benchmark("structured", ("--trials", "1")),
     Benchmark("serve_vs_offline", ("--repeats", "1", "--requests", "2")),

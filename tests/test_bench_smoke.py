@@ -1,9 +1,12 @@
 """The benchmarks still run and print their comparison and headlines (figures are not judged
 here)."""
 
+from pathlib import Path
+
 import pytest
 
 from tests.helpers import bench_headlines, run_bench
+from tests.tiny_models import build_chat_model
 
 
 @pytest.mark.integration
@@ -25,3 +28,16 @@ def test_request_plane_bench_prints_every_plane_and_the_baseline() -> None:
         ["streaming", "c64", "tcp"],
     ]
     assert all(h.ratio is not None and h.target and h.met is not None for h in heads), heads
+
+
+@pytest.mark.integration
+def test_step_breakdown_splits_a_step_into_projections_and_the_rest(tmp_path: Path) -> None:
+    model = build_chat_model(tmp_path / "tiny")
+    out, rows = run_bench("step_breakdown.py", "--model", str(model), "--trials", "1")
+    step, projections, rest = (float(row[1]) for row in rows)
+    assert [row[0].split()[0] for row in rows] == ["whole", "projections", "the"], out
+    assert step > 0 and projections > 0
+    assert rest == pytest.approx(step - projections, abs=0.02)
+    (head,) = bench_headlines(out)  # the projections' streaming rate beside the summing loop's
+    assert head.benchmark == "step_breakdown" and head.ratio is not None and head.ratio > 0
+    assert head.figure.startswith("projections stream") and head.met is None
