@@ -200,11 +200,11 @@ def vllm_decode(
     return {int(b): statistics.median(r) for b, r in rates.items()}
 
 
-def median_of(trials: int, label: str, run: Callable[[int], float]) -> float:
+def median_of(trials: int, label: str, run: Callable[[int], float], unit: str = "tok/s") -> float:
     runs = []
     for t in range(trials):
         runs.append(run(t))
-        say(f"  {label}: trial {t + 1}/{trials}: {runs[-1]:.1f} tok/s")
+        say(f"  {label}: trial {t + 1}/{trials}: {runs[-1]:.1f} {unit}")
     return statistics.median(runs)
 
 

@@ -15,7 +15,8 @@ kvbaton's engine on this CPU, beside the same run's memory-bandwidth bound.
   batch 1, and the step time issue 32's target (60% of that bound) allows.
 Each time is the median of the trials. The headline is the projections' streaming rate beside
 the summing loop's: their ratio is the share of the bound a step of projections alone reaches,
-the ceiling of batch 1 on these kernels (no target of its own: `bench/engine.py` judges issue 32's).
+the ceiling of batch 1 on these kernels (no target of its own: `bench/engine.py` judges issue
+32's).
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
-from engine import NEW_TOKENS, PROMPT_LEN, read_bandwidth_gbs
+from engine import NEW_TOKENS, PROMPT_LEN, median_of, read_bandwidth_gbs, say
 from headline import report
 from kvbaton.engine import EngineConfig, LLMEngine, SamplingParams
 from kvbaton.engine.connector import EngineRequest
@@ -93,10 +93,6 @@ def operator_calls_per_step(engine: LLMEngine, prompt: list[int]) -> float:
     return sum(event.count for event in prof.key_averages()) / steps
 
 
-def median_of(trials: int, run: Callable[[int], float]) -> float:
-    return statistics.median(run(t) for t in range(trials))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -106,6 +102,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model_dir = resolve_model(args.model)
+    say(f"step breakdown: loading {model_dir.name}")
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", device="cpu"))
     model = engine.runner.model
     vocab = model.config.vocab_size
@@ -116,9 +113,14 @@ def main() -> None:
     bandwidth = read_bandwidth_gbs(args.trials, torch.device("cpu"))
     step = median_of(
         args.trials,
+        "batch-1 decode step",
         lambda t: statistics.median(decode_steps_ms(engine, random_prompt(vocab, seed=t))),
+        unit="ms",
     )
-    projections = median_of(args.trials, lambda t: projections_ms(calls, NEW_TOKENS))
+    projections = median_of(
+        args.trials, "projections", lambda t: projections_ms(calls, NEW_TOKENS), unit="ms"
+    )
+    say("counting operator calls (one decode under torch's profiler)")
     operators = operator_calls_per_step(engine, random_prompt(vocab, seed=50))
     bound_ms = weight_bytes / (bandwidth * 1e9) * 1e3
     budget_ms = bound_ms / TARGET_SHARE
