@@ -52,8 +52,11 @@ class Setup:
 
 
 @contextlib.asynccontextmanager
-async def kv_setup(mocker_model: Path, event_plane: str = "direct") -> AsyncIterator[Setup]:
-    """A mocker worker and a (not yet started) subscriber on `event_plane`."""
+async def kv_setup(
+    mocker_model: Path, event_plane: str = "direct", model: str = "m"
+) -> AsyncIterator[Setup]:
+    """A mocker worker of model "m" and a (not yet started) subscriber on `event_plane` that
+    follows the workers of `model`."""
     url = f"mem://{uuid.uuid4().hex}"
     worker_rt = DistributedRuntime(url, lease_ttl=2.0, event_plane=event_plane)
     router_rt = DistributedRuntime(url, lease_ttl=2.0, event_plane=event_plane)
@@ -67,7 +70,7 @@ async def kv_setup(mocker_model: Path, event_plane: str = "direct") -> AsyncIter
     generate = await router_rt.endpoint("t.backend.generate").client(response_type=EngineOutput)
     (worker_id,) = await generate.wait_for_instances(10)
     indexer = KvIndexer()
-    subscriber = KvEventSubscriber(router_rt, "t.backend", indexer, {})
+    subscriber = KvEventSubscriber(router_rt, "t.backend", indexer, {}, model)
     try:
         yield Setup(worker_rt, publisher, worker_id, generate, indexer, subscriber)
     finally:
@@ -137,6 +140,28 @@ async def test_a_worker_that_leaves_is_taken_out(setup: Setup) -> None:
     await wait_until(lambda: setup.matches(prompt) == {}, what="the worker's removal")
     assert setup.worker_id not in setup.indexer.workers
     assert setup.worker_id not in setup.subscriber.loads
+
+
+@pytest.mark.parametrize("plane", ["direct", "nats"])
+async def test_a_worker_of_another_model_on_the_component_is_not_indexed(
+    request: pytest.FixtureRequest, mocker_model: Path, plane: str
+) -> None:
+    url = request.getfixturevalue("nats_server").url if plane == "nats" else "direct"
+    async with kv_setup(mocker_model, url, model="other") as setup:
+        ours = KvEventSubscriber(setup.worker_rt, "t.backend", KvIndexer(), {}, "m")
+        await asyncio.gather(setup.subscriber.start(), ours.start())
+        try:
+            await wait_until(lambda: setup.subscriber.others == {setup.worker_id}, what="others")
+            prompt = list(range(30, 39))
+            await setup.run(prompt)
+            found = hash_blocks(prompt, BLOCK)
+            await wait_until(lambda: ours.indexer.find_matches(found), what="m's own index")
+            await wait_until(lambda: setup.worker_id in ours.loads, what="m's load report")
+            assert setup.matches(prompt) == {}
+            assert setup.indexer.workers == [] and setup.subscriber.loads == {}
+            assert setup.subscriber.dumps == 0 and ours.others == set()
+        finally:
+            await ours.close()
 
 
 async def test_a_follower_whose_cancel_was_lost_ends_once_its_worker_left(

@@ -44,13 +44,22 @@ KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 class KvDump(msgspec.Struct, kw_only=True):
     """Every block a worker's cache holds, as of event `last_event_id` (-1: before any); with
-    tiers, those of its host tier and of its disk `store` too."""
+    tiers, those of its host tier and of its disk `store` too.
+
+    - `model`: the name the worker serves its model under ("": not said); a router indexes the
+      workers of its own model only, where several models' workers share a component.
+    """
 
     last_event_id: int
     block_hashes: list[int]
     host_block_hashes: list[int] = msgspec.field(default_factory=list)
     store: str | None = None
     store_block_hashes: list[int] = msgspec.field(default_factory=list)
+    model: str = ""
+
+    def of_another_model(self, model: str) -> bool:
+        """Whether the worker serves another model than `model` ("" on either side: no)."""
+        return bool(model and self.model and self.model != model)
 
 
 class KvEventBatch(msgspec.Struct, kw_only=True, omit_defaults=True):

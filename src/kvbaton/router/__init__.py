@@ -81,7 +81,7 @@ def make_router(
     indexer: KvIndexer
     if settings.kv_events:
         indexer = KvIndexer()
-        subscriber = KvEventSubscriber(runtime, card.component, indexer, {})
+        subscriber = KvEventSubscriber(runtime, card.component, indexer, {}, card.name)
     else:
         indexer = ApproxKvIndexer(settings.approx_ttl_s)
     return KvRouter(

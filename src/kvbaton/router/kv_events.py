@@ -5,6 +5,8 @@ from a `kv_dump`. On a NATS event plane: `kv_events_nats.py`, with the same inva
 Invariants: for each worker the index holds its dump plus every event after the dump, applied
 in event-id order; a gap in the ids (or a broken stream) re-syncs that worker from a new dump; a
 worker that leaves discovery has its blocks and its load removed at once.
+- A worker whose dump names another model (several models' workers on one component) is in
+  `others`: none of its blocks or loads is kept, and it is not followed further.
 """
 
 from __future__ import annotations
@@ -38,12 +40,16 @@ class KvEventSubscriber:
         component: str,
         indexer: KvIndexer,
         loads: dict[int, WorkerLoad],
+        model: str = "",
     ) -> None:
-        """`component`: "namespace.component" of the workers."""
+        """`component`: "namespace.component" of the workers; `model`: the served name of
+        their model ("": every worker's)."""
         self.runtime = runtime
         self.component = component
         self.indexer = indexer
         self.loads = loads
+        self.model = model
+        self.others: set[int] = set()  # workers of other models, not indexed
         self.dumps = 0  # dumps applied (a new worker, a gap, a broken stream)
         self._events: Client | None = None
         self._dumps: Client | None = None
@@ -59,7 +65,14 @@ class KvEventSubscriber:
         plane = EventPlane.of(self.runtime)
         if plane is not None:
             self._nats = NatsKvEvents(
-                self.runtime, plane, self.component, self.indexer, self.loads, self._dumped
+                self.runtime,
+                plane,
+                self.component,
+                self.indexer,
+                self.loads,
+                self._dumped,
+                self.model,
+                self.others,
             )
             await self._nats.start()
             return
@@ -89,6 +102,7 @@ class KvEventSubscriber:
                 self._workers[worker] = asyncio.create_task(self._sync(worker))
             for worker in self._workers.keys() - live:
                 self._workers.pop(worker).cancel()
+                self.others.discard(worker)
                 self.indexer.remove_worker(worker)
                 self.loads.pop(worker, None)
                 log.info("worker %x left: its blocks are out of the index", worker)
@@ -104,6 +118,9 @@ class KvEventSubscriber:
         while self._workers.get(worker) is asyncio.current_task():
             try:
                 await self._sync_once(worker)
+                if worker in self.others:
+                    log.info("worker %x serves another model: not indexed", worker)
+                    return
                 log.info("kv events of worker %x ended; re-syncing", worker)
             except Exception as exc:  # a gap, a broken stream, a worker not found yet
                 log.info("kv events of worker %x: %s; re-syncing", worker, exc)
@@ -117,6 +134,9 @@ class KvEventSubscriber:
                 first: KvEventBatch = await anext(stream)
                 dump_stream = self._dumps.direct(None, worker, timeout=SYNC_TIMEOUT_S)
                 dump: KvDump = await anext(dump_stream)
+            if dump.of_another_model(self.model):
+                self.others.add(worker)
+                return
             self.indexer.load_dump(worker, dump)
             self.dumps += 1
             expected = dump.last_event_id + 1

@@ -10,6 +10,8 @@ last_event_id`) are dropped. A gap in the ids, a message dropped by a full queue
 reconnect (what was published during the outage is lost) re-syncs from a new dump. A worker
 that leaves discovery (the `kv_dump` endpoint's instances) has its blocks and load removed at
 once; messages of instances that are not live are ignored.
+- A worker whose dump names another model is in `others`: its messages are ignored as if it
+  were not live, and it is not re-synced.
 """
 
 from __future__ import annotations
@@ -53,15 +55,20 @@ class NatsKvEvents:
         indexer: KvIndexer,
         loads: dict[int, WorkerLoad],
         on_dump: Callable[[], None],
+        model: str,
+        others: set[int],
     ) -> None:
         """`component`: "namespace.component" of the workers; `on_dump` is called for every
-        dump applied."""
+        dump applied; `model`: the served name of their model ("": every worker's); `others`:
+        where the workers of other models go (see the module's docstring)."""
         self.runtime = runtime
         self.plane = plane
         self.component = component
         self.indexer = indexer
         self.loads = loads
         self._on_dump = on_dump
+        self.model = model
+        self.others = others
         self._workers: dict[int, _Worker] = {}
         self._decode = msgspec.msgpack.Decoder(KvEventBatch).decode
         self._dumps: Client | None = None
@@ -121,6 +128,7 @@ class NatsKvEvents:
                 worker = self._workers.pop(worker_id)
                 if worker.sync is not None:
                     worker.sync.cancel()
+                self.others.discard(worker_id)
                 self.indexer.remove_worker(worker_id)
                 self.loads.pop(worker_id, None)
                 log.info("worker %x left: its blocks are out of the index", worker_id)
@@ -134,7 +142,8 @@ class NatsKvEvents:
 
     def _resync_all(self, why: str) -> None:
         for worker_id, worker in self._workers.items():
-            self._resync(worker_id, worker, why)
+            if worker_id not in self.others:
+                self._resync(worker_id, worker, why)
 
     def _resync(self, worker_id: int, worker: _Worker, why: str) -> None:
         """(Re)start the worker's sync. Events received so far are dropped: the dump, taken
@@ -160,10 +169,16 @@ class NatsKvEvents:
                 reason = str(exc) or type(exc).__name__
                 log.info("kv dump of worker %x: %s; retrying", worker_id, reason)
                 await asyncio.sleep(RESYNC_DELAY_S)
+        worker.sync = None
+        if dump.of_another_model(self.model):
+            log.info("worker %x serves another model: not indexed", worker_id)
+            self.others.add(worker_id)
+            self.loads.pop(worker_id, None)  # a report that came during the dump
+            worker.waiting = []
+            return
         self.indexer.load_dump(worker_id, dump)
         self._on_dump()
         log.debug("worker %x: %d blocks from its dump", worker_id, len(dump.block_hashes))
-        worker.sync = None
         worker.expected = dump.last_event_id + 1
         waiting, worker.waiting = worker.waiting, []
         self._apply(worker_id, worker, waiting)
@@ -177,7 +192,7 @@ class NatsKvEvents:
                 self._resync_all("messages dropped (a full queue)")
             worker_id = instance_of(subject)
             worker = self._workers.get(worker_id) if worker_id is not None else None
-            if worker is None or worker_id is None:
+            if worker is None or worker_id is None or worker_id in self.others:
                 continue  # not live (yet, or any more): its dump will cover what it sent
             try:
                 batch = self._decode(data)

@@ -193,7 +193,9 @@ class LLMWorker:
         return self.load()
 
     async def kv_dump(self, request: Any, context: Context) -> KvDump:
-        return await self.engine.kv_dump()
+        dump = await self.engine.kv_dump()
+        dump.model = self.served_name
+        return dump
 
     async def clear_kv_blocks(self, request: Any, context: Context) -> dict[str, int]:
         return {"cleared": await self.engine.clear_kv_blocks()}
