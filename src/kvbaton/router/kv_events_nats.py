@@ -193,7 +193,7 @@ class NatsKvEvents:
             worker_id = instance_of(subject)
             worker = self._workers.get(worker_id) if worker_id is not None else None
             if worker is None or worker_id is None or worker_id in self.others:
-                continue  # not live (yet, or any more): its dump will cover what it sent
+                continue  # not live (yet, or any more: its dump covers what it sent), or not ours
             try:
                 batch = self._decode(data)
             except msgspec.DecodeError as exc:
