@@ -37,6 +37,7 @@ import torch
 from headline import at_least, report
 from kvbaton.engine import EngineConfig, LLMEngine, SamplingParams
 from kvbaton.engine.connector import EngineRequest
+from kvbaton.engine.model import LlamaModel, Projection
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.mocker.tiers import MODELED_DTYPE_BYTES, modeled_block_bytes
 from serving import vllm_env
@@ -91,6 +92,13 @@ def random_smollm2_135m(path: Path) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
     return path
+
+
+def step_projections(model: LlamaModel) -> list[Projection]:
+    """Every projection a decode step reads, in the step's order: each layer's qkv, o, gate/up
+    and down, then the LM head (their weights are what the bandwidth bound counts)."""
+    layers = [p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return [*layers, model.lm_head]
 
 
 def read_bandwidth_gbs(trials: int, device: torch.device) -> float:
@@ -268,10 +276,7 @@ def main() -> None:
 
     bandwidth = read_bandwidth_gbs(args.trials, device)
     model = engine.runner.model
-    narrow_bytes = sum(
-        p.nbytes for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
-    )
-    narrow_bytes += model.lm_head.nbytes
+    narrow_bytes = sum(p.nbytes for p in step_projections(model))
     bound = bandwidth * 1e9 / narrow_bytes
 
     rows = []

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from engine import NEW_TOKENS, PROMPT_LEN, median_of, read_bandwidth_gbs, say
+from engine import NEW_TOKENS, PROMPT_LEN, median_of, read_bandwidth_gbs, say, step_projections
 from headline import report
 from kvbaton.engine import EngineConfig, LLMEngine, SamplingParams
 from kvbaton.engine.connector import EngineRequest
@@ -57,21 +57,13 @@ def random_prompt(vocab_size: int, seed: int) -> list[int]:
 
 
 def projection_calls(model: LlamaModel) -> list[tuple[Projection, torch.Tensor]]:
-    """Every projection of a step in its order, each with a one-row input of its width."""
+    """Every projection of a step in its order (`step_projections`), each with a one-row input
+    of its width."""
     c = model.config
-    rows = {
-        width: torch.randn(1, width).to(model.dtype)
-        for width in (c.hidden, c.num_heads * c.head_dim, c.hf.intermediate_size)
-    }
-    calls = []
-    for layer in model.layers:
-        calls += [
-            (layer.qkv, rows[c.hidden]),
-            (layer.o, rows[c.num_heads * c.head_dim]),
-            (layer.gate_up, rows[c.hidden]),
-            (layer.down, rows[c.hf.intermediate_size]),
-        ]
-    return [*calls, (model.lm_head, rows[c.hidden])]
+    layer = [c.hidden, c.num_heads * c.head_dim, c.hidden, c.hf.intermediate_size]
+    widths = layer * c.num_layers + [c.hidden]
+    rows = {width: torch.randn(1, width).to(model.dtype) for width in set(widths)}
+    return list(zip(step_projections(model), (rows[w] for w in widths), strict=True))
 
 
 def projections_ms(calls: list[tuple[Projection, torch.Tensor]], repeats: int) -> float:
