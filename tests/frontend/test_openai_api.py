@@ -323,6 +323,7 @@ def test_request_id_is_echoed_and_reaches_the_worker_log(served: Deployment) -> 
 
 USER = [{"role": "user", "content": "x"}]
 IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+IMAGE_MESSAGE = [{"role": "user", "content": [IMAGE]}]  # refused: text parts only
 BAD_NAME = [{"type": "function", "function": {"name": "a b"}}]  # a space: not a name
 
 
@@ -340,7 +341,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(messages=[]), 400, "messages"),
     ("chat/completions", chat(messages="hi"), 400, "messages"),
     ("chat/completions", chat(messages=[{"role": "wiz", "content": "x"}]), 400, "messages.0.role"),
-    ("chat/completions", chat(messages=[{"role": "user", "content": [IMAGE]}]), 400, None),
+    ("chat/completions", chat(messages=IMAGE_MESSAGE), 400, "messages.0.content"),
     ("chat/completions", chat(messages=[{"role": "user", "content": "x " * 400}]), 400, "messages"),
     ("chat/completions", chat(temperature="hot"), 400, "temperature"),
     ("chat/completions", chat(temperature=3), 400, "temperature"),

@@ -50,6 +50,18 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # a tool's: the call it answers
     reasoning_content: str | None = None  # an assistant's, as this server answers it (unused)
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(
+                    f"a content part of type {kind!r} is not supported: the models served here "
+                    "take text parts only"
+                )
+        return content
+
     @model_validator(mode="after")
     def _check_roles(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
