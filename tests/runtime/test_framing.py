@@ -1,3 +1,4 @@
+import asyncio
 import itertools
 
 import msgspec
@@ -7,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvbaton.protocols.frames import Cancel, Data, End, Error, ErrorKind, Request
 from kvbaton.runtime.errors import FrameError
+from kvbaton.runtime.request_plane.connection import FrameConnection
 from kvbaton.runtime.request_plane.framing import (
     HEADER,
     FrameDecoder,
@@ -77,3 +79,34 @@ def test_frames_ignore_unknown_trailing_fields() -> None:
     """A newer peer may append fields to a frame."""
     body = msgspec.msgpack.encode([2, 5, "extra"])
     assert FrameDecoder(LIMIT).feed(HEADER.pack(len(body)) + body) == [End(5)]
+
+
+class RecordingTransport:
+    """What a FrameConnection needs of its transport: it records each write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return ("127.0.0.1", 1) if name == "peername" else default
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+
+async def test_outputs_sent_on_consecutive_turns_go_out_in_one_write() -> None:
+    """A fast engine's next step lands on the next turn: its outputs join the same write, one
+    Data frame per stream, and the write is made within two turns of the first output."""
+    conn, transport = FrameConnection(LIMIT), RecordingTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    conn.send_data(1, "a")
+    await asyncio.sleep(0)
+    conn.send_data(1, "b")
+    conn.send_data(2, "c")
+    assert transport.writes == []
+    await asyncio.sleep(0)
+    assert len(transport.writes) == 1
+    assert FrameDecoder(LIMIT).feed(transport.writes[0]) == [
+        Data(1, [encode_payload("a"), encode_payload("b")]),
+        Data(2, [encode_payload("c")]),
+    ]

@@ -1,11 +1,14 @@
 """A framed connection over an asyncio transport, shared by the server and client sides.
 
-Outgoing frames are coalesced: `send` queues the encoded frame and the queue is written once per
-event-loop iteration, so many concurrent streams cost one write syscall, not one each. Responses
-given to `send_data` in one iteration go out as one `Data` frame per stream (up to the frame size
-limit), ahead of any later frame of that stream. Once more than FLUSH_BYTES are queued they are
-written at once, so the transport's flow control (`pause_writing`) can push back; `drain` waits
-while the transport's buffer is over its high-water mark.
+Outgoing frames are coalesced:
+- `send` queues the encoded frame; the queue is written two event-loop turns after the first
+  frame joined it. So many concurrent streams cost one write syscall, not one each, and so do a
+  stream's outputs that a fast engine sends on consecutive turns (one step's, then the next's).
+- Responses given to `send_data` before a write go out in it as one `Data` frame per stream (up
+  to the frame size limit), ahead of any later frame of that stream.
+- Once more than FLUSH_BYTES are queued they are written at once, so the transport's flow control
+  (`pause_writing`) can push back; `drain` waits while the transport's buffer is over its
+  high-water mark.
 """
 
 from __future__ import annotations
@@ -132,8 +135,12 @@ class FrameConnection(asyncio.Protocol):
         if self._queued > FLUSH_BYTES:
             self._flush()
         elif not self._flush_scheduled:
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.loop.call_soon(self._flush_next_turn)
             self._flush_scheduled = True
+
+    def _flush_next_turn(self) -> None:
+        """One turn on: what the tasks woken meanwhile send joins the write."""
+        self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
