@@ -3,8 +3,11 @@ are, and thresholds changed at run time."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
@@ -122,3 +125,40 @@ async def test_thresholds_are_changed_from_the_frontends_machine_only() -> None:
             assert r.status_code == status, r.text
             assert (await http.get("/busy_threshold")).status_code == 200
     assert models.thresholds.kv_usage == 0.5  # changed once, from loopback
+
+
+class LoadsClient:
+    """A load_metrics client of workers 1, 2 and 3: each answers its load (5 blocks used)."""
+
+    def __init__(self) -> None:
+        self.asked: set[int] = set()
+
+    def instance_ids(self) -> list[int]:
+        return [1, 2, 3]
+
+    async def direct(self, request: Any, worker: int, **_: Any) -> AsyncIterator[WorkerLoad]:
+        self.asked.add(worker)
+        yield load(worker, 5, 0)
+
+
+async def test_a_monitor_asks_and_keeps_only_its_members() -> None:
+    """Workers of another model share the component: the monitor of a model follows its own."""
+    m = LoadMonitor(DistributedRuntime.__new__(DistributedRuntime), "t.backend", lambda: {1, 3})
+    client = LoadsClient()
+    m._client = client  # type: ignore[assignment]
+    both = asyncio.Event()
+
+    def answered(worker: int, worker_load: WorkerLoad) -> None:
+        LoadMonitor.answered(m, worker, worker_load)
+        if set(m.loads) >= {1, 3}:
+            both.set()
+
+    m.answered = answered  # type: ignore[method-assign]
+    polling = asyncio.create_task(m._poll())
+    try:
+        async with asyncio.timeout(10):
+            await both.wait()  # one poll asked every live worker it follows
+    finally:
+        polling.cancel()
+        await asyncio.gather(polling, return_exceptions=True)
+    assert client.asked == {1, 3} and set(m.loads) == {1, 3}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import shutil
 import tempfile
@@ -488,7 +489,7 @@ class ModelManager:
                 self.router_settings, self.runtime, card, self.router_metrics, self.sync
             )
             await router.start()
-            loads = LoadMonitor(self.runtime, card.component)
+            loads = LoadMonitor(self.runtime, card.component, functools.partial(self._cards, name))
             await loads.start()
         except Exception as exc:
             log.error("model %s: could not load it: %s", name, exc)
@@ -517,6 +518,11 @@ class ModelManager:
         self.models[name] = model
         log.info("model %s: served (%d worker(s)), router %s", name, len(cards), router.mode)
 
+    def _cards(self, name: str) -> dict[int, ModelCard]:
+        """The cards of model `name`'s workers (served, or waiting for it to load)."""
+        model = self.models.get(name)
+        return model.cards if model is not None else self._pending.get(name, {})
+
     def _canary(
         self, client: Client, card: ModelCard, tokenizer: Tokenizer, loads: LoadMonitor
     ) -> Canary | None:
@@ -537,7 +543,7 @@ class ModelManager:
                 settings = dataclasses.replace(settings, mode=None)
             router = make_router(settings, self.runtime, card, self.router_metrics, self.sync)
             await router.start()
-            loads = LoadMonitor(self.runtime, card.component)
+            loads = LoadMonitor(self.runtime, card.component, lambda: pool.cards)
             await loads.start()
             pool.loads = loads
             pool.router = PrefillRouter(self.runtime, client, router)

@@ -10,6 +10,9 @@ and a prompt already prefilled (or abandoned) does not count until the next answ
 load is unknown (not yet polled, or no answer for `STALE_S`) is not busy: shedding never stops a
 deployment that would otherwise serve.
 
+A monitor follows one model's workers (its `members`): workers of other models that share the
+component are neither asked nor kept.
+
 Invariants: `LoadMonitor.close()` ends its tasks and client; `admit` returns the candidates
 that are not busy, in their order (all of them without a monitor), and raises the 503 rather
 than return none of a non-empty list.
@@ -23,7 +26,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from kvbaton.frontend.errors import OpenAIError
 from kvbaton.frontend.settings import BusyThresholds
@@ -39,11 +42,18 @@ STALE_S = 3.0  # nor, older than this, that it is busy: it is unknown
 
 
 class LoadMonitor:
-    """The loads of the workers of one component (`namespace.component`)."""
+    """The loads of the workers of one component (`namespace.component`) that `members` names
+    (asked at each poll; None: every worker of the component)."""
 
-    def __init__(self, runtime: DistributedRuntime, component: str) -> None:
+    def __init__(
+        self,
+        runtime: DistributedRuntime,
+        component: str,
+        members: Callable[[], Collection[int]] | None = None,
+    ) -> None:
         self.runtime = runtime
         self.endpoint = f"{component}.load_metrics"
+        self.members = members
         self.loads: dict[int, WorkerLoad] = {}
         self._sent: dict[int, int] = {}  # worker -> prompt tokens sent since its last load
         self._at: dict[int, float] = {}  # worker -> when its last load came
@@ -99,7 +109,7 @@ class LoadMonitor:
         return prefill is not None and waiting >= prefill
 
     async def _poll(self) -> None:
-        """Every `POLL_S`, ask each live worker with no question pending (a slow one does not
+        """Every `POLL_S`, ask each live member with no question pending (a slow one does not
         hold up the others)."""
         assert self._client is not None
         client = self._client
@@ -107,6 +117,9 @@ class LoadMonitor:
         try:
             while True:
                 live = client.instance_ids()
+                if self.members is not None:
+                    members = self.members()
+                    live = [worker for worker in live if worker in members]
                 for gone in (set(self.loads) | set(self._sent)) - set(live):
                     self.loads.pop(gone, None)
                     self._sent.pop(gone, None)
