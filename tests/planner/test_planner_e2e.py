@@ -96,6 +96,8 @@ def planner(tmp_path: Path, frontend: Deployment, model: Path, profile: Path) ->
             "2",
             "--worker-flags",
             worker_flags,
+            "--worker-log-dir",
+            str(tmp_path / "workers"),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -188,6 +190,8 @@ async def test_the_planner_grows_and_shrinks_the_decode_pool_losing_nothing(
         assert done.count(99) > 0
         cluster = (await http.get("/v1/cluster")).json()
     assert peak >= 2 and served > 0
+    # Each worker it started logged where it was told (nothing left in the system's temp dir).
+    assert len(list((planner.parent / "workers").glob("decode-*.log"))) >= peak
     # Every decision is logged with its inputs: the observed interval and the decided counts.
     text = await asyncio.to_thread(planner.read_text)
     decisions = re.findall(r"planner decision: prefill (\d+) -> (\d+), decode (\d+) -> (\d+)", text)

@@ -53,6 +53,12 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
         help='local: flags of every worker it starts, e.g. "--engine mocker --model M" '
         "(--role, --namespace and the runtime flags are added)",
     )
+    parser.add_argument(
+        "--worker-log-dir",
+        type=Path,
+        help="local: where each started worker's log goes (default: a new temporary directory, "
+        "kept for reading after the planner stops)",
+    )
     parser.add_argument("--k8s-namespace", default="default")
     parser.add_argument("--prefill-deployment", default="kvbaton-prefill")
     parser.add_argument("--decode-deployment", default="kvbaton-decode")
@@ -94,6 +100,7 @@ def connector_options(args: argparse.Namespace, settings: RuntimeSettings) -> di
     return {
         "worker_args": {role: ["--role", role, *common] for role in ("prefill", "decode")},
         "core_slots": vllm_core_slots(args, flags, os.environ),
+        "log_dir": args.worker_log_dir,
     }
 
 
