@@ -10,7 +10,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvbaton.frontend.choices import MAX_CHOICES
 from kvbaton.protocols.llm import Guided
@@ -53,14 +60,28 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, content: Any) -> Any:
-        for part in content if isinstance(content, list) else ():
+        """- A list's parts are validated here, so an error names the part and its fault
+        (the union's own error says only "Input should be a valid string")."""
+        if not isinstance(content, list):
+            return content
+        parts = []
+        for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind is not None and kind != "text":
                 raise ValueError(
                     f"a content part of type {kind!r} is not supported: the models served here "
                     "take text parts only"
                 )
-        return content
+            try:
+                parts.append(TextPart.model_validate(part))
+            except ValidationError as e:
+                fault = e.errors()[0]
+                field = ".".join(str(p) for p in fault["loc"])
+                raise ValueError(
+                    f"content part {i}{f' field {field!r}' if field else ''}: {fault['msg']} "
+                    '(a text part is {"type": "text", "text": "..."})'
+                ) from None
+        return parts
 
     @model_validator(mode="after")
     def _check_roles(self) -> ChatMessage:

@@ -1,0 +1,48 @@
+"""The chat body's content parts without a server: each bad part is refused with an error that
+names the part and its fault."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from kvbaton.frontend.errors import from_validation_errors
+from kvbaton.frontend.openai_types import ChatCompletionRequest
+
+TEXT = {"type": "text", "text": "hi"}
+
+
+def refusal(content: Any) -> tuple[str, str | None]:
+    """(message, param) of the 400 that a user message with `content` gets."""
+    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate(body)
+    error = from_validation_errors(refused.value.errors())
+    return error.message, error.param
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        ([{"text": "hi"}], ["part 0", "'type'", "required"]),
+        ([TEXT, "hi"], ["part 1", "dictionary"]),
+        ([7], ["part 0", "dictionary"]),
+        ([{"type": "text"}], ["part 0", "'text'", "required"]),
+        ([{"type": "text", "text": 3}], ["part 0", "'text'", "string"]),
+        ([TEXT, TEXT | {"x": 1}], ["part 1", "'x'", "not permitted"]),
+        ([{"type": "image_url"}], ["'image_url'", "text parts only"]),
+    ],
+)
+def test_a_bad_content_part_is_named_with_its_fault(content: Any, named: list[str]) -> None:
+    message, param = refusal(content)
+    assert param == "messages.0.content"
+    for words in named:
+        assert words in message, message
+
+
+def test_text_parts_are_joined() -> None:
+    parts = [TEXT, {"type": "text", "text": " there"}]
+    body = {"model": "m", "messages": [{"role": "user", "content": parts}]}
+    assert ChatCompletionRequest.model_validate(body).messages[0].text() == "hi there"
