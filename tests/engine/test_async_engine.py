@@ -12,8 +12,8 @@ import pytest
 from kvbaton.engine import AsyncEngine, EngineConfig, SamplingParams
 from kvbaton.engine.connector import EngineRequest, KvLoad, KvLoadFailed
 from tests.engine.conftest import TEST_DEVICE
+from tests.engine.reference import hf_greedy, prompts
 from tests.engine.step_loop import assert_a_broken_step_loop_fails_every_caller
-from tests.engine.test_model_vs_hf import hf_greedy, prompts
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.unit

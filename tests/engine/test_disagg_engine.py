@@ -15,7 +15,7 @@ import torch
 from kvbaton.engine import LLMEngine, SamplingParams
 from kvbaton.engine.connector import EngineRequest, KvLoad
 from kvbaton.engine.model_runner import ModelRunner
-from tests.engine.test_model_vs_hf import engine, prompts, run
+from tests.engine.reference import engine, prompts, run
 
 pytestmark = pytest.mark.unit
 NEW = 10

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.engine.conftest import TEST_DEVICE
-from tests.engine.test_model_vs_hf import engine, hf_greedy, prompts, run
+from tests.engine.reference import engine, hf_greedy, prompts, run
 
 pytestmark = [
     pytest.mark.unit,

@@ -14,7 +14,7 @@ import torch
 
 from kvbaton.engine import SamplingParams
 from kvbaton.engine.connector import EngineRequest, PromptChunk
-from tests.engine.test_model_vs_hf import engine
+from tests.engine.reference import engine
 
 pytestmark = pytest.mark.unit
 BLOCK = 8
