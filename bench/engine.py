@@ -13,6 +13,9 @@ temporary directory instead of using the pulled one: the same speed, meaningless
   128 new tokens, wall time from submission to the last token (so it includes the prefill), for
   each batch size B; every KV cache holds the largest batch whole;
 - bound: measured read bandwidth / bytes of weights read per batch-1 decode step;
+- compiled (on the CPU, unless --no-compiled): batch 1 again on an engine started with
+  `--compile single-decode` (its steps compiled by torch.compile: minutes to start), beside the
+  same bound; the default engine is eager;
 - vLLM (where `--vllm-python`, by default `.venv-vllm/bin/python`, exists): vLLM's offline
   `LLM.generate` on the same decode prompts, in a process of its own once the other two are
   done (`bench/vllm_offline.py`: vLLM's defaults, an explicit KV cache size).
@@ -235,6 +238,11 @@ def main() -> None:
         help="a random model of SmolLM2-135M's shape instead of --model",
     )
     parser.add_argument(
+        "--no-compiled",
+        action="store_true",
+        help="skip batch 1 on the compiled engine (`--compile single-decode`, CPU only)",
+    )
+    parser.add_argument(
         "--vllm-python",
         type=Path,
         default=BENCH.parent / ".venv-vllm" / "bin" / "python",
@@ -302,6 +310,20 @@ def main() -> None:
             lambda t, b=b: hf_decode(hf, prompts(b, args.prompt_tokens, seed=t)),
         )
         rows.append((f"decode, {b} x {NEW_TOKENS} tokens", ours, theirs))
+    compiled = None
+    if 1 in args.batches and args.device == "cpu" and not args.no_compiled:
+        say("decode batch 1 compiled: starting an engine with --compile single-decode")
+        del engine  # its cache and weights: one engine at a time
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(model_dir), dtype=args.dtype, device="cpu", compile="single-decode"
+            )
+        )
+        compiled = median_of(
+            args.trials,
+            "kvbaton compiled decode b=1",
+            lambda t: ours_decode(engine, prompts(1, args.prompt_tokens, seed=t)),
+        )
     vllm: dict[int, float] = {}
     if args.vllm_python.exists() and args.device == "cpu" and args.dtype == "bfloat16":
         say(f"decode with vLLM's offline engine ({args.vllm_python})")
@@ -326,6 +348,11 @@ def main() -> None:
         if 1 in decode
         else f"memory read bandwidth {bandwidth:.1f} GB/s"
     )
+    if compiled is not None:
+        print(
+            f"batch 1 compiled (--compile single-decode): {compiled:,.1f} tok/s, "
+            f"{compiled / bound:.0%} of the bound ({compiled / decode[1][1]:.2f}x the eager engine)"
+        )
     if vllm:
         print()
         print("| decode | kvbaton tok/s | vLLM offline tok/s | kvbaton / vLLM |")
@@ -336,21 +363,27 @@ def main() -> None:
                 f"{decode[b][1] / rate:.2f} |"
             )
     print()
-    report_headlines(decode, bound, vllm)
+    report_headlines(decode, bound, vllm, compiled)
 
 
 def report_headlines(
-    decode: dict[int, tuple[str, float, float]], bound: float, vllm: dict[int, float]
+    decode: dict[int, tuple[str, float, float]],
+    bound: float,
+    vllm: dict[int, float],
+    compiled: float | None,
 ) -> None:
-    """Batch-1 decode against the bandwidth bound (issue 32's target: at least 0.60 of it);
-    at batch 1 and the largest batch, against vLLM's offline engine where it ran (issue 32's
-    target: at least 1.0x), else against HF transformers (no target)."""
-    if 1 in decode:
-        ours = decode[1][1]
+    """Batch-1 decode, eager and compiled (where it ran), against the bandwidth bound (issue
+    32's target: at least 0.60 of it); at batch 1 and the largest batch, against vLLM's offline
+    engine where it ran (issue 32's target: at least 1.0x), else against HF transformers (no
+    target)."""
+    batch_1 = {"": decode[1][1]} if 1 in decode else {}
+    if compiled is not None:
+        batch_1[", compiled"] = compiled
+    for kind, ours in batch_1.items():
         target, met = at_least(ours / bound, 0.60)
         report(
             "engine",
-            f"batch-1 decode {ours:,.1f} tok/s",
+            f"batch-1 decode{kind} {ours:,.1f} tok/s",
             f"bandwidth bound {bound:,.1f} tok/s",
             ratio=ours / bound,
             target=target,

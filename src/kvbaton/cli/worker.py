@@ -222,6 +222,13 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         "with AMX, else oneDNN's and FBGEMM's, those the CPU has; one alone keeps one copy of "
         "the weights)",
     )
+    group.add_argument(
+        "--compile",
+        choices=["none", "single-decode"],
+        help="single-decode: a step that decodes one sequence alone runs compiled by "
+        "torch.compile (CPU only; compiling at start-up takes minutes on a few cores; default "
+        "none)",
+    )
     group.add_argument("--fixed-tokens", default="1,2,3", help="the fixed engine's token ids")
     disagg = parser.add_argument_group("disaggregation")
     disagg.add_argument(
@@ -283,6 +290,7 @@ ENGINE_FLAGS = (
     "max_model_len",
     "num_threads",
     "matmul",
+    "compile",
 )
 MOCKER_FLAGS = ("speedup_ratio", "mocker_prefill", "mocker_decode")
 TIER_FLAGS = ("kv_offload_gib", "kv_disk_dir", "kv_disk_gib")

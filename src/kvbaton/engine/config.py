@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 MATMULS = ("auto", "native", "fbgemm-fp16", "onednn-bf16", "fbgemm-fp16+onednn-bf16")
+COMPILES = ("none", "single-decode")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads on CPU; None: torch's default
     seed: int = 0  # for requests without their own seed
     matmul: str = "auto"  # projections' kernel: "auto" or one of model.KERNELS (see model.py)
+    compile: str = "none"  # "single-decode": see compiled_decode.py
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -37,5 +39,9 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.matmul not in MATMULS:
             raise ValueError(f"matmul must be one of {MATMULS}, not {self.matmul!r}")
+        if self.compile not in COMPILES:
+            raise ValueError(f"compile must be one of {COMPILES}, not {self.compile!r}")
+        if self.compile != "none" and not self.device.startswith("cpu"):
+            raise ValueError(f"compile {self.compile!r} runs on a CPU only")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be positive")

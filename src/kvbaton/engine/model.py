@@ -53,9 +53,17 @@ DECODE_GROUP_BYTES = 2 * 2**20  # gathered K and V per group of decodes (see _at
 
 class Projection:
     """A linear layer: weight [out, in] and optional bias in the model dtype, run by `kernel`
-    (see the module's docstring). Output in x's dtype."""
+    (see the module's docstring). Output in x's dtype.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> None:
+    - `weight` is kept beside a packing only with `keep_weight` (compiled_decode.py reads it)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernel: str,
+        keep_weight: bool = False,
+    ) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
         self.nbytes = weight.numel() * weight.element_size()  # read once per step
@@ -70,7 +78,7 @@ class Projection:
             )
         if "onednn-bf16" in kernels:
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, ONEDNN_BATCH_HINT)
-        if self.fp16 is not None or self.onednn is not None:
+        if (self.fp16 is not None or self.onednn is not None) and not keep_weight:
             self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,9 +211,11 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device,
     kernel: str,
+    keep_weights: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Projection, list[LayerWeights]]:
     """(embedding, final norm, lm_head, layers) from the directory's safetensors files, in
-    `dtype`; projections run by `kernel` (one of `KERNELS`)."""
+    `dtype`; projections run by `kernel` (one of `KERNELS`), their weights kept beside their
+    packings with `keep_weights`."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -227,7 +237,7 @@ def load_weights(
         return take(name) if name in raw else None
 
     def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
-        return Projection(weight, bias, kernel)
+        return Projection(weight, bias, kernel, keep_weights)
 
     embed = take("model.embed_tokens.weight")
     layers = []
@@ -282,12 +292,15 @@ class LlamaModel:
         device: torch.device,
         max_len: int,
         kernel: str = "native",
+        keep_weights: bool = False,
     ) -> None:
+        """`keep_weights`: the projections keep their weights beside their packings (see
+        `Projection`)."""
         self.config = config
         self.dtype = dtype
         self.device = device
         self.embed, self.norm, self.lm_head, self.layers = load_weights(
-            model_dir, self.config, dtype, device, kernel
+            model_dir, self.config, dtype, device, kernel, keep_weights
         )
         cos, sin = rope_tables(self.config, max_len, device)
         sin[:, : self.config.head_dim // 2].neg_()  # the sign rotate_half gives; see `rope`

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kvbaton.engine.compiled_decode import CompiledDecode
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.connector import KvSink, PromptChunk
 from kvbaton.engine.guided import GuidedDecoding
@@ -57,7 +58,10 @@ class ModelRunner:
         max_model_len: int | None,
         seed: int,
         matmul: str = "auto",
+        compile_mode: str = "none",
     ) -> None:
+        """`compile_mode`: an `EngineConfig.compile` ("single-decode": such steps run compiled, see
+        compiled_decode.py; `warm_up` compiles them before serving)."""
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         config = ModelConfig(model_dir)
@@ -73,7 +77,9 @@ class ModelRunner:
             self.device,
             self.max_model_len,
             projection_kernel(matmul, self.dtype, self.device),
+            keep_weights=compile_mode != "none",
         )
+        self.compiled = CompiledDecode(self.model) if compile_mode == "single-decode" else None
         self.vocab_size = config.vocab_size
         self.eos_token_ids = config.eos_token_ids
         self.guided = None
@@ -105,13 +111,21 @@ class ModelRunner:
             config.max_model_len,
             config.seed,
             config.matmul,
+            config.compile,
         )
         per_block = runner.model.kv_bytes_per_block(config.block_size)
         num_blocks = config.num_kv_blocks or int(config.kv_cache_gib * 2**30 // per_block)
         if num_blocks < 1:
             raise ValueError("kv_cache_gib is too small for one block")
         runner.allocate_cache(num_blocks, config.block_size, cache_buffer, host_mirror)
+        runner.warm_up()
         return runner
+
+    def warm_up(self) -> None:
+        """Compile what runs compiled (nothing unless `compile_mode` asked), on the cache."""
+        if self.compiled is not None:
+            assert self.cache is not None, "allocate_cache first"
+            self.compiled.warm_up(self.cache)
 
     def allocate_cache(
         self,
@@ -305,7 +319,11 @@ class ModelRunner:
         if not output.scheduled:
             return {}
         batch, sampling = self.build(output.scheduled)
-        logits = self.model.forward(batch, self.cache, self._layer_calls(output.scheduled))
+        on_layer = self._layer_calls(output.scheduled)
+        if self.compiled is not None and on_layer is None and self.compiled.takes(batch):
+            logits = self.compiled(batch, self.cache)
+        else:
+            logits = self.model.forward(batch, self.cache, on_layer)
         if not sampling:
             return {}
         seqs = [s.seq for s in sampling]

