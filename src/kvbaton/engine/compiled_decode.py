@@ -59,9 +59,9 @@ class _DecodeGraph(torch.nn.Module):
 
         self.weights = torch.nn.ParameterList()
         for w in model.layers:
-            for t in (w.in_norm, w.post_norm, w.qkv.weight, w.o.weight, w.gate_up.weight):
+            projections = (w.qkv, w.o, w.gate_up, w.down)
+            for t in (w.in_norm, w.post_norm, *(p.weight for p in projections)):
                 self.weights.append(param(t))
-            self.weights.append(param(w.down.weight))
         biased = model.layers[0].qkv.bias is not None
         self.biases = torch.nn.ParameterList(
             [param(w.qkv.bias) for w in model.layers] if biased else []
@@ -135,11 +135,7 @@ class CompiledDecode:
     @torch.inference_mode()
     def __call__(self, batch: StepBatch, cache: torch.Tensor) -> torch.Tensor:
         assert batch.decode_blocks is not None
-        c = self.model.config
-        block_size = cache.shape[3]
-        layer_rows = torch.arange(c.num_layers) * (2 * block_size)
-        write = batch.write_rows + layer_rows[:, None, None]
-        write = write + torch.tensor([0, block_size])[None, :, None]
+        write = self.model.write_rows(batch, cache)
         torch._dynamo.mark_dynamic(batch.decode_blocks, 1)
         length = torch.tensor(batch.decode_len)
         # Patched around each call, as a compile may come with any (torch.compile's `options`
@@ -157,10 +153,11 @@ class CompiledDecode:
         log.info("compiling the single-decode step (torch.compile: minutes on a few cores)")
         start = time.monotonic()
         block_size = cache.shape[3]
+        block_1 = self.model.config.num_layers * 2 * block_size  # its first row: layer 0's K
         batch = StepBatch(
             token_ids=torch.zeros(1, dtype=torch.long),
             positions=torch.tensor([block_size]),
-            write_rows=torch.tensor([(1 * self.model.config.num_layers * 2) * block_size]),
+            write_rows=torch.tensor([block_1]),
             num_decodes=1,
             decode_blocks=torch.tensor([[0, 1]]),
             decode_len=block_size + 1,

@@ -337,6 +337,13 @@ class LlamaModel:
             device=self.device,
         )
 
+    def write_rows(self, batch: StepBatch, cache: torch.Tensor) -> torch.Tensor:
+        """Cache row of each token's K (then V) in every layer: [layers, 2, T]."""
+        block_size = cache.shape[3]
+        offsets = torch.arange(self.config.num_layers, device=self.device) * (2 * block_size)
+        k_or_v = torch.tensor([0, block_size], device=self.device)
+        return batch.write_rows + offsets[:, None, None] + k_or_v[None, :, None]
+
     @torch.inference_mode()
     def forward(
         self,
@@ -347,20 +354,12 @@ class LlamaModel:
         """Logits [S, vocab] (float32) at `batch.logits_index`; writes the step's K/V, and calls
         `on_layer(i)` once layer i's are in the cache (queued, on a GPU), before layer i + 1."""
         c = self.config
-        block_size = cache.shape[3]
         rows = cache.view(-1, c.num_kv_heads, c.head_dim)
-        layer_stride = 2 * block_size
         nh, nqk = c.num_heads, c.num_heads + c.num_kv_heads
         t = batch.token_ids.shape[0]
         cos = self.cos[batch.positions].unsqueeze(1)
         sin = self.signed_sin[batch.positions].unsqueeze(1)
-        # Row of each token's K (then V) in every layer: [layers, 2, T].
-        offsets = torch.arange(c.num_layers, device=self.device) * layer_stride
-        write = (
-            batch.write_rows
-            + offsets[:, None, None]
-            + torch.tensor([0, block_size], device=self.device)[None, :, None]
-        )
+        write = self.write_rows(batch, cache)
         h = self.embed[batch.token_ids]
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.in_norm, c.eps)
