@@ -55,7 +55,10 @@ LONG_ANSWER = 4000  # tokens: seconds of decoding, where the client's close take
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     """A model with room for `LONG_ANSWER` tokens: with 200, the tiny model sometimes finished
-    before the client's close reached the worker."""
+    before the client's close reached the worker.
+
+    - No canaries: the test counts the worker's requests and blocks exactly, and a canary sent
+      to the idle worker is a request of its own (it failed the first assert once)."""
     model = build_chat_model(
         tmp_path_factory.mktemp("models") / "tiny-chat-long", max_positions=LONG_ANSWER + 256
     )
@@ -66,6 +69,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
         "1",
         "--num-kv-blocks",
         "1024",  # room for the whole answer (the last value given wins)
+        "--canary-period",
+        "0",
     )
     yield deployment
     stop_cleanly(deployment)
