@@ -212,7 +212,7 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-gib", type=float, help="KV cache size (default 1.0)")
     group.add_argument("--num-kv-blocks", type=int, help="(default: as many as fit; mocker 16384)")
     group.add_argument("--max-num-seqs", type=int, help="(default 64; mocker 256)")
-    group.add_argument("--max-num-batched-tokens", type=int, help="(default 2048; mocker 8192)")
+    group.add_argument("--max-num-batched-tokens", type=int, help="(default 1024; mocker 8192)")
     group.add_argument("--max-model-len", type=int)
     group.add_argument("--num-threads", type=int, help="torch threads (default: cores/workers)")
     group.add_argument(
