@@ -25,7 +25,7 @@ from kvbaton.runtime.event_plane import EventPlane, event_pattern, event_subject
 from kvbaton.workers.kv_publisher import KvEventPublisher
 from kvbaton.workers.llm_worker import LLMWorker
 from tests.helpers import collect, wait_until
-from tests.mocker.test_kv_events import Setup, kv_setup
+from tests.mocker.kv_setup import Setup, kv_setup
 from tests.servers import NatsServer, free_port, running
 
 pytestmark = pytest.mark.unit
