@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvbaton.engine.config import COMPILES, DTYPES, MATMULS
 from kvbaton.kv_tiers.tiers import DEFAULT_DISK_BYTES
 from kvbaton.llm.model_files import resolve_model, served_name
 from kvbaton.runtime import DistributedRuntime
@@ -206,7 +207,7 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default="smollm2", help="a pulled model or a directory")
     group.add_argument("--served-model-name", help="the name clients ask for")
-    group.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    group.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     group.add_argument("--device", default="cpu")
     group.add_argument("--block-size", type=int, help="tokens per KV block (16; mocker 64)")
     group.add_argument("--kv-cache-gib", type=float, help="KV cache size (default 1.0)")
@@ -217,14 +218,14 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-threads", type=int, help="torch threads (default: cores/workers)")
     group.add_argument(
         "--matmul",
-        choices=["auto", "native", "fbgemm-fp16", "onednn-bf16", "fbgemm-fp16+onednn-bf16"],
+        choices=MATMULS,
         help="a bfloat16 model's projection kernels on a CPU (default auto: oneDNN's alone "
         "with AMX, else oneDNN's and FBGEMM's, those the CPU has; one alone keeps one copy of "
         "the weights)",
     )
     group.add_argument(
         "--compile",
-        choices=["none", "single-decode"],
+        choices=COMPILES,
         help="single-decode: a step that decodes one sequence alone runs compiled by "
         "torch.compile (CPU only; compiling at start-up takes minutes on a few cores; default "
         "none)",
