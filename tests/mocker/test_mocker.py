@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from kvbaton.engine.config import MOCKER_DEFAULTS
 from kvbaton.engine.connector import EngineRequest
 from kvbaton.mocker import MockerTiming
-from kvbaton.mocker.runner import MOCKER_DEFAULTS, mocker_config
+from kvbaton.mocker.runner import mocker_config
 from kvbaton.mocker.timing import parse_coefficients
 from kvbaton.protocols.kv import BlockStored
 from kvbaton.protocols.llm import SamplingParams

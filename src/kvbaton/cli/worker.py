@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvbaton.engine.config import COMPILES, DTYPES, MATMULS
+from kvbaton.engine.config import COMPILES, DTYPES, MATMULS, MOCKER_DEFAULTS, EngineConfig
 from kvbaton.kv_tiers.tiers import DEFAULT_DISK_BYTES
 from kvbaton.llm.model_files import resolve_model, served_name
 from kvbaton.runtime import DistributedRuntime
@@ -209,11 +209,31 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", help="the name clients ask for")
     group.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     group.add_argument("--device", default="cpu")
-    group.add_argument("--block-size", type=int, help="tokens per KV block (16; mocker 64)")
-    group.add_argument("--kv-cache-gib", type=float, help="KV cache size (default 1.0)")
-    group.add_argument("--num-kv-blocks", type=int, help="(default: as many as fit; mocker 16384)")
-    group.add_argument("--max-num-seqs", type=int, help="(default 64; mocker 256)")
-    group.add_argument("--max-num-batched-tokens", type=int, help="(default 1024; mocker 8192)")
+    engine, mocked = EngineConfig(), MOCKER_DEFAULTS
+    group.add_argument(
+        "--block-size",
+        type=int,
+        help=f"tokens per KV block ({engine.block_size}; mocker {mocked['block_size']})",
+    )
+    group.add_argument(
+        "--kv-cache-gib", type=float, help=f"KV cache size in GiB (default {engine.kv_cache_gib})"
+    )
+    group.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        help=f"(default: as many as fit; mocker {mocked['num_kv_blocks']})",
+    )
+    group.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help=f"(default {engine.max_num_seqs}; mocker {mocked['max_num_seqs']})",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help=f"(default {engine.max_num_batched_tokens}; "
+        f"mocker {mocked['max_num_batched_tokens']})",
+    )
     group.add_argument("--max-model-len", type=int)
     group.add_argument("--num-threads", type=int, help="torch threads (default: cores/workers)")
     group.add_argument(

@@ -7,6 +7,14 @@ from dataclasses import dataclass
 DTYPES = ("float32", "bfloat16", "float16")
 MATMULS = ("auto", "native", "fbgemm-fp16", "onednn-bf16", "fbgemm-fp16+onednn-bf16")
 COMPILES = ("none", "single-decode")
+# The mocker's engine settings where they differ from EngineConfig's: Dynamo's mocker's, so that
+# results compare with it (here, not in the mocker, so that the CLI reads them without torch).
+MOCKER_DEFAULTS = {
+    "block_size": 64,
+    "num_kv_blocks": 16384,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+}
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvbaton.engine.async_engine import AsyncEngine
 from kvbaton.engine.block_manager import BlockManager
-from kvbaton.engine.config import EngineConfig
+from kvbaton.engine.config import MOCKER_DEFAULTS, EngineConfig
 from kvbaton.engine.engine import LLMEngine
 from kvbaton.engine.scheduler import SchedulerOutput
 from kvbaton.engine.sequence import Sequence
@@ -29,13 +29,6 @@ from kvbaton.mocker.tiers import mocker_tiers
 from kvbaton.mocker.timing import MockerTiming
 from kvbaton.protocols.kv import KvEvent
 
-# Dynamo's mocker defaults, so that results compare with it.
-MOCKER_DEFAULTS = {
-    "block_size": 64,
-    "num_kv_blocks": 16384,
-    "max_num_seqs": 256,
-    "max_num_batched_tokens": 8192,
-}
 _MASK = (1 << 64) - 1
 
 
