@@ -37,3 +37,11 @@ def test_compile_is_refused_off_the_cpu() -> None:
         EngineConfig(compile="single-decode", device="cuda")
     with pytest.raises(ValueError, match="compile must be one of"):
         EngineConfig(compile="everything")
+
+
+def test_compile_is_refused_without_a_cpp_compiler(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("kvbaton-no-such-compiler",))
+    with pytest.raises(ValueError, match="needs a C\\+\\+ compiler"):
+        engine(tiny_models["llama-tied"], compile="single-decode", device="cpu")

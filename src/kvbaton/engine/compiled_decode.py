@@ -18,7 +18,8 @@ against ATen's; the weights frozen into the compiled graph). Every other step ru
   the gather, the float32 conversion, both reductions and the softmax into its own loops (a
   layer at 128 tokens: 12 us, where two batched matmuls on float32 copies took 52).
 - Compiling takes minutes on a few cores (a `warm_up` before serving); Inductor's on-disk caches
-  make a restart faster.
+  make a restart faster. Inductor builds its kernels with a C++ compiler: without one, the
+  engine is refused when it is made, not at its first step.
 """
 
 from __future__ import annotations
@@ -113,6 +114,16 @@ class CompiledDecode:
     def __init__(self, model: LlamaModel) -> None:
         if model.device.type != "cpu":
             raise ValueError("compile 'single-decode' runs on a CPU only")
+        # imported here: an engine that compiles nothing starts without torch's compiler
+        from torch._inductor import cpp_builder
+        from torch._inductor.exc import InvalidCxxCompiler
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except InvalidCxxCompiler:
+            raise ValueError(
+                "compile 'single-decode' needs a C++ compiler (g++, or the one $CXX names)"
+            ) from None
         self.model = model
         self.steps = 0  # steps run compiled (the warm-up's included)
         self._graph = torch.compile(_DecodeGraph(model).eval())
