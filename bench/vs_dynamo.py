@@ -110,6 +110,7 @@ class Figures:
 def dynamo_env(scratch: Path) -> dict[str, str]:
     (scratch / "kv").mkdir()
     (scratch / "home").mkdir()
+    (scratch / "tmp").mkdir()
     return {
         **clean_env(),
         "DYN_DISCOVERY_BACKEND": "file",
@@ -123,6 +124,7 @@ def dynamo_env(scratch: Path) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "HOME": str(scratch / "home"),  # it caches model cards under ~/.cache/dynamo
+        "TMPDIR": str(scratch / "tmp"),  # it writes a logging config per process, never removed
     }
 
 
