@@ -55,10 +55,14 @@ def test_every_field_maps() -> None:
     assert ours.output_kind is RequestOutputKind.DELTA and ours.n == 1
 
 
+PROPERTIES_CLOSED = '{"properties": {"a": {}}, "additionalProperties": false}'
+
+
 @pytest.mark.parametrize(
     ("kind", "spec", "field", "value"),
     [
         ("json", '{"type": "object"}', "json", '{"type": "object"}'),
+        ("json", '{"properties": {"a": {}}}', "json", PROPERTIES_CLOSED),  # as kvbaton's grammar
         ("regex", "[ab]+", "regex", "[ab]+"),
         ("choice", json.dumps(["yes", "no"]), "choice", ["yes", "no"]),
         ("grammar", 'start: "x"', "grammar", 'start: "x"'),

@@ -114,3 +114,4 @@ def test_the_forced_grammar_takes_a_valid_call_only(name: str, chat_model: Path)
     )
     assert not takes(written.replace('"b":2', '"b":"2"'))
     assert not takes(written.replace('"add"', '"sub"'))
+    assert not takes(written.replace('"b":2', '"b":2,"c":3'))  # no invented argument

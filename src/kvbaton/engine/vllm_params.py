@@ -3,7 +3,8 @@ vLLM is imported when a function runs, never at import.
 
 - Every kvbaton field maps: max/min tokens, temperature, top_p/top_k/min_p, seed, the three
   penalties, ignore_eos, stop token ids, logprobs, logit bias, and a constraint (`Guided`) to
-  vLLM's structured outputs (json schema, regex, choice, grammar).
+  vLLM's structured outputs (json schema, regex, choice, grammar). A JSON schema goes closed
+  (`llm/json_schema.py`), as kvbaton's engine and a resumed constraint read it.
 - Outputs stream as deltas (`RequestOutputKind.DELTA`), token ids only: vLLM does not
   detokenize (the frontend does, and matches stop strings there).
 - A constraint replayed over a migrated request's tokens (`Guided.replay`) has no vLLM
@@ -21,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from kvbaton.llm.json_schema import closed
 from kvbaton.protocols.llm import SamplingParams, TokenLogprob
 
 # kvbaton's constraint kind -> vLLM's StructuredOutputsParams field.
@@ -46,7 +48,11 @@ def vllm_sampling_params(params: SamplingParams, kv_transfer: dict[str, Any] | N
     if guided is not None and guided.replay:
         extra[REPLAYED_CONSTRAINT] = msgspec.structs.asdict(guided)
     elif guided is not None:
-        spec: Any = json.loads(guided.spec) if guided.kind == "choice" else guided.spec
+        spec: Any = guided.spec
+        if guided.kind == "choice":
+            spec = json.loads(spec)
+        elif guided.kind == "json":
+            spec = json.dumps(closed(json.loads(spec)))  # as kvbaton's grammar reads it
         structured = StructuredOutputsParams(**{GUIDED_FIELDS[guided.kind]: spec})
     return VllmSamplingParams(
         n=1,

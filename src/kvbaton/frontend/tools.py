@@ -23,6 +23,7 @@ from kvbaton.frontend.errors import bad_request
 from kvbaton.frontend.openai_types import ChatCompletionRequest, ChatMessage, Tool
 from kvbaton.frontend.tool_calls import ToolCallFormat, ToolCallParser
 from kvbaton.llm.constraints import grammar
+from kvbaton.llm.json_schema import closed
 from kvbaton.protocols.llm import Guided
 
 DEFAULT_TOOL_PROMPT = """You can call functions, each described by a JSON schema in <tools></tools>:
@@ -72,7 +73,7 @@ class ToolUse:
                 "type": "object",
                 "properties": {
                     "name": {"const": tool.function.name},
-                    self.fmt.args_key: tool.function.parameters or {"type": "object"},
+                    self.fmt.args_key: closed(tool.function.parameters) or {"type": "object"},
                 },
                 "required": ["name", self.fmt.args_key],
                 "additionalProperties": False,

@@ -3,6 +3,7 @@ the engine enforces with `engine/guided.py`).
 
 - One grammar per (kind, spec), cached.
 - An invalid constraint is a ValueError naming its kind.
+- A JSON schema's objects that list their properties are closed to others (`json_schema.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import llguidance
 
+from kvbaton.llm.json_schema import closed
 from kvbaton.protocols.llm import Guided
 
 if TYPE_CHECKING:
@@ -31,7 +33,8 @@ def grammar(guided: Guided) -> str:
 def _grammar(kind: str, spec: str) -> str:
     try:
         if kind == "json":
-            text = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=COMPACT_JSON)
+            schema = closed(json.loads(spec))
+            text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT_JSON)
         elif kind == "regex":
             text = llguidance.LLMatcher.grammar_from_regex(spec)
         elif kind == "choice":
