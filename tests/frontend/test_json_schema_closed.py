@@ -1,20 +1,19 @@
-"""JSON constraints close the objects that list their properties (`llm/constraints.py`,
+"""JSON constraints close the objects that list their properties (`llm/json_schema.py`,
 `closed`), as vLLM's default backend does: a listed property is taken, an invented one is not,
 unless the schema allows others or its properties come from elsewhere (allOf branches)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import llguidance
 import pytest
 
-from kvbaton.llm.constraints import grammar
 from kvbaton.llm.json_schema import closed
-from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import Guided
+from tests.frontend.grammar_helpers import grammar_check
 
 PERSON = {
     "type": "object",
@@ -24,21 +23,15 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def takes(chat_model: Path) -> Any:
+def takes(chat_model: Path) -> Callable[[dict[str, Any], object], bool]:
     """takes(schema, value): whether the schema's grammar takes the value written compactly."""
-    tokenizer = Tokenizer(chat_model)
-    lltok = llguidance.LLTokenizer(
-        (chat_model / "tokenizer.json").read_text(),
-        n_vocab=tokenizer.vocab_size,
-        eos_token=tokenizer.eos_token_id,
-    )
+    check = grammar_check(chat_model)
 
-    def check(schema: dict[str, Any], value: object) -> bool:
-        matcher = llguidance.LLMatcher(lltok, grammar(Guided(kind="json", spec=json.dumps(schema))))
-        ids = tokenizer.encode(json.dumps(value, separators=(",", ":")), add_special_tokens=False)
-        return matcher.consume_tokens(ids) and matcher.is_accepting()
+    def schema_takes(schema: dict[str, Any], value: object) -> bool:
+        text = json.dumps(value, separators=(",", ":"))
+        return check(Guided(kind="json", spec=json.dumps(schema)), text)
 
-    return check
+    return schema_takes
 
 
 def test_an_object_takes_its_properties_only(takes: Any) -> None:

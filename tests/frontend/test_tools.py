@@ -8,14 +8,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import llguidance
 import pytest
 
 from kvbaton.frontend.openai_types import ChatCompletionRequest
 from kvbaton.frontend.tool_calls import TOOL_CALL_FORMATS
 from kvbaton.frontend.tools import template_inputs, tool_use
-from kvbaton.llm.constraints import grammar
 from kvbaton.llm.tokenizer import Tokenizer
+from tests.frontend.grammar_helpers import grammar_check
 
 ADD: dict[str, Any] = {
     "type": "function",
@@ -94,17 +93,10 @@ def test_the_forced_grammar_takes_a_valid_call_only(name: str, chat_model: Path)
     assert use is not None
     guided = use.guided
     assert guided is not None
-    tokenizer = Tokenizer(chat_model)
-    lltok = llguidance.LLTokenizer(
-        (chat_model / "tokenizer.json").read_text(),
-        n_vocab=tokenizer.vocab_size,
-        eos_token=tokenizer.eos_token_id,
-    )
+    check = grammar_check(chat_model)
 
     def takes(text: str) -> bool:
-        matcher = llguidance.LLMatcher(lltok, grammar(guided))
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return matcher.consume_tokens(ids) and matcher.is_accepting()
+        return check(guided, text)
 
     compact = json.dumps({"name": "add", fmt.args_key: {"a": 1, "b": 2}}, separators=(",", ":"))
     written = fmt.before + fmt.call.replace("{call}", compact) + fmt.after
