@@ -1,31 +1,32 @@
-"""Whether a constraint's grammar takes a text, without an engine (llguidance's matcher over the
-model's tokenizer)."""
+"""Whether a constraint's grammar takes a text, without an engine: the engine's own matchers
+(`GuidedDecoding`) over the model's tokenizer."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
-import llguidance
-
+from kvbaton.engine.guided import GuidedDecoding
 from kvbaton.llm.constraints import grammar
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.protocols.llm import Guided
 
 
 def grammar_check(model_dir: Path) -> Callable[[Guided, str], bool]:
-    """takes(guided, text): whether `guided`'s grammar takes `text` whole (the tokenizer is read
-    once)."""
+    """takes(guided, text): whether `guided`'s grammar takes `text` whole. An invalid constraint
+    raises ValueError (it is never just "not taken")."""
     tokenizer = Tokenizer(model_dir)
-    lltok = llguidance.LLTokenizer(
-        (model_dir / "tokenizer.json").read_text(),
-        n_vocab=tokenizer.vocab_size,
-        eos_token=tokenizer.eos_token_id,
-    )
+    eos = frozenset() if tokenizer.eos_token_id is None else frozenset({tokenizer.eos_token_id})
+    guided_decoding = GuidedDecoding(model_dir, tokenizer.vocab_size, eos)
 
     def takes(guided: Guided, text: str) -> bool:
-        matcher = llguidance.LLMatcher(lltok, grammar(guided))
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return matcher.consume_tokens(ids) and matcher.is_accepting()
+        grammar(guided)  # ValueError if the constraint is invalid
+        try:
+            matcher = guided_decoding.matcher(
+                guided, tokenizer.encode(text, add_special_tokens=False)
+            )
+        except ValueError:  # the text breaks the constraint
+            return False
+        return bool(matcher.is_accepting())
 
     return takes
