@@ -31,7 +31,7 @@ import pytest
 from kvbaton.engine.vllm_reaper import descendants, start_time
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
-from tests.frontend.conftest import Deployment, serve_slot, stop_serve
+from tests.frontend.conftest import Deployment, live_instances, serve_slot, stop_serve
 from tests.frontend.fleet import poll
 from tests.frontend.vllm_helpers import (
     MAX_MODEL_LEN,
@@ -233,7 +233,7 @@ def test_a_repeated_prompt_reports_vllm_s_cached_tokens(
 ) -> None:
     """The same 300-token prompt twice at one worker: the second finds its whole blocks in
     vLLM's prefix cache (never the prompt's last token: at least one is computed)."""
-    instance = health(vllm_serve.url, vllm_serve.model)[0]
+    instance = f"{live_instances(vllm_serve.url, vllm_serve.model)[0]:x}"
     pin = {"nvext": {"backend_instance_id": instance}}
     prompt = list(range(1000, 1300))
     cached = []
@@ -326,7 +326,7 @@ def test_a_stream_whose_worker_is_killed_migrates(vllm_serve: Deployment) -> Non
     assert usage is not None and usage.completion_tokens == max_tokens
     assert "".join(texts).startswith(before)
     wait_until_sync(  # the killed worker back, for what follows
-        lambda: int(worker, 16) not in (up := health(url, model)) and len(up) == 2,
+        lambda: int(worker, 16) not in (up := live_instances(url, model)) and len(up) == 2,
         READY_S,
         "serve's restart of the killed worker",
     )
@@ -378,16 +378,10 @@ def test_a_constrained_stream_whose_worker_is_killed_migrates(vllm_serve: Deploy
     assert finishes == ["stop"]
     jsonschema.validate(json.loads(answer), schema)
     wait_until_sync(  # the killed worker back, for what follows
-        lambda: int(worker, 16) not in (up := health(url, model)) and len(up) == 2,
+        lambda: int(worker, 16) not in (up := live_instances(url, model)) and len(up) == 2,
         READY_S,
         "serve's restart of the killed worker",
     )
-
-
-def health(url: str, model: str) -> list[int]:
-    """The instances of `model` the frontend lists as live."""
-    listed: list[int] = httpx.get(f"{url}/health").json()["models"].get(model, [])
-    return listed
 
 
 def worker_pid(deployment: Deployment, instance: str) -> int:
