@@ -48,6 +48,7 @@ from tests.helpers import wait_until_sync
 pytestmark = VLLM_MARKS
 BACKEND = "kvbaton.backend.load_metrics"
 VLLM_BLOCK = 128  # vLLM's block size on a CPU, by default
+INDEXED = "kvbaton_router_indexed_blocks"  # per worker: the blocks the KV router knows it has
 
 
 @pytest.fixture(scope="module")
@@ -256,10 +257,12 @@ def test_a_shared_prefix_goes_back_to_the_worker_whose_vllm_cached_it(
     and the router predicted just as many."""
     url, model = vllm_serve.url, vllm_serve.model
     prefix = list(range(2000, 2600))
+    workers = [f"{w:x}" for w in live_instances(url, model)]
+    indexed = {w: metric(url, INDEXED, worker=w) for w in workers}  # earlier tests' blocks
     worker, cached = complete_ids(url, model, [*prefix, *range(5000, 5040)])
     assert cached == 0
     wait_until_sync(
-        lambda: metric(url, "kvbaton_router_indexed_blocks", worker=worker) >= 5,
+        lambda: metric(url, INDEXED, worker=worker) >= indexed[worker] + 5,
         30,
         "the router hearing of the first prompt's blocks",
     )
