@@ -1,10 +1,11 @@
 """`kvbaton serve --engine vllm --workers 2` on SmolLM2 (issue 30, aggregated): greedy answers
 equal vLLM's own offline `LLM.generate`, a left stream leaves vLLM running nothing, busy
-workers (by vLLM's KV usage) shed new requests, a JSON schema holds, an over-long prompt is a
-400, the KV router sends a shared prefix back to the worker whose vLLM cached it (predicting
-the cached tokens vLLM reports), a stream whose worker is killed migrates (a constrained one
-too), a worker whose vLLM engine core dies exits for serve to start a new one, and a worker
-killed with SIGKILL leaves no vLLM process behind, nor vLLM's ipc sockets.
+workers (by vLLM's KV usage) shed new requests, a prompt in its first step counts in its
+worker's load, a JSON schema holds, an over-long prompt is a 400, the KV router sends a
+shared prefix back to the worker whose vLLM cached it (predicting the cached tokens vLLM
+reports), a stream whose worker is killed migrates (a constrained one too), a worker whose
+vLLM engine core dies exits for serve to start a new one, and a worker killed with SIGKILL
+leaves no vLLM process behind, nor vLLM's ipc sockets.
 
 Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
 `.venv-vllm/bin/python -m pytest -m vllm tests/frontend/test_vllm_serve.py`; skipped elsewhere.
@@ -12,6 +13,7 @@ Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -185,6 +187,30 @@ async def test_busy_vllm_workers_shed_new_requests(vllm_serve: Deployment) -> No
         finally:
             limits = {key: before[key] for key in busy}
             assert (await http.post("/busy_threshold", json=limits)).status_code == 200
+
+
+async def test_a_prompt_in_its_first_step_counts_as_waiting(vllm_serve: Deployment) -> None:
+    """vLLM reports its scheduler only at a step's end, and a long prompt's first step is long
+    on a CPU: meanwhile its worker counts it as waiting, not idle (the frontend's canaries and
+    shedding read that load)."""
+    async with (
+        openai.AsyncOpenAI(base_url=f"{vllm_serve.url}/v1", api_key="none", max_retries=0) as ai,
+        DistributedRuntime(vllm_serve.discovery) as runtime,
+    ):
+        prompt = list(range(3000, 3512))  # cached nowhere
+        answer = asyncio.create_task(
+            ai.completions.create(model=vllm_serve.model, prompt=prompt, max_tokens=1)
+        )
+        counted = False
+
+        async def counted_or_ended() -> bool:
+            nonlocal counted
+            counted = any(load.waiting for load in await all_loads(runtime))
+            return counted or answer.done()
+
+        await poll(counted_or_ended, 120, "the prompt neither counted nor answered")
+        await answer
+        assert counted, "the prompt's worker looked idle until it answered"
 
 
 async def all_loads(runtime: DistributedRuntime) -> list[WorkerLoad]:

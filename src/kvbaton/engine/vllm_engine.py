@@ -32,7 +32,9 @@ workers in the prefill-first order, vLLM's NIXL connector moving the KV.
 - Load: vLLM's scheduler stats (waiting, running, KV usage, prefix cache counters), as of its
   last step, through a stat logger vLLM calls with each batch of outputs. vLLM sends none when
   it goes idle, so while this process has no request unfinished, waiting, running and the
-  blocks in use are 0 (vLLM counts cached blocks no request holds as free too).
+  blocks in use are 0 (vLLM counts cached blocks no request holds as free too). Requests that
+  came after that step count as waiting: a long first step (a prompt's prefill on a CPU takes
+  seconds) does not look idle to the frontend's canaries and shedding.
 - KV events: vLLM's own, subscribed to (`vllm_kv_events.py`) and re-hashed the kvbaton way
   into a mirror of its prefix cache (`vllm_kv_mirror.py`), which answers the dump too.
   `clear_kv_blocks` resets vLLM's prefix cache: the blocks the mirror held went.
@@ -444,11 +446,12 @@ class VllmEngine:
     def stats(self) -> EngineStats:
         """vLLM's scheduler as of its last step (see the module's docstring)."""
         load = self._load
-        idle = self._llm.get_num_unfinished_requests() == 0
+        unfinished = self._llm.get_num_unfinished_requests()
+        idle = unfinished == 0
         used = 0 if idle else round(load.kv_usage * self._num_blocks)
         queries = load.prefix_cache_queries
         return EngineStats(
-            waiting=0 if idle else load.waiting,
+            waiting=0 if idle else max(load.waiting, unfinished - load.running),
             running=0 if idle else load.running,
             kv_blocks_total=self._num_blocks,
             kv_blocks_used=used,
