@@ -40,7 +40,10 @@ STREAMS = 50
 # SLOW_DECODE ~30 ms: 40 tokens are ~1.2 s.
 TOKENS = {"mocker": 40, "torch": 150}
 PROMPTS = [[(i * 7 + j * 13) % 150 + 20 for j in range(40 + i)] for i in range(STREAMS)]
-MOCKER = ("--block-size", "16", "--num-kv-blocks", "1024", "--max-model-len", "1024")
+BLOCK = 16  # tokens a KV block: the mocker's here, the real engine's by default
+# The most blocks a prompt and its first token fill.
+PROMPT_BLOCKS = -(-(max(map(len, PROMPTS)) + 1) // BLOCK)
+MOCKER = ("--block-size", str(BLOCK), "--num-kv-blocks", "1024", "--max-model-len", "1024")
 SLOW_DECODE = ("--speedup-ratio", "0.2")  # about 30 ms a token: streams last about a second
 SLOW_PREFILL = ("--mocker-prefill", "0,1,0", "--max-num-batched-tokens", "128")  # 1 ms a token
 
@@ -120,7 +123,9 @@ def signal_mid_work(
     appended to `seen` (what a victim never seen mid-work did instead). Mid-work: a prefill
     worker has computed prompts (its pending prefill fell) and has more to compute; another runs
     `streams` requests or more, each past its prompt, which have decoded a few tokens since (their
-    blocks grew by a quarter of their number: with 16-token blocks, about 4 tokens each).
+    blocks grew by a quarter of their number: with 16-token blocks, about 4 tokens each). Grew
+    from the blocks read once every prompt was computed, or, where no read came before the
+    decode was well on, from the most the prompts can hold (`PROMPT_BLOCKS` each).
 
     Run in a thread, on a runtime of its own: the test's loop, reading 50 streams through the
     client, falls hundreds of ms behind the workers, time in which the victim could finish."""
@@ -142,7 +147,8 @@ def signal_mid_work(
                         busy = 0 < pending < peak
                     elif load.running >= streams and pending == 0:
                         prompts_done = used if prompts_done is None else prompts_done
-                        busy = used >= prompts_done + load.running // 4
+                        decode_from = min(prompts_done, load.running * PROMPT_BLOCKS)
+                        busy = used >= decode_from + load.running // 4
                     else:
                         busy = False
                     if busy:
