@@ -83,8 +83,13 @@ def run_bench(script: str, *args: str) -> tuple[str, list[list[str]]]:
         timeout=300,
         check=True,
     ).stdout
-    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")][1:]
-    return out, [[cell.strip() for cell in row] for row in rows]
+    return out, table_rows(out)
+
+
+def table_rows(output: str) -> list[list[str]]:
+    """The cells of the Markdown table rows in `output` (no header)."""
+    rows = [line.split("|")[1:-1] for line in output.splitlines() if line.startswith("| ")][1:]
+    return [[cell.strip() for cell in row] for row in rows]
 
 
 def bench_headlines(output: str) -> list[Any]:
