@@ -8,8 +8,9 @@ streamed. The schemas bound their strings, so that a 135M model cannot ramble to
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, Literal, TypeVar
 
 import jsonschema
 import openai
@@ -21,6 +22,7 @@ from tests.frontend.conftest import Deployment, start_serve, stop_cleanly
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
+T = TypeVar("T")
 Short = Annotated[str, pydantic.StringConstraints(max_length=16)]
 
 
@@ -109,15 +111,23 @@ def _valid(call: Any) -> None:
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+def at_once(ask: Callable[[str], T], prompts: list[str]) -> list[tuple[str, T]]:
+    """Each prompt with its answer, all asked at the same time (the worker batches them)."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(zip(prompts, pool.map(ask, prompts), strict=True))
+
+
 def test_parse_validates_on_ten_prompts(client: openai.OpenAI, smollm2: Deployment) -> None:
-    for prompt in PROMPTS:
-        answer = client.chat.completions.parse(
+    def ask(prompt: str) -> Any:
+        return client.chat.completions.parse(
             model=smollm2.model,
             messages=[{"role": "user", "content": prompt}],
             response_format=City,
             max_tokens=100,
             temperature=0,
         )
+
+    for prompt, answer in at_once(ask, PROMPTS):
         assert answer.choices[0].finish_reason == "stop", prompt
         assert isinstance(answer.choices[0].message.parsed, City), prompt
 
@@ -126,9 +136,10 @@ def test_parse_validates_on_ten_prompts(client: openai.OpenAI, smollm2: Deployme
 def test_forced_calls_validate_on_ten_prompts(
     client: openai.OpenAI, smollm2: Deployment, choice: str
 ) -> None:
-    for question in QUESTIONS:
-        named = {"type": "function", "function": {"name": "get_weather"}}
-        answer = client.chat.completions.create(
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    def ask(question: str) -> Any:
+        return client.chat.completions.create(
             model=smollm2.model,
             messages=[{"role": "user", "content": question}],
             tools=TOOLS,  # type: ignore[arg-type]
@@ -137,8 +148,12 @@ def test_forced_calls_validate_on_ten_prompts(
             max_tokens=100,
             temperature=0,
         )
+
+    for question, answer in at_once(ask, QUESTIONS):
         message = answer.choices[0].message
-        assert answer.choices[0].finish_reason == ("stop" if choice == "named" else "tool_calls")
+        assert answer.choices[0].finish_reason == ("stop" if choice == "named" else "tool_calls"), (
+            question
+        )
         (call,) = message.tool_calls or []
         if choice == "named":
             assert call.function.name == "get_weather"
