@@ -7,6 +7,10 @@ reports), a stream whose worker is killed migrates (a constrained one too), a wo
 vLLM engine core dies exits for serve to start a new one, and a worker killed with SIGKILL
 leaves no vLLM process behind, nor vLLM's ipc sockets.
 
+One deployment serves the module, in file order: a test that needs both workers waits for them
+(`both_ready`), and the tests that need one follow a migration test's kill, so that serve's
+restart of the killed worker (about 35 s on 2 cores) goes on while they run.
+
 Runs where vLLM is installed (the environment scripts/vllm_env.sh builds):
 `.venv-vllm/bin/python -m pytest -m vllm tests/frontend/test_vllm_serve.py`; skipped elsewhere.
 """
@@ -83,66 +87,25 @@ def client(vllm_serve: Deployment) -> Iterator[openai.OpenAI]:
         yield c
 
 
-def test_greedy_answers_equal_vllm_offline(
-    client: openai.OpenAI, vllm_serve: Deployment, offline: list[str]
-) -> None:
-    served = []
-    for ids in prompt_ids():
-        answer = client.completions.create(
-            model=vllm_serve.model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0
-        )
-        served.append(answer.choices[0].text)
-    assert served == offline
-
-
-def test_seeded_answers_with_penalties_equal_vllm_offline(
-    client: openai.OpenAI, vllm_serve: Deployment
-) -> None:
-    """Every sampling option reaches vLLM as it was given: a seed at a temperature and the
-    penalties give vLLM's offline answers (the disaggregated ones are compared with these)."""
-    served = [
-        client.completions.create(
-            model=vllm_serve.model, prompt=ids, max_tokens=MAX_TOKENS, **SAMPLINGS["seeded"]
-        )
-        .choices[0]
-        .text
-        for ids in prompt_ids()
-    ]
-    assert served == offline_texts("seeded")
-
-
-async def test_a_left_stream_leaves_vllm_running_nothing(vllm_serve: Deployment) -> None:
-    async with (
-        openai.AsyncOpenAI(base_url=f"{vllm_serve.url}/v1", api_key="none", max_retries=0) as ai,
-        DistributedRuntime(vllm_serve.discovery) as runtime,
-    ):
-        stream = await ai.completions.create(
-            model=vllm_serve.model,
-            prompt="Count to a thousand:",
-            max_tokens=400,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        chunks = 0
-        async for _ in stream:
-            chunks += 1
-            if chunks == 3:
-                break
-        running = await all_loads(runtime)
-        assert sum(load.running for load in running) >= 1, running  # vLLM's scheduler says so
-        assert all(load.kv_blocks_total > 0 for load in running), running
-        await stream.close()
-
-        async def nothing_runs() -> bool:
-            return all(load.running == load.waiting == 0 for load in await all_loads(runtime))
-
-        await poll(nothing_runs, 30, "vLLM still runs the left request")
+def both_ready(deployment: Deployment) -> None:
+    """Until serve has both workers ready and the frontend lists just those two: a test that
+    needs both waits here, so that serve's restart of a worker an earlier test killed goes on
+    while tests that need only one worker run."""
+    wait_until_sync(
+        lambda: (
+            len(live_instances(deployment.url, deployment.model)) == 2
+            and all(serve_slot(deployment, f"worker-{i}")["state"] == "ready" for i in (0, 1))
+        ),
+        READY_S,
+        "both vLLM workers ready",
+    )
 
 
 async def test_busy_vllm_workers_shed_new_requests(vllm_serve: Deployment) -> None:
     """Busy detection reads vLLM's KV usage as the worker reports it: with a threshold that
     any running request passes, one long stream on each worker makes both busy, a new request
     gets a 503 with Retry-After at once, and once the streams end it is served."""
+    both_ready(vllm_serve)
     url, model = vllm_serve.url, vllm_serve.model
     long: dict[str, Any] = {"max_tokens": 400, "stream": True, "extra_body": {"ignore_eos": True}}
     async with (
@@ -189,6 +152,52 @@ async def test_busy_vllm_workers_shed_new_requests(vllm_serve: Deployment) -> No
             assert (await http.post("/busy_threshold", json=limits)).status_code == 200
 
 
+def test_a_shared_prefix_goes_back_to_the_worker_whose_vllm_cached_it(
+    vllm_serve: Deployment,
+) -> None:
+    """vLLM's KV events, re-hashed the kvbaton way, feed the KV router: a second prompt sharing
+    a 600-token prefix goes where the first went, vLLM finds 4 of its 128-token blocks cached,
+    and the router predicted just as many."""
+    both_ready(vllm_serve)
+    url, model = vllm_serve.url, vllm_serve.model
+    prefix = list(range(2000, 2600))
+    workers = [f"{w:x}" for w in live_instances(url, model)]
+    indexed = {w: metric(url, INDEXED, worker=w) for w in workers}  # earlier tests' blocks
+    worker, cached = complete_ids(url, model, [*prefix, *range(5000, 5040)])
+    assert cached == 0
+    wait_until_sync(
+        lambda: metric(url, INDEXED, worker=worker) >= indexed[worker] + 5,
+        30,
+        "the router hearing of the first prompt's blocks",
+    )
+    predicted = metric(url, "kvbaton_router_overlap_blocks_sum")
+    again, cached = complete_ids(url, model, [*prefix, *range(6000, 6040)])
+    predicted = metric(url, "kvbaton_router_overlap_blocks_sum") - predicted
+    assert again == worker
+    assert cached >= 512
+    assert predicted * VLLM_BLOCK == cached
+
+
+def complete_ids(url: str, model: str, prompt: list[int]) -> tuple[str, int]:
+    """(the worker that served `prompt`, the prompt tokens vLLM found cached)."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        raw = client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=2)
+    usage = raw.parse().usage
+    assert usage is not None and usage.prompt_tokens == len(prompt)
+    details = usage.prompt_tokens_details
+    return raw.headers["x-kvbaton-worker"], (details.cached_tokens or 0) if details else 0
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the frontend's samples of `name` with `labels` (0 if none)."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.split("{")[0] == name and all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
 async def test_a_prompt_in_its_first_step_counts_as_waiting(vllm_serve: Deployment) -> None:
     """vLLM reports its scheduler only at a step's end, and a long prompt's first step is long
     on a CPU: meanwhile its worker counts it as waiting, not idle (the frontend's canaries and
@@ -224,6 +233,157 @@ async def all_loads(runtime: DistributedRuntime) -> list[WorkerLoad]:
         return loads
     finally:
         await client.close()
+
+
+async def test_a_left_stream_leaves_vllm_running_nothing(vllm_serve: Deployment) -> None:
+    async with (
+        openai.AsyncOpenAI(base_url=f"{vllm_serve.url}/v1", api_key="none", max_retries=0) as ai,
+        DistributedRuntime(vllm_serve.discovery) as runtime,
+    ):
+        stream = await ai.completions.create(
+            model=vllm_serve.model,
+            prompt="Count to a thousand:",
+            max_tokens=400,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = 0
+        async for _ in stream:
+            chunks += 1
+            if chunks == 3:
+                break
+        running = await all_loads(runtime)
+        assert sum(load.running for load in running) >= 1, running  # vLLM's scheduler says so
+        assert all(load.kv_blocks_total > 0 for load in running), running
+        await stream.close()
+
+        async def nothing_runs() -> bool:
+            return all(load.running == load.waiting == 0 for load in await all_loads(runtime))
+
+        await poll(nothing_runs, 30, "vLLM still runs the left request")
+
+
+def test_a_stream_whose_worker_is_killed_migrates(vllm_serve: Deployment) -> None:
+    """A greedy stream's worker is killed after its first tokens: the stream goes on at the
+    other worker, from where it was, to its full length. (Serve's restart of the worker goes on
+    while the tests after this one that need only one worker run.)"""
+    both_ready(vllm_serve)
+    url, model = vllm_serve.url, vllm_serve.model
+    prompt, max_tokens = "List the numbers from one to two hundred:", 96
+    greedy: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        reference = client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, **greedy
+        )
+        raw = client.completions.with_raw_response.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            **greedy,
+        )
+        worker = raw.headers["x-kvbaton-worker"]
+        texts: list[str] = []
+        finishes: list[str] = []
+        usage, before = None, ""
+        for chunk in raw.parse():
+            for choice in chunk.choices:
+                texts.append(choice.text)
+                finishes += [choice.finish_reason] if choice.finish_reason else []
+            usage = chunk.usage or usage
+            if len(texts) == 4:
+                before = "".join(texts)
+                os.kill(worker_pid(vllm_serve, worker), signal.SIGKILL)
+    assert before and reference.choices[0].text.startswith(before)  # killed mid-stream
+    assert finishes == ["length"]
+    assert usage is not None and usage.completion_tokens == max_tokens
+    assert "".join(texts).startswith(before)
+
+
+def test_greedy_answers_equal_vllm_offline(
+    client: openai.OpenAI, vllm_serve: Deployment, offline: list[str]
+) -> None:
+    served = []
+    for ids in prompt_ids():
+        answer = client.completions.create(
+            model=vllm_serve.model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0
+        )
+        served.append(answer.choices[0].text)
+    assert served == offline
+
+
+def test_seeded_answers_with_penalties_equal_vllm_offline(
+    client: openai.OpenAI, vllm_serve: Deployment
+) -> None:
+    """Every sampling option reaches vLLM as it was given: a seed at a temperature and the
+    penalties give vLLM's offline answers (the disaggregated ones are compared with these)."""
+    served = [
+        client.completions.create(
+            model=vllm_serve.model, prompt=ids, max_tokens=MAX_TOKENS, **SAMPLINGS["seeded"]
+        )
+        .choices[0]
+        .text
+        for ids in prompt_ids()
+    ]
+    assert served == offline_texts("seeded")
+
+
+def test_a_constrained_stream_whose_worker_is_killed_migrates(vllm_serve: Deployment) -> None:
+    """A JSON-schema stream's worker is killed after its first tokens: the other worker's vLLM
+    resumes the constraint past them (kvbaton's logits processor), so the answer is whole and
+    valid."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "numbers": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 100, "maximum": 999},
+                "minItems": 24,
+                "maxItems": 24,
+            }
+        },
+        "required": ["numbers"],
+        "additionalProperties": False,
+    }
+    both_ready(vllm_serve)
+    url, model = vllm_serve.url, vllm_serve.model
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=model,
+            messages=[{"role": "user", "content": "Give me some three-digit numbers as JSON."}],
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "numbers", "schema": schema, "strict": True},
+            },
+        )
+        worker = raw.headers["x-kvbaton-worker"]
+        texts: list[str] = []
+        finishes: list[str] = []
+        before = ""
+        for chunk in raw.parse():
+            for choice in chunk.choices:
+                texts.append(choice.delta.content or "")
+                finishes += [choice.finish_reason] if choice.finish_reason else []
+            if len(texts) == 4:
+                before = "".join(texts)
+                os.kill(worker_pid(vllm_serve, worker), signal.SIGKILL)
+    answer = "".join(texts)
+    assert before and answer.startswith(before) and len(answer) > len(before)
+    assert finishes == ["stop"]
+    jsonschema.validate(json.loads(answer), schema)
+
+
+def worker_pid(deployment: Deployment, instance: str) -> int:
+    """The process of the worker instance `instance` (hex): file discovery keeps each lease's
+    owner in its record under `.leases/` (its ttl, then its pid)."""
+    root = Path(deployment.discovery.removeprefix("file://"))
+    _ttl, pid = msgspec.msgpack.decode((root / ".leases" / instance).read_bytes())
+    assert isinstance(pid, int)
+    return pid
 
 
 def test_a_json_schema_gives_valid_json(client: openai.OpenAI, vllm_serve: Deployment) -> None:
@@ -275,156 +435,10 @@ def test_a_repeated_prompt_reports_vllm_s_cached_tokens(
     assert 256 <= (cached[1] or 0) < len(prompt), cached
 
 
-def test_a_shared_prefix_goes_back_to_the_worker_whose_vllm_cached_it(
-    vllm_serve: Deployment,
-) -> None:
-    """vLLM's KV events, re-hashed the kvbaton way, feed the KV router: a second prompt sharing
-    a 600-token prefix goes where the first went, vLLM finds 4 of its 128-token blocks cached,
-    and the router predicted just as many."""
-    url, model = vllm_serve.url, vllm_serve.model
-    prefix = list(range(2000, 2600))
-    workers = [f"{w:x}" for w in live_instances(url, model)]
-    indexed = {w: metric(url, INDEXED, worker=w) for w in workers}  # earlier tests' blocks
-    worker, cached = complete_ids(url, model, [*prefix, *range(5000, 5040)])
-    assert cached == 0
-    wait_until_sync(
-        lambda: metric(url, INDEXED, worker=worker) >= indexed[worker] + 5,
-        30,
-        "the router hearing of the first prompt's blocks",
-    )
-    predicted = metric(url, "kvbaton_router_overlap_blocks_sum")
-    again, cached = complete_ids(url, model, [*prefix, *range(6000, 6040)])
-    predicted = metric(url, "kvbaton_router_overlap_blocks_sum") - predicted
-    assert again == worker
-    assert cached >= 512
-    assert predicted * VLLM_BLOCK == cached
-
-
-def complete_ids(url: str, model: str, prompt: list[int]) -> tuple[str, int]:
-    """(the worker that served `prompt`, the prompt tokens vLLM found cached)."""
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
-        raw = client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=2)
-    usage = raw.parse().usage
-    assert usage is not None and usage.prompt_tokens == len(prompt)
-    details = usage.prompt_tokens_details
-    return raw.headers["x-kvbaton-worker"], (details.cached_tokens or 0) if details else 0
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of the frontend's samples of `name` with `labels` (0 if none)."""
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        series, _, value = line.rpartition(" ")
-        if series.split("{")[0] == name and all(f'{k}="{v}"' in series for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
-def test_a_stream_whose_worker_is_killed_migrates(vllm_serve: Deployment) -> None:
-    """A greedy stream's worker is killed after its first tokens: the stream goes on at the
-    other worker, from where it was, to its full length; serve brings the worker back."""
-    url, model = vllm_serve.url, vllm_serve.model
-    prompt, max_tokens = "List the numbers from one to two hundred:", 96
-    greedy: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
-        reference = client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, **greedy
-        )
-        raw = client.completions.with_raw_response.create(
-            model=model,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            stream=True,
-            stream_options={"include_usage": True},
-            **greedy,
-        )
-        worker = raw.headers["x-kvbaton-worker"]
-        texts: list[str] = []
-        finishes: list[str] = []
-        usage, before = None, ""
-        for chunk in raw.parse():
-            for choice in chunk.choices:
-                texts.append(choice.text)
-                finishes += [choice.finish_reason] if choice.finish_reason else []
-            usage = chunk.usage or usage
-            if len(texts) == 4:
-                before = "".join(texts)
-                os.kill(worker_pid(vllm_serve, worker), signal.SIGKILL)
-    assert before and reference.choices[0].text.startswith(before)  # killed mid-stream
-    assert finishes == ["length"]
-    assert usage is not None and usage.completion_tokens == max_tokens
-    assert "".join(texts).startswith(before)
-    wait_until_sync(  # the killed worker back, for what follows
-        lambda: int(worker, 16) not in (up := live_instances(url, model)) and len(up) == 2,
-        READY_S,
-        "serve's restart of the killed worker",
-    )
-
-
-def test_a_constrained_stream_whose_worker_is_killed_migrates(vllm_serve: Deployment) -> None:
-    """A JSON-schema stream's worker is killed after its first tokens: the other worker's vLLM
-    resumes the constraint past them (kvbaton's logits processor), so the answer is whole and
-    valid; serve brings the worker back."""
-    schema = {
-        "type": "object",
-        "properties": {
-            "numbers": {
-                "type": "array",
-                "items": {"type": "integer", "minimum": 100, "maximum": 999},
-                "minItems": 24,
-                "maxItems": 24,
-            }
-        },
-        "required": ["numbers"],
-        "additionalProperties": False,
-    }
-    url, model = vllm_serve.url, vllm_serve.model
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
-        raw = client.chat.completions.with_raw_response.create(
-            model=model,
-            messages=[{"role": "user", "content": "Give me some three-digit numbers as JSON."}],
-            max_tokens=200,
-            temperature=0,
-            stream=True,
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "numbers", "schema": schema, "strict": True},
-            },
-        )
-        worker = raw.headers["x-kvbaton-worker"]
-        texts: list[str] = []
-        finishes: list[str] = []
-        before = ""
-        for chunk in raw.parse():
-            for choice in chunk.choices:
-                texts.append(choice.delta.content or "")
-                finishes += [choice.finish_reason] if choice.finish_reason else []
-            if len(texts) == 4:
-                before = "".join(texts)
-                os.kill(worker_pid(vllm_serve, worker), signal.SIGKILL)
-    answer = "".join(texts)
-    assert before and answer.startswith(before) and len(answer) > len(before)
-    assert finishes == ["stop"]
-    jsonschema.validate(json.loads(answer), schema)
-    wait_until_sync(  # the killed worker back, for what follows
-        lambda: int(worker, 16) not in (up := live_instances(url, model)) and len(up) == 2,
-        READY_S,
-        "serve's restart of the killed worker",
-    )
-
-
-def worker_pid(deployment: Deployment, instance: str) -> int:
-    """The process of the worker instance `instance` (hex): file discovery keeps each lease's
-    owner in its record under `.leases/` (its ttl, then its pid)."""
-    root = Path(deployment.discovery.removeprefix("file://"))
-    _ttl, pid = msgspec.msgpack.decode((root / ".leases" / instance).read_bytes())
-    assert isinstance(pid, int)
-    return pid
-
-
 def test_a_worker_whose_vllm_engine_core_dies_exits_and_is_started_again(
     client: openai.OpenAI, vllm_serve: Deployment
 ) -> None:
+    both_ready(vllm_serve)
     pid = serve_slot(vllm_serve, "worker-1")["pid"]
     os.kill(named(pid)["VLLM::EngineCore"], signal.SIGKILL)
     wait_until_sync(
@@ -448,6 +462,7 @@ def test_a_killed_worker_leaves_no_vllm_process_or_socket(
 ) -> None:
     """Killed serving, then killed again while serve's restart of it loads vLLM's model (the
     reaper notes vLLM's processes as they start). Last in the module."""
+    both_ready(vllm_serve)
     pid = serve_slot(vllm_serve, "worker-0")["pid"]
     assert "VLLM::EngineCore" in named(pid), "vLLM's engine runs in a child process"
     (ipc,) = ipc_base.glob(f"kvbaton-vllm-{pid}-*")
