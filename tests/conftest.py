@@ -32,6 +32,20 @@ def instance_id(log: Path) -> int:
     return int(found.group(1), 16)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def children_keep_their_bytecode() -> Iterator[None]:
+    """The processes the tests start write the bytecode of what they compile, as Python does
+    by default, and so reuse it.
+    - An environment may say not to (PYTHONDONTWRITEBYTECODE): then every process compiled
+      kvbaton's sources again (an editable install has no bytecode), a few tenths of a second
+      each, in each of the suite's hundreds of processes.
+    - The bytecode goes to `__pycache__` beside the sources, which git ignores.
+    - This process is unchanged (Python read the setting at its start)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+        yield
+
+
 @pytest.fixture
 def discovery_url(tmp_path: Path) -> str:
     return f"file://{tmp_path / 'discovery'}"
