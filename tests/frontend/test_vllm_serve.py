@@ -419,15 +419,18 @@ def test_a_repeated_prompt_reports_vllm_s_cached_tokens(
     client: openai.OpenAI, vllm_serve: Deployment
 ) -> None:
     """The same 300-token prompt twice at one worker: the second finds its whole blocks in
-    vLLM's prefix cache (never the prompt's last token: at least one is computed)."""
-    instance = f"{live_instances(vllm_serve.url, vllm_serve.model)[0]:x}"
-    pin = {"nvext": {"backend_instance_id": instance}}
+    vLLM's prefix cache (never the prompt's last token: at least one is computed). The second
+    is pinned to the worker that served the first: the frontend may still list a worker an
+    earlier test killed."""
     prompt = list(range(1000, 1300))
     cached = []
+    pin: dict[str, Any] = {}
     for _ in range(2):
-        answer = client.completions.create(
+        raw = client.completions.with_raw_response.create(
             model=vllm_serve.model, prompt=prompt, max_tokens=2, extra_body=pin
         )
+        pin = {"nvext": {"backend_instance_id": raw.headers["x-kvbaton-worker"]}}
+        answer = raw.parse()
         assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt)
         details = answer.usage.prompt_tokens_details
         cached.append(details.cached_tokens if details else 0)
