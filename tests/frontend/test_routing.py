@@ -19,6 +19,7 @@ from tests.frontend.conftest import (
     stop_serve,
     wait_for_health,
 )
+from tests.helpers import wait_until_sync
 
 pytestmark = pytest.mark.integration
 
@@ -82,13 +83,28 @@ def complete(url: str, model: str, prompt: str, **extra: object) -> tuple[str, i
     return raw.headers["x-kvbaton-worker"], cached, usage.prompt_tokens
 
 
+def indexed_blocks(url: str, model: str, worker: str) -> int:
+    """The blocks the frontend's KV router has indexed on `worker` (its metrics; 0: none)."""
+    found = re.search(
+        rf'kvbaton_router_indexed_blocks{{component="[^"]+",model="{model}",worker="{worker}"}}'
+        r" (\d+)",
+        httpx.get(f"{url}/metrics").text,
+    )
+    return int(found.group(1)) if found else 0
+
+
 PROMPT = "Once upon a time a little fox walked into the forest to look for berries. " * 2
 
 
 def test_kv_mode_sends_a_prompt_back_to_the_worker_that_cached_it(mockers: Deployment) -> None:
     url, model = mockers.url, mockers.model
-    worker, cached, _ = complete(url, model, PROMPT)
+    worker, cached, prompt_tokens = complete(url, model, PROMPT)
     assert cached == 0
+    wait_until_sync(  # the worker's KV events reached the router
+        lambda: indexed_blocks(url, model, worker) >= prompt_tokens // 4,
+        30,
+        "the router indexing the first prompt's blocks",
+    )
     others = {
         complete(url, model, f"{i}: something else entirely, prompt {i}")[0] for i in range(6)
     }
@@ -98,18 +114,12 @@ def test_kv_mode_sends_a_prompt_back_to_the_worker_that_cached_it(mockers: Deplo
     assert cached == (prompt_tokens - 1) // 4 * 4  # every full block but one token to compute
     longer, cached_longer, _ = complete(url, model, PROMPT + " And then it rained.")
     assert longer == worker and cached_longer >= cached
-    metrics = httpx.get(f"{url}/metrics").text
     assert re.search(  # labelled with its workers' component
         rf'kvbaton_router_requests_total{{component="[^".]+\.backend",mode="kv",model="{model}",'
         rf'worker="{worker}"}}',
-        metrics,
+        httpx.get(f"{url}/metrics").text,
     )
-    indexed = re.search(
-        rf'kvbaton_router_indexed_blocks{{component="[^"]+",model="{model}",worker="{worker}"}}'
-        r" (\d+)",
-        metrics,
-    )
-    assert indexed is not None and int(indexed.group(1)) >= cached // 4  # the fox's blocks
+    assert indexed_blocks(url, model, worker) >= cached // 4  # the fox's blocks
 
 
 def test_a_request_can_name_its_worker(mockers: Deployment) -> None:
