@@ -183,14 +183,17 @@ async def test_requests_go_only_to_workers_whose_pods_are_ready(
             models = (await http.get("/health")).json()["models"]
             return list(models.get(chat_model.name, []))
 
-        # Registered and serving, but their pods are not Ready: not routed to.
-        await asyncio.sleep(1.0)
-        assert await instances() == []
-
+        # Both registered and serving; only worker-a's pod turns Ready. Once the frontend
+        # routes to worker-a it has read both registrations: worker-b's is not routed to.
+        cluster.probing = {"worker-a"}
         kubelet = asyncio.create_task(cluster.kubelet())
         try:
-            await until(lambda: _is(instances, 2), "both pods ready and routed to")
+            await until(lambda: _is(instances, 1), "worker-a's pod ready and routed to")
             a, b = await cluster.instance_of("worker-a"), await cluster.instance_of("worker-b")
+            assert await instances() == [a]
+
+            cluster.probing.add("worker-b")
+            await until(lambda: _is(instances, 2), "both pods ready and routed to", 10.0)
             assert await served_by(http, chat_model.name, 10) == {a: 5, b: 5}
 
             # worker-a's readiness probe fails (as it would under a stuck engine).
