@@ -101,3 +101,22 @@ def test_cleared_or_lost_batches_forget_everything() -> None:
     m.lost(3)
     assert isinstance(events[-1], AllBlocksCleared) and m.dump().block_hashes == []
     assert m.dump().last_event_id == events[-1].event_id == 3
+
+
+def test_a_prompt_is_looked_up_as_vllm_s_prefix_cache_would_give_it() -> None:
+    """Whole blocks from the head, under the prompt's salt, never the last token; what
+    leaves or is cleared is no longer counted."""
+    m, _ = mirror()
+    h = vllm_hashes(0, 4)
+    m.stored(h[:3], None, TOKENS[:12], BS, None)
+    assert m.cached_tokens(TOKENS, None) == 12  # blocks 0-2 of 6
+    assert m.cached_tokens(TOKENS[:12], None) == 8  # its last token is computed
+    assert m.cached_tokens(TOKENS[:11], None) == 8
+    assert m.cached_tokens(TOKENS[4:], None) == 0  # not from the head
+    assert m.cached_tokens(TOKENS, "s1") == 0  # another salt
+    m.stored(h[3:], None, TOKENS[:4], BS, [("s1",)])
+    assert m.cached_tokens(TOKENS, "s1") == 4
+    m.removed(h[1:2])
+    assert m.cached_tokens(TOKENS, None) == 4  # block 1 left: block 2 is unreachable
+    m.cleared()
+    assert m.cached_tokens(TOKENS, None) == m.cached_tokens(TOKENS, "s1") == 0

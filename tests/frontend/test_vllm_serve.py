@@ -198,10 +198,12 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-async def test_a_prompt_in_its_first_step_counts_as_waiting(vllm_serve: Deployment) -> None:
+async def test_a_prompt_in_its_first_step_counts_as_waiting_prefill(
+    vllm_serve: Deployment,
+) -> None:
     """vLLM reports its scheduler only at a step's end, and a long prompt's first step is long
-    on a CPU: meanwhile its worker counts it as waiting, not idle (the frontend's canaries and
-    shedding read that load)."""
+    on a CPU: meanwhile its worker counts it as waiting, not idle, and its tokens as prefill to
+    do (the frontend's canaries, shedding and router read that load); none once answered."""
     async with (
         openai.AsyncOpenAI(base_url=f"{vllm_serve.url}/v1", api_key="none", max_retries=0) as ai,
         DistributedRuntime(vllm_serve.discovery) as runtime,
@@ -214,12 +216,20 @@ async def test_a_prompt_in_its_first_step_counts_as_waiting(vllm_serve: Deployme
 
         async def counted_or_ended() -> bool:
             nonlocal counted
-            counted = any(load.waiting for load in await all_loads(runtime))
+            counted = any(
+                load.waiting and load.active_prefill_tokens >= len(prompt)
+                for load in await all_loads(runtime)
+            )
             return counted or answer.done()
 
         await poll(counted_or_ended, 120, "the prompt neither counted nor answered")
         await answer
-        assert counted, "the prompt's worker looked idle until it answered"
+        assert counted, "its worker counted it neither waiting nor as prefill until it answered"
+
+        async def prefilled() -> bool:
+            return not any(load.active_prefill_tokens for load in await all_loads(runtime))
+
+        await poll(prefilled, 30, "prefill still counted after the answer")
 
 
 async def all_loads(runtime: DistributedRuntime) -> list[WorkerLoad]:

@@ -34,7 +34,10 @@ workers in the prefill-first order, vLLM's NIXL connector moving the KV.
   it goes idle, so while this process has no request unfinished, waiting, running and the
   blocks in use are 0 (vLLM counts cached blocks no request holds as free too). Requests that
   came after that step count as waiting: a long first step (a prompt's prefill on a CPU takes
-  seconds) does not look idle to the frontend's canaries and shedding.
+  seconds) does not look idle to the frontend's canaries and shedding. Prefill to do
+  (`active_prefill_tokens`), which vLLM does not report: each request's prompt tokens not in
+  the mirror of its prefix cache (below), from its arrival to its first output (its prefill
+  ended); none for a request whose KV a prefill worker computed.
 - KV events: vLLM's own, subscribed to (`vllm_kv_events.py`) and re-hashed the kvbaton way
   into a mirror of its prefix cache (`vllm_kv_mirror.py`), which answers the dump too.
   `clear_kv_blocks` resets vLLM's prefix cache: the blocks the mirror held went.
@@ -280,6 +283,7 @@ class VllmEngine:
         self._kv_events = kv_events
         self._mirror = KvMirror(self.block_size, on_kv_event)
         kv_events.start(self._mirror)
+        self._prefills: dict[str, int] = {}  # request -> prompt tokens to compute, until prefilled
 
     @classmethod
     async def create(
@@ -390,9 +394,13 @@ class VllmEngine:
         # A held request whose first token the decode worker's engine samples again: a
         # constraint starts there, and a seed or penalties count from there.
         resampled = request.params.guided is not None or request.params.state_beyond_tokens()
+        if not request.engine_params:  # else the prompt's KV is read, not computed
+            cached = self._mirror.cached_tokens(request.prompt_token_ids, request.cache_salt)
+            self._prefills[request.request_id] = len(request.prompt_token_ids) - cached
         outputs = self._llm.generate(prompt, params, request.request_id)
         try:
             async for out in outputs:
+                self._prefills.pop(request.request_id, None)
                 (choice,) = out.outputs
                 token_ids = list(choice.token_ids)
                 generated += len(token_ids)
@@ -435,6 +443,7 @@ class VllmEngine:
         except VLLMClientError as exc:
             raise ValueError(str(exc)) from exc
         finally:
+            self._prefills.pop(request.request_id, None)
             await outputs.aclose()  # aborts the request in vLLM if it had not finished
 
     def release_kv(self, request_id: str) -> None:
@@ -457,6 +466,7 @@ class VllmEngine:
             kv_blocks_used=used,
             kv_blocks_free=self._num_blocks - used,
             prefix_cache_hit_rate=load.prefix_cache_hits / queries if queries else 0.0,
+            active_prefill_tokens=sum(self._prefills.values()),
             prefix_cache_queries=queries,
             prefix_cache_hits=load.prefix_cache_hits,
         )

@@ -11,6 +11,8 @@
   out are ignored. The router then under-counts a hit; it never counts one vLLM lacks.
 - `lost` (batches vLLM sent that never came) clears the mirror and says so (AllBlocksCleared).
 - The dump lists the mirror, as of the last event published: there is no dump in vLLM.
+- `cached_tokens` looks a prompt up in the mirror: what vLLM's prefix cache will give it, as far
+  as the events that came say (one still on its way is not counted).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from kvbaton.llm.hashing import block_extra_keys, hash_blocks
+from kvbaton.llm.hashing import block_extra_keys, hash_blocks, reusable_blocks
 from kvbaton.protocols.kv import AllBlocksCleared, BlockRemoved, BlockStored, KvDump, KvEvent
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class KvMirror:
         self.block_size = block_size
         self._on_event = on_event
         self._blocks: dict[Hashable, _Block] = {}  # vLLM's hash -> kvbaton's
+        self._kv_hashes: set[int] = set()  # kvbaton's hashes of `_blocks`
         self._next_event_id = 0
 
     def __len__(self) -> int:
@@ -76,6 +79,7 @@ class KvMirror:
                 run = []
             else:
                 self._blocks[vllm_hash] = _Block(kv_hash, salt)
+                self._kv_hashes.add(kv_hash)
                 run.append(kv_hash)
         self._stored_run(run, len(kv_hashes), kv_hashes, kv_parent, token_ids)
 
@@ -110,6 +114,7 @@ class KvMirror:
             block.copies -= 1
             if not block.copies:
                 del self._blocks[vllm_hash]
+                self._kv_hashes.discard(block.kv_hash)
                 gone.append(block.kv_hash)
         if gone:
             self._emit(lambda i: BlockRemoved(event_id=i, block_hashes=gone))
@@ -117,11 +122,23 @@ class KvMirror:
     def cleared(self) -> None:
         """vLLM's AllBlocksCleared (its prefix cache was reset)."""
         self._blocks.clear()
+        self._kv_hashes.clear()
         self._emit(lambda i: AllBlocksCleared(event_id=i))
 
     def lost(self, batches: int) -> None:
         log.warning("KV events: %d batches from vLLM were lost; its blocks are forgotten", batches)
         self.cleared()
+
+    def cached_tokens(self, token_ids: Sequence[int], salt: str | None) -> int:
+        """The tokens at the head of `token_ids` (a prompt under `salt`) in blocks the mirror
+        holds, of those a prefix cache can give (`reusable_blocks`)."""
+        head = token_ids[: reusable_blocks(len(token_ids), self.block_size) * self.block_size]
+        cached = 0
+        for kv_hash in hash_blocks(head, self.block_size, block_extra_keys(salt)):
+            if kv_hash not in self._kv_hashes:
+                break
+            cached += self.block_size
+        return cached
 
     def dump(self) -> KvDump:
         return KvDump(
