@@ -25,6 +25,7 @@ import pytest
 
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
+from kvbaton.runtime.serve_state import read_states, state_path
 from tests.frontend.conftest import (
     Deployment,
     clean_env,
@@ -285,6 +286,9 @@ async def test_serve_killed_with_sigkill_takes_its_children_along(
     assert all(alive(pid) for pid in children)
     deployment.proc.kill()  # no chance to stop them itself
     deployment.proc.wait(30)
+    state_file = state_path(deployment.proc.pid)
+    assert state_file.exists()  # left behind: SIGKILL gave serve no chance to remove it
+    assert read_states(deployment.discovery) == [] and not state_file.exists()  # the reader did
     try:
         await wait_until(lambda: not any(alive(pid) for pid in children), 60, "children gone")
     finally:

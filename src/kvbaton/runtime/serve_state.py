@@ -3,7 +3,8 @@ one JSON file per serve process (`cli/supervisor.py` writes it), under the per-u
 directory.
 
 - A file names its serve's PID and discovery; readers take those of their own discovery whose
-  serve still lives (a file left by a killed serve is passed over).
+  serve still lives, and remove the files of serves that do not (a killed serve leaves its
+  file: SIGKILL gives it no chance to remove it).
 - A slot names its role: "frontend", or its worker's ("agg", "prefill", "decode").
 """
 
@@ -38,13 +39,16 @@ def alive(pid: int) -> bool:
 
 
 def read_states(discovery: str) -> list[dict[str, Any]]:
-    """The states of the live serve processes on `discovery`."""
+    """The states of the live serve processes on `discovery`; removes the files of dead ones
+    (of any discovery)."""
     states = []
     for path in sorted((runtime_dir() / "serve").glob("serve-*.json")):
         try:
             state = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # removed or replaced while read
-        if state.get("discovery") == discovery and alive(int(state.get("pid", 0))):
+        if not alive(int(state.get("pid", 0))):
+            path.unlink(missing_ok=True)
+        elif state.get("discovery") == discovery:
             states.append(state)
     return states
