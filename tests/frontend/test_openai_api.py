@@ -388,6 +388,21 @@ def test_bad_input_gets_its_4xx_in_openai_shape(
         assert error["param"] == param, error
 
 
+def test_nulls_stand_for_the_defaults(client: openai.OpenAI, served: Deployment) -> None:
+    """Clients send null for the fields they leave unset, as OpenAI's API allows."""
+    unset = {"n": None, "stream": None, "ignore_eos": None, "min_tokens": None}
+    chat_nulls = unset | {"logprobs": None, "parallel_tool_calls": None}
+    ask = {"model": served.model, "max_tokens": 6, "temperature": 0}
+    chat = client.chat.completions.create(messages=MESSAGES, **ask, extra_body=chat_nulls)
+    assert chat.object == "chat.completion"  # not streamed
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+    plain = client.chat.completions.create(messages=MESSAGES, **ask)
+    assert chat.choices[0].message.content == plain.choices[0].message.content
+    text = client.completions.create(prompt="Paris is", **ask, extra_body=unset | {"echo": None})
+    assert text.object == "text_completion" and len(text.choices) == 1
+    assert not text.choices[0].text.startswith("Paris is")  # not echoed
+
+
 def test_body_over_the_limit_gets_413(served: Deployment) -> None:
     big = {"model": served.model, "prompt": "x" * (9 << 20)}
     r = httpx.post(f"{served.url}/v1/completions", json=big)

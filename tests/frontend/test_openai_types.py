@@ -1,5 +1,5 @@
-"""The chat body's content parts without a server: each bad part is refused with an error that
-names the part and its fault."""
+"""The request bodies without a server: each bad content part is refused with an error that
+names the part and its fault; a null stands for a field's default where the field takes none."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvbaton.frontend.errors import from_validation_errors
-from kvbaton.frontend.openai_types import ChatCompletionRequest
+from kvbaton.frontend.openai_types import ChatCompletionRequest, CompletionRequest
 
 TEXT = {"type": "text", "text": "hi"}
 
@@ -46,3 +46,32 @@ def test_text_parts_are_joined() -> None:
     parts = [TEXT, {"type": "text", "text": " there"}]
     body = {"model": "m", "messages": [{"role": "user", "content": parts}]}
     assert ChatCompletionRequest.model_validate(body).messages[0].text() == "hi there"
+
+
+def test_a_null_stands_for_the_default_of_a_field_that_takes_none() -> None:
+    nulls = dict.fromkeys(("n", "stream", "ignore_eos", "min_tokens", "stream_options"))
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    chat = ChatCompletionRequest.model_validate(
+        base | nulls | {"logprobs": None, "parallel_tool_calls": None}
+    )
+    assert chat == ChatCompletionRequest.model_validate(base)
+    usage = {"include_usage": None, "continuous_usage_stats": None}
+    streamed = ChatCompletionRequest.model_validate(
+        base | {"stream": True, "stream_options": usage}
+    )
+    assert streamed.stream_options is not None and not streamed.include_usage
+    text = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "echo": None} | nulls)
+    assert text.n == 1 and not text.echo and text.max_tokens == 16
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": None, "messages": [{"role": "user", "content": "hi"}]},
+        {"model": "m", "messages": None},
+        {"model": "m", "messages": [{"role": None, "content": "hi"}]},
+    ],
+)
+def test_a_null_for_a_required_field_is_refused(body: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate(body)

@@ -7,8 +7,9 @@ that is not recognised at all is refused too (as OpenAI does), except the few ha
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -27,29 +28,56 @@ _IGNORED = ("user", "store", "metadata", "service_tier")
 PositiveInt = Annotated[int, Field(ge=1)]
 
 
-class TextPart(BaseModel):
+class _Body(BaseModel):
+    """A request body, or a part of one.
+
+    - Fields not declared are refused (`extra="forbid"`).
+    - A null given for a field that takes none stands for the field's default: OpenAI's API
+      takes nulls for its optional fields, and clients send them for fields left unset.
+    """
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        defaulted = _defaulted_on_null(cls)
+        if not defaulted or not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+@functools.cache
+def _defaulted_on_null(cls: type[BaseModel]) -> frozenset[str]:
+    """`cls`'s optional fields whose type refuses None."""
+    return frozenset(
+        name
+        for name, field in cls.model_fields.items()
+        if not field.is_required()
+        and field.annotation is not Any
+        and type(None) not in get_args(field.annotation)
+    )
+
+
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionCall(_Body):
     name: str
     arguments: str  # JSON text, as the model wrote it
 
 
-class ToolCallMessage(BaseModel):
+class ToolCallMessage(_Body):
     """A call in an assistant message of the history."""
 
-    model_config = ConfigDict(extra="forbid")
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -102,47 +130,40 @@ class ChatMessage(BaseModel):
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionDefinition(_Body):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema (none: no arguments)
     strict: bool | None = None  # the schema is enforced either way when the call is forced
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Tool(_Body):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedFunction(_Body):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedToolChoice(_Body):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class RouterOverride(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RouterOverride(_Body):
     overlap_score_weight: Annotated[float, Field(ge=0)] | None = None
     router_temperature: Annotated[float, Field(ge=0)] | None = None
 
 
-class NvExt(BaseModel):
+class NvExt(_Body):
     """Routing extensions, named as Dynamo names them."""
 
-    model_config = ConfigDict(extra="forbid")
     backend_instance_id: Annotated[int, Field(ge=0)] | str | None = None  # int, or hex text
     router_config_override: RouterOverride | None = None
 
@@ -156,10 +177,8 @@ class NvExt(BaseModel):
             raise ValueError(f"nvext.backend_instance_id {value!r} is not a hex id") from None
 
 
-class _Common(BaseModel):
+class _Common(_Body):
     """Sampling and stopping, shared by both routes."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: PositiveInt | None = None
