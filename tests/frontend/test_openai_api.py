@@ -358,6 +358,9 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(logit_bias={"999999": 1}), 400, "logit_bias"),
     ("chat/completions", chat(logit_bias={"5": 101}), 400, "logit_bias"),
     ("completions", {"model": "M", "prompt": "x", "logit_bias": {"-1": 5}}, 400, "logit_bias"),
+    ("chat/completions", chat(chat_template_kwargs={"tools": []}), 400, "chat_template_kwargs"),
+    ("chat/completions", chat(chat_template_kwargs=[1]), 400, "chat_template_kwargs"),
+    ("chat/completions", chat(continue_final_message=True, add_generation_prompt=True), 400, None),
     ("chat/completions", chat(cache_salt=""), 400, "cache_salt"),
     ("chat/completions", chat(cache_salt=7), 400, "cache_salt"),
     ("completions", {"model": "M", "prompt": "x", "cache_salt": ["a"]}, 400, "cache_salt"),
@@ -386,6 +389,23 @@ def test_bad_input_gets_its_4xx_in_openai_shape(
     assert error["message"] and error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param, error
+
+
+def test_an_assistant_message_is_continued(
+    client: openai.OpenAI, served: Deployment, tokenizer: Tokenizer
+) -> None:
+    started = [*MESSAGES, {"role": "assistant", "content": "The capital is"}]
+    out = client.chat.completions.create(
+        model=served.model,
+        messages=started,
+        max_tokens=4,
+        extra_body={"continue_final_message": True, "chat_template_kwargs": {"unused": 1}},
+    )
+    continued = tokenizer.apply_chat_template(
+        started, add_generation_prompt=False, continue_final_message=True
+    )
+    assert tokenizer.decode(continued, skip_special_tokens=False).endswith("The capital is")
+    assert out.usage is not None and out.usage.prompt_tokens == len(continued)
 
 
 def test_nulls_stand_for_the_defaults(client: openai.OpenAI, served: Deployment) -> None:

@@ -279,6 +279,11 @@ class ChatCompletionRequest(_Common):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    # As vLLM's: the chat template's inputs. `continue_final_message` ends the prompt inside the
+    # last message, for the answer to go on with it (without a generation prompt unless asked).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -296,6 +301,14 @@ class ChatCompletionRequest(_Common):
             raise ValueError(f"{', '.join(unsupported)}: not supported by this server yet")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.continue_final_message:
+            if "add_generation_prompt" not in self.model_fields_set:
+                self.add_generation_prompt = False
+            elif self.add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message and add_generation_prompt cannot both be true: the "
+                    "answer goes on with the last message, it does not open a new one"
+                )
         return self
 
     @property

@@ -11,7 +11,7 @@ from kvbaton.frontend.openai_types import ChatCompletionRequest, CompletionReque
 from kvbaton.frontend.tool_calls import TOOL_CALL_FORMATS, ToolCallFormat
 from kvbaton.frontend.tools import ToolUse, template_inputs
 from kvbaton.llm.constraints import grammar
-from kvbaton.llm.tokenizer import Tokenizer
+from kvbaton.llm.tokenizer import ReservedNameError, Tokenizer
 from kvbaton.protocols.llm import Guided, PreprocessedRequest, SamplingParams
 
 ChatTools = tuple[ToolCallFormat, ToolUse | None]
@@ -27,8 +27,16 @@ def chat_prompt(
     request's tools, shown in the prompt."""
     messages, tools = template_inputs(request, fmt, use, tokenizer.takes_tools)
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-    except ValueError as exc:  # no template
+        return tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            tools=tools,
+            continue_final_message=request.continue_final_message,
+            template_kwargs=request.chat_template_kwargs,
+        )
+    except ReservedNameError as exc:
+        raise bad_request(f"chat_template_kwargs {exc}", "chat_template_kwargs") from None
+    except ValueError as exc:  # no template, or no final message to continue
         raise bad_request(str(exc), "messages") from None
     except Exception as exc:  # the template itself refused (e.g. raise_exception on roles)
         raise bad_request(f"the chat template refused these messages: {exc}", "messages") from None

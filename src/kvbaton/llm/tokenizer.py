@@ -10,11 +10,16 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from pathlib import Path
 from typing import Any
 
 _IMPORTING = threading.Lock()
+
+
+class ReservedNameError(ValueError):
+    """A template variable named as one the template's caller sets itself."""
 
 
 def preload() -> threading.Thread:
@@ -61,14 +66,35 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """`tools`: passed to a template that takes them (`takes_tools`)."""
+        """- `tools`: passed to a template that takes them (`takes_tools`).
+        - `continue_final_message`: the prompt ends inside the last message (its end-of-turn
+          left out), for the model to go on writing it.
+        - `template_kwargs`: more variables for the template; one named as one of
+          `reserved_template_names` is a ReservedNameError."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template")
+        extra = template_kwargs or {}
+        if clash := sorted(set(extra) & self.reserved_template_names):
+            raise ReservedNameError(f"cannot set {', '.join(clash)} (the server sets it)")
         text = self.hf.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **extra,
         )
         return self.encode(str(text), add_special_tokens=False)
+
+    @functools.cached_property
+    def reserved_template_names(self) -> frozenset[str]:
+        """Names the template's caller sets itself: the parameters of transformers'
+        `apply_chat_template`, and `messages`."""
+        names = inspect.signature(self.hf.apply_chat_template).parameters
+        return frozenset(names) - {"kwargs"} | {"messages"}
 
     @functools.cached_property
     def chat_template(self) -> str:
