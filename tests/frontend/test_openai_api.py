@@ -408,6 +408,63 @@ def test_an_assistant_message_is_continued(
     assert out.usage is not None and out.usage.prompt_tokens == len(continued)
 
 
+ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+
+def test_tokenize_gives_the_ids_a_request_is_given(
+    client: openai.OpenAI, served: Deployment, tokenizer: Tokenizer
+) -> None:
+    def tokenize(**body: Any) -> dict[str, Any]:
+        r = httpx.post(f"{served.url}/tokenize", json={"model": served.model} | body)
+        assert r.status_code == 200, r.text
+        answer: dict[str, Any] = r.json()
+        assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] > 0
+        return answer
+
+    text = tokenize(prompt="Paris is", return_token_strs=True)
+    assert text["tokens"] == tokenizer.encode("Paris is")
+    assert "".join(text["token_strs"]).replace("\u0120", " ") == "Paris is"  # byte-level BPE
+    asked = client.completions.create(model=served.model, prompt="Paris is", max_tokens=1)
+    assert asked.usage is not None and asked.usage.prompt_tokens == text["count"]
+
+    chat = tokenize(messages=MESSAGES)
+    assert chat["token_strs"] is None
+    answered = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=1)
+    assert answered.usage is not None and answered.usage.prompt_tokens == chat["count"]
+    r = httpx.post(
+        f"{served.url}/detokenize", json={"model": served.model, "tokens": chat["tokens"]}
+    )
+    assert r.status_code == 200
+    assert r.json()["prompt"] == tokenizer.decode(chat["tokens"], skip_special_tokens=False)
+    assert MESSAGES[-1]["content"] in r.json()["prompt"]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status", "param"),
+    [
+        ("tokenize", {"prompt": "x", "messages": USER}, 400, None),
+        ("tokenize", {}, 400, None),
+        ("tokenize", {"prompt": "x", "tools": [ADD_TOOL]}, 400, None),
+        ("tokenize", {"messages": USER, "add_special_tokens": True}, 400, None),
+        ("tokenize", {"messages": USER, "chat_template_kwargs": {"tools": 1}}, 400,
+         "chat_template_kwargs"),
+        ("tokenize", {"messages": USER, "tools": [ADD_TOOL, ADD_TOOL]}, 400, "tools"),
+        ("tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+        ("detokenize", {"tokens": [-1]}, 400, "tokens"),
+        ("detokenize", {"tokens": "x"}, 400, "tokens"),
+        ("detokenize", {"model": "nope", "tokens": [1]}, 404, "model"),
+    ],
+)  # fmt: skip
+def test_bad_token_route_input_gets_its_4xx(
+    served: Deployment, route: str, body: dict[str, Any], status: int, param: str | None
+) -> None:
+    r = httpx.post(f"{served.url}/{route}", json={"model": served.model} | body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+
+
 def test_nulls_stand_for_the_defaults(client: openai.OpenAI, served: Deployment) -> None:
     """Clients send null for the fields they leave unset, as OpenAI's API allows."""
     unset = {"n": None, "stream": None, "ignore_eos": None, "min_tokens": None}

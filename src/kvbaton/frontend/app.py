@@ -11,16 +11,18 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import msgspec
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from kvbaton.frontend import token_routes
 from kvbaton.frontend.asgi import ASGIApp
 from kvbaton.frontend.choices import Fork, PromptHome, fork_requests
 from kvbaton.frontend.client_gone import ClientLeftError, EventStream, while_connected
@@ -39,7 +41,9 @@ from kvbaton.frontend.models import ModelManager, ServedModel
 from kvbaton.frontend.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     NvExt,
+    TokenizeRequest,
     _Common,
 )
 from kvbaton.frontend.postprocess import ChoiceState, Delta
@@ -363,6 +367,17 @@ class Frontend:
     async def _completions(self, request: Request, body: CompletionRequest) -> Response:
         return await self._handle(request, body, "completions")
 
+    async def _answer(self, model: str, answer: Callable[[ServedModel], Any]) -> Response:
+        """`answer(model's ServedModel)` (on a thread: tokenizing a long text takes a while), or
+        its error in OpenAI's shape."""
+        try:
+            result = await asyncio.to_thread(answer, self._served(model))
+        except pydantic.ValidationError as exc:
+            return _error_response(from_validation_errors(exc.errors()))
+        except Exception as exc:
+            return _error_response(as_openai_error(exc, model))
+        return _json(result)
+
     # -- the app -------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
         app = FastAPI(title="kvbaton", summary="OpenAI-compatible LLM serving")
@@ -382,6 +397,16 @@ class Frontend:
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request) -> Response:
             return await self._completions(request, body)
+
+        @app.post("/tokenize")
+        async def tokenize(body: TokenizeRequest) -> Response:
+            return await self._answer(
+                body.model, lambda m: token_routes.tokenize(m, body, self._tool_format(m))
+            )
+
+        @app.post("/detokenize")
+        async def detokenize(body: DetokenizeRequest) -> Response:
+            return await self._answer(body.model, lambda m: token_routes.detokenize(m, body))
 
         @app.get("/v1/models")
         async def list_models() -> Response:

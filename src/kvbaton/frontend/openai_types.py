@@ -375,3 +375,50 @@ class CompletionRequest(_Common):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+_TEMPLATE_FIELDS = frozenset(
+    {"tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+)
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize body: a `prompt`, tokenized as a completion request's, or `messages`,
+    templated and tokenized as a chat request's with the same template fields and tools."""
+
+    model: str
+    prompt: str | None = None
+    add_special_tokens: bool = True  # a prompt's (a chat template writes its own)
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check_form(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give a prompt or messages, one of them")
+        misplaced = self.model_fields_set & (
+            _TEMPLATE_FIELDS if self.messages is None else {"add_special_tokens"}
+        )
+        if misplaced:
+            form = "messages" if self.messages is None else "a prompt"
+            raise ValueError(f"{', '.join(sorted(misplaced))}: only with {form}")
+        return self
+
+    def chat_request(self) -> ChatCompletionRequest | None:
+        """The chat request these messages stand for (ValidationError as its own would be);
+        None for a prompt."""
+        if self.messages is None:
+            return None
+        fields = self.model_dump(include={*_TEMPLATE_FIELDS, "messages"}, exclude_unset=True)
+        return ChatCompletionRequest.model_validate(fields | {"model": self.model})
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize body."""
+
+    model: str
+    tokens: list[int]
