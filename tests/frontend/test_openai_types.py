@@ -3,11 +3,13 @@ names the part and its fault; a null stands for a field's default where the fiel
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from kvbaton.frontend import openai_types
 from kvbaton.frontend.errors import from_validation_errors
 from kvbaton.frontend.openai_types import ChatCompletionRequest, CompletionRequest
 
@@ -75,3 +77,14 @@ def test_a_null_stands_for_the_default_of_a_field_that_takes_none() -> None:
 def test_a_null_for_a_required_field_is_refused(body: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate(body)
+
+
+def test_every_body_with_a_field_that_takes_no_null_takes_one_as_its_default() -> None:
+    bodies = [
+        body
+        for _, body in inspect.getmembers(openai_types, inspect.isclass)
+        if issubclass(body, BaseModel) and openai_types.defaulted_on_null(body)
+    ]
+    assert ChatCompletionRequest in bodies and openai_types.StreamOptions in bodies
+    for body in bodies:
+        assert issubclass(body, openai_types._NullIsDefault), body.__name__
