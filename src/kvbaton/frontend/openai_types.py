@@ -26,6 +26,7 @@ from kvbaton.protocols.llm import Guided
 _IGNORED = ("user", "store", "metadata", "service_tier")
 
 PositiveInt = Annotated[int, Field(ge=1)]
+INT64_MAX = 2**63 - 1  # the workers' messages carry 64-bit integers
 
 
 class _Body(BaseModel):
@@ -189,9 +190,9 @@ class _Common(_NullIsDefault):
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None

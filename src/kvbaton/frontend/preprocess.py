@@ -6,6 +6,8 @@ its sampling options are valid; anything else is an `OpenAIError` (400) naming t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvbaton.frontend.errors import OpenAIError, bad_request
 from kvbaton.frontend.openai_types import ChatCompletionRequest, CompletionRequest, _Common
 from kvbaton.frontend.tool_calls import TOOL_CALL_FORMATS, ToolCallFormat
@@ -79,14 +81,11 @@ def build_requests(
         n = len(token_ids)
         if n == 0:
             raise bad_request("the prompt is empty", "prompt")
-        if any(t < 0 or t >= vocab_size for t in token_ids):
-            raise bad_request(f"token ids must be in [0, {vocab_size})", "prompt")
+        check_token_ids(token_ids, vocab_size, "prompt", "its items")
+        check_token_ids(request.stop_token_ids or [], vocab_size, "stop_token_ids", "its items")
         guided = constraint(request, tools)
         bias = logit_bias(request)
-        if any(t < 0 or t >= vocab_size for t in bias):
-            raise bad_request(
-                f"logit_bias keys must be token ids in [0, {vocab_size})", "logit_bias"
-            )
+        check_token_ids(bias, vocab_size, "logit_bias", "its keys")
         if n >= context_length:
             raise bad_request(
                 f"This model's maximum context length is {context_length} tokens; the prompt "
@@ -109,6 +108,12 @@ def build_requests(
             )
         )
     return out
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int, param: str, what: str) -> None:
+    """A 400 naming `param` unless every one of `ids` is in the vocabulary."""
+    if any(t < 0 or t >= vocab_size for t in ids):
+        raise bad_request(f"{param}: {what} must be token ids in [0, {vocab_size})", param)
 
 
 def logit_bias(request: _Common) -> dict[int, float]:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbaton.frontend.errors import bad_request
 from kvbaton.frontend.models import ServedModel
 from kvbaton.frontend.openai_types import DetokenizeRequest, TokenizeRequest
-from kvbaton.frontend.preprocess import prompt_token_ids
+from kvbaton.frontend.preprocess import check_token_ids, prompt_token_ids
 from kvbaton.frontend.tool_calls import ToolCallFormat
 from kvbaton.frontend.tools import tool_use
 
@@ -40,7 +39,5 @@ def tokenize(
 
 
 def detokenize(served: ServedModel, body: DetokenizeRequest) -> dict[str, Any]:
-    vocab = served.tokenizer.vocab_size
-    if any(not 0 <= t < vocab for t in body.tokens):
-        raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
+    check_token_ids(body.tokens, served.tokenizer.vocab_size, "tokens", "its items")
     return {"prompt": served.tokenizer.decode(body.tokens, skip_special_tokens=False)}
