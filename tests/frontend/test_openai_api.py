@@ -357,6 +357,8 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(top_k=2**64), 400, "top_k"),
     ("chat/completions", chat(stop_token_ids=[999999]), 400, "stop_token_ids"),
     ("completions", {"model": "M", "prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("chat/completions", chat(stop=""), 400, "stop"),
+    ("chat/completions", chat(stop=["a", ""]), 400, "stop"),
     ("chat/completions", chat(frobnicate=1), 400, "frobnicate"),
     ("chat/completions", chat(logit_bias={"abc": 1}), 400, "logit_bias"),
     ("chat/completions", chat(logit_bias={"999999": 1}), 400, "logit_bias"),

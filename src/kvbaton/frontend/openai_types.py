@@ -216,6 +216,13 @@ class _Common(_NullIsDefault):
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
 
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise ValueError("a stop string cannot be empty")
+        return value
+
     @field_validator("cache_salt", mode="before")
     @classmethod
     def _check_salt(cls, value: Any) -> Any:
