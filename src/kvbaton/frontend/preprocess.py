@@ -77,12 +77,12 @@ def build_requests(
 ) -> list[PreprocessedRequest]:
     """`tools`: a chat request's, whose forced call is its constraint."""
     out = []
+    check_token_ids(request.stop_token_ids or [], vocab_size, "stop_token_ids", "its items")
     for token_ids in prompts:
         n = len(token_ids)
         if n == 0:
             raise bad_request("the prompt is empty", "prompt")
         check_token_ids(token_ids, vocab_size, "prompt", "its items")
-        check_token_ids(request.stop_token_ids or [], vocab_size, "stop_token_ids", "its items")
         guided = constraint(request, tools)
         bias = logit_bias(request)
         check_token_ids(bias, vocab_size, "logit_bias", "its keys")
