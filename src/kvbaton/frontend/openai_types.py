@@ -280,23 +280,29 @@ class _Common(_NullIsDefault):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_Common):
+class _TemplateInputs(_NullIsDefault):
+    """The chat template's inputs beside the messages, as vLLM takes them: on a chat request and
+    on /tokenize's messages.
+    - `continue_final_message` ends the prompt inside the last message, for the answer to go on
+      with it (without a generation prompt unless asked)."""
+
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_TemplateInputs, _Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     # Recognised, not supported: refused when given a value that would need them.
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
-    # As vLLM's: the chat template's inputs. `continue_final_message` ends the prompt inside the
-    # last message, for the answer to go on with it (without a generation prompt unless asked).
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -390,12 +396,10 @@ class CompletionRequest(_Common):
         return self.logprobs
 
 
-_TEMPLATE_FIELDS = frozenset(
-    {"tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
-)
+_TEMPLATE_FIELDS = frozenset(_TemplateInputs.model_fields)
 
 
-class TokenizeRequest(_NullIsDefault):
+class TokenizeRequest(_TemplateInputs):
     """vLLM's /tokenize body: a `prompt`, tokenized as a completion request's, or `messages`,
     templated and tokenized as a chat request's with the same template fields and tools."""
 
@@ -403,10 +407,6 @@ class TokenizeRequest(_NullIsDefault):
     prompt: str | None = None
     add_special_tokens: bool = True  # a prompt's (a chat template writes its own)
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    tools: list[Tool] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
