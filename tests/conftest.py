@@ -3,6 +3,7 @@ stopped (by PID) at the end of the test."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
@@ -30,6 +31,42 @@ def instance_id(log: Path) -> int:
     if found is None:
         raise AssertionError(f"{log.name} names no instance yet")
     return int(found.group(1), 16)
+
+
+# The suite's longest test (vLLM's own tests, in their environment): about a third of the suite's
+# time on one process.
+LONGEST = Path(__file__).parent / "test_vllm_environment.py"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The suite's order, for pyproject's `-n 2 --dist loadfile`: the longest test first, then
+    files without slow tests, then files with them.
+    - One process runs the longest test while the other takes the quick files beside it; the
+      slow files (real models, load, faults) come once it is over, beside each other.
+    - A file's tests keep their order (module-scoped deployments rely on it); so do files of
+      one rank."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: 0 if item.path == LONGEST else 2 if item.path in slow else 1)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Under `-n 2`, a test marked `alone` (one that judges how fast a deployment answers under
+    load) has the machine to itself.
+    - It waits for the other process's test to end, and that process waits for it; every
+      other test shares the machine (shared flocks in the run's base directory).
+    - A waiting `alone` test holds the gate: no new test starts before it (no starving).
+    - The wait is outside the test's timeout (this hook wraps pytest-timeout's)."""
+    if not hasattr(item.config, "workerinput"):  # not an xdist worker (a test's own pytest)
+        yield
+        return
+    root = Path(item.config.getoption("basetemp")).parent  # xdist gives each process its own
+    alone = item.get_closest_marker("alone") is not None
+    with open(root / "machine.gate", "a") as gate, open(root / "machine.lock", "a") as machine:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -89,7 +126,7 @@ def spawn_worker(tmp_path: Path, discovery_url: str) -> Iterator[WorkerFactory]:
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
+        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")

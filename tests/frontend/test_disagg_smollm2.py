@@ -15,7 +15,8 @@ import pytest
 from kvbaton.llm.model_files import pull
 from tests.frontend.conftest import start_serve, stop_cleanly, wait_for_health
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+# A real model in both orders, on a machine whose other test process may be busy.
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(300)]
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -36,6 +36,7 @@ def rss_mib(pid: int) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # it judges how fast the excess is refused
 async def test_ten_times_the_capacity_is_shed_quickly_and_the_rest_served(
     chat_model: Path, spawn_worker: WorkerFactory, tmp_path: Path
 ) -> None:
