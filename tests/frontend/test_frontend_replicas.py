@@ -52,6 +52,8 @@ def tcp_sockets(port: int, state: str) -> set[str]:
     return inodes
 
 
+@pytest.mark.slow
+@pytest.mark.alone  # it judges how soon the killed replica is back
 async def test_replicas_share_the_port_and_one_killed_leaves_the_other_serving(
     chat_model: Path, tmp_path: Path
 ) -> None:
