@@ -76,3 +76,16 @@ def test_a_pull_that_waits_too_long_says_who_holds_it(
         TimeoutError, match=r"pulling smollm2 for over 0 s \(it holds .*\.smollm2\.lock\)"
     ):
         pull("smollm2", progress=lambda line: None)
+
+
+def test_a_pulled_model_is_found_without_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing is written beside a pulled model: its directory may be read-only (a volume)."""
+    monkeypatch.setenv("KVBATON_MODELS_DIR", str(tmp_path))
+    (tmp_path / "smollm2").mkdir()
+    (tmp_path / "smollm2" / "config.json").write_text("{}")
+    lines: list[str] = []
+    assert pull("smollm2", progress=lines.append) == tmp_path / "smollm2"
+    assert lines == ["smollm2 is already pulled"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["smollm2"]

@@ -78,9 +78,13 @@ def pull(name: str = DEFAULT_MODEL, *, force: bool = False, progress: Progress =
     if name not in KNOWN_MODELS:
         raise ValueError(f"unknown model {name!r}; known: {sorted(KNOWN_MODELS)}")
     target = models_dir() / name
+    pulled = (target / "config.json").is_file
+    if pulled() and not force:  # no lock: the models directory may be read-only
+        progress(f"{name} is already pulled")
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _alone(target, progress):
-        if (target / "config.json").is_file() and not force:
+    with _one_pull_at_a_time(target, progress):
+        if pulled() and not force:  # by the pull this one waited for
             progress(f"{name} is already pulled")
             return target
         _download_and_convert(KNOWN_MODELS[name], target, progress)
@@ -89,7 +93,7 @@ def pull(name: str = DEFAULT_MODEL, *, force: bool = False, progress: Progress =
 
 
 @contextlib.contextmanager
-def _alone(target: Path, progress: Progress) -> Iterator[None]:
+def _one_pull_at_a_time(target: Path, progress: Progress) -> Iterator[None]:
     """The one pull of `target` under way on this machine.
     - An exclusive lock on `.NAME.lock` beside it: a second pull (another `kvbaton pull`, a test
       process) waits up to `PULL_WAIT_S`, then finds the model pulled.
