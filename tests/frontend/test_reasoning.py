@@ -95,6 +95,21 @@ def test_reasoning_unterminated_at_the_end_is_reasoning(fmt: ReasoningFormat) ->
     assert splitter.feed("", final=True) == Split("</th", "")
 
 
+@BOTH
+def test_an_answer_continuing_open_reasoning_starts_inside_it(fmt: ReasoningFormat) -> None:
+    splitter = ReasoningSplitter(fmt, continued="<think>done</think> and <think>First,")
+    assert fed(splitter, [" then</thi", "nk>answer"]) == Split(" then", "answer")
+
+
+@BOTH
+@pytest.mark.parametrize("continued", ["<think>plan</think>So:", "The answer is", ""])
+def test_an_answer_continuing_no_open_reasoning_is_all_content(
+    fmt: ReasoningFormat, continued: str
+) -> None:
+    answer = "<think>x</think> 42"
+    assert fed(ReasoningSplitter(fmt, continued), ["<th", answer[3:]]) == Split("", answer)
+
+
 def test_only_a_possible_tag_prefix_is_held_back() -> None:
     splitter = ReasoningSplitter(QWEN3)
     assert splitter.feed("<th") == Split("", "")  # may open the reasoning

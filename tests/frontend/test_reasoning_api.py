@@ -69,7 +69,10 @@ def frontends(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 def whole(client: openai.OpenAI, f: Frontends, **extra: Any) -> tuple[Any, str | None, str | None]:
     """(the answer, its reasoning_content, its content)."""
     out = client.chat.completions.create(
-        model=f.model, messages=MESSAGES, max_tokens=extra.pop("max_tokens", f.tokens), **extra
+        model=f.model,
+        messages=extra.pop("messages", MESSAGES),
+        max_tokens=extra.pop("max_tokens", f.tokens),
+        **extra,
     )
     message = out.choices[0].message
     return out, getattr(message, "reasoning_content", None), message.content
@@ -80,7 +83,7 @@ def streamed(client: openai.OpenAI, f: Frontends, **extra: Any) -> tuple[str, st
     chunks = list(
         client.chat.completions.create(
             model=f.model,
-            messages=MESSAGES,
+            messages=extra.pop("messages", MESSAGES),
             max_tokens=extra.pop("max_tokens", f.tokens),
             stream=True,
             stream_options={"include_usage": True},
@@ -128,6 +131,30 @@ def test_stop_strings_apply_to_the_whole_text(frontends: Frontends) -> None:
 def test_an_answer_cut_inside_its_reasoning(frontends: Frontends) -> None:
     out, reasoning, content = whole(frontends.parsed, frontends, max_tokens=9)  # "<think>pl"
     assert (reasoning, content, out.choices[0].finish_reason) == ("pl", "", "length")
+
+
+def test_a_continued_message_goes_on_where_its_text_left_off(frontends: Frontends) -> None:
+    """The answer continues the final message: inside the reasoning if that message left it
+    open, in the content if it closed it (the answer's own tags are then text)."""
+    for started, parts in [
+        ("<think>Let me see.", ("<think>plan", "answer")),
+        ("<think>seen</think>So:", (None, ANSWER)),
+    ]:
+        messages = [*MESSAGES, {"role": "assistant", "content": started}]
+        _, *split = whole(
+            frontends.parsed,
+            frontends,
+            messages=messages,
+            extra_body={"continue_final_message": True},
+        )
+        assert tuple(split) == parts
+        reasoning, content, _ = streamed(
+            frontends.parsed,
+            frontends,
+            messages=messages,
+            extra_body={"continue_final_message": True},
+        )
+        assert (reasoning or None, content) == parts
 
 
 def test_text_completions_are_not_split(frontends: Frontends) -> None:

@@ -70,22 +70,25 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 class _Context:
     """What a request's choices share: its id, stop strings, reasoning format (a chat request
-    on a frontend with a reasoning parser), tools (a chat request's), routing extensions, and
+    on a frontend with a reasoning parser) and the text its answers continue (the final
+    message's, with `continue_final_message`), tools (a chat request's), routing extensions, and
     the workers that served it (named in the `x-kvbaton-worker` response header)."""
 
-    __slots__ = ("nvext", "reasoning", "rid", "served_by", "stops", "tools")
+    __slots__ = ("continued", "nvext", "reasoning", "rid", "served_by", "stops", "tools")
 
     def __init__(
         self,
         rid: str,
         stops: list[str],
         reasoning: ReasoningFormat | None,
+        continued: str | None,
         tools: ToolUse | None,
         nvext: NvExt | None,
     ) -> None:
         self.rid = rid
         self.stops = stops
         self.reasoning = reasoning
+        self.continued = continued
         self.tools = tools
         self.nvext = nvext
         self.served_by: list[int] = []
@@ -187,7 +190,9 @@ class Frontend:
     ) -> AsyncGenerator[Event, None]:
         """A choice's events; one of a prompt's later choices is sent once its first choice's
         home is known (choices.py)."""
-        state = ChoiceState(served.tokenizer, pre.token_ids, ctx.stops, ctx.reasoning, ctx.tools)
+        state = ChoiceState(
+            served.tokenizer, pre.token_ids, ctx.stops, ctx.reasoning, ctx.continued, ctx.tools
+        )
         rid = ctx.rid if index == 0 else f"{ctx.rid}-{index}"
         if fork is not None and not fork.leads:
             await fork.home.wait()
@@ -253,7 +258,8 @@ class Frontend:
             )
             pres = fork_requests(pres, body.n)
             reasoning = self.reasoning if chat else None
-            ctx = _Context(rid, body.stop_strings(), reasoning, use, body.nvext)
+            continued = body.continued_text() if isinstance(body, ChatCompletionRequest) else None
+            ctx = _Context(rid, body.stop_strings(), reasoning, continued, use, body.nvext)
             events = self._events(served, pres, body.n, ctx)
             try:
                 first = await anext(events)  # errors before any output get their own status

@@ -334,6 +334,11 @@ class ChatCompletionRequest(_TemplateInputs, _Common):
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def continued_text(self) -> str | None:
+        """The text the answer goes on with: the final message's, with
+        `continue_final_message`; None: the answer starts a message."""
+        return self.messages[-1].text() if self.continue_final_message else None
+
     def guided(self) -> Guided | None:
         """`response_format` json_object or json_schema (enforced whether `strict` or not),
         else an extension field's constraint."""

@@ -40,15 +40,17 @@ class ChoiceState:
         prompt_token_ids: list[int],
         stops: list[str],
         reasoning: ReasoningFormat | None = None,
+        continued: str | None = None,
         tools: ToolUse | None = None,
     ) -> None:
         """`reasoning`: split the reasoning from the content in that format (None: no split).
+        `continued`: the text of the message the answer continues (None: it starts one).
         `tools`: parse tool calls out of the content (None: the content is all text)."""
         self.tokenizer = tokenizer
         self.prompt_tokens = len(prompt_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stops = StopStringMatcher(stops)
-        self._reasoning = ReasoningSplitter(reasoning) if reasoning is not None else None
+        self._reasoning = ReasoningSplitter(reasoning, continued) if reasoning is not None else None
         self._tools = tools
         self._calls = tools.parser() if tools is not None else None
         self.completion_tokens = 0

@@ -13,7 +13,12 @@ Formats (`--reasoning-parser`):
   without `</think>` is all reasoning.
 
 After `</think>`, everything is content, tags included; nothing else is stripped (the content
-keeps the newlines the model wrote after `</think>`)."""
+keeps the newlines the model wrote after `</think>`).
+
+An answer that continues a message (a chat request's `continue_final_message`) starts where
+that message's text left off: inside the reasoning if the text opened it and did not close it,
+in the content otherwise (whatever the format: the template's generation prompt, where the
+answer would start, is not in the prompt)."""
 
 from __future__ import annotations
 
@@ -64,9 +69,11 @@ class ReasoningSplitter:
       nothing once in the content.
     """
 
-    def __init__(self, fmt: ReasoningFormat) -> None:
+    def __init__(self, fmt: ReasoningFormat, continued: str | None = None) -> None:
+        """`continued`: the text of the message the answer continues (see the module's
+        docstring); None: the answer starts a message."""
         self.fmt = fmt
-        self._state = _State.OPENING
+        self._state = _State.OPENING if continued is None else _continued_state(fmt, continued)
         self._held = ""
 
     def feed(self, text: str, final: bool = False) -> Split:
@@ -109,6 +116,13 @@ class ReasoningSplitter:
             (reasoning if in_reasoning else content).append(self._held)
             self._held = ""
         return Split("".join(reasoning), "".join(content))
+
+
+def _continued_state(fmt: ReasoningFormat, continued: str) -> _State:
+    """Where an answer continuing `continued` starts: inside the reasoning if the text's last
+    opening tag is not closed after it."""
+    opened = continued.rfind(fmt.start)
+    return _State.REASONING if opened > continued.rfind(fmt.end) else _State.CONTENT
 
 
 def split_reasoning(fmt: ReasoningFormat, text: str) -> Split:
