@@ -41,3 +41,16 @@ def test_step_breakdown_splits_a_step_into_projections_and_the_rest(tmp_path: Pa
     (head,) = bench_headlines(out)  # the projections' streaming rate beside the summing loop's
     assert head.benchmark == "step_breakdown" and head.ratio is not None and head.ratio > 0
     assert head.figure.startswith("projections stream") and head.met is None
+
+
+@pytest.mark.integration
+def test_overload_bench_prints_shedding_beside_the_baseline(tmp_path: Path) -> None:
+    model = build_chat_model(tmp_path / "tiny")
+    out, rows = run_bench("overload.py", "--model", str(model), "--seconds", "2", "--overload", "4")
+    assert [row[0] for row in rows] == ["shedding", "baseline (no shedding)"], out
+    offered = 2 * 4 * 5
+    for row in rows:
+        assert int(row[1]) + int(row[2]) == offered  # served + refused
+    assert int(rows[0][2]) > 0 and int(rows[1][2]) == 0  # only shedding refuses
+    (head,) = bench_headlines(out)
+    assert head.benchmark == "overload" and head.ratio is not None and head.met is None
