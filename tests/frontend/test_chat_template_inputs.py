@@ -1,6 +1,7 @@
-"""A chat request's template inputs without a server: `chat_template_kwargs` reach the template,
-`add_generation_prompt` and `continue_final_message` shape the prompt's end (as vLLM's fields),
-and the names the server sets itself are refused with a 400 naming the field."""
+"""A chat request's template inputs without a server: `chat_template_kwargs` and
+`reasoning_effort` reach the template, `add_generation_prompt` and `continue_final_message`
+shape the prompt's end (as vLLM's fields), and the names the server sets itself are refused with
+a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -16,10 +17,15 @@ from kvbaton.frontend.preprocess import prompt_token_ids
 from kvbaton.llm.tokenizer import Tokenizer
 from tests.tiny_models import CHATML_TEMPLATE, build_chat_model
 
-# ChatML with Qwen3's switch: an empty reasoning block opens the answer when thinking is off.
-THINKING_TEMPLATE = CHATML_TEMPLATE + (
-    "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
-    "<think>\n\n</think>\n\n{% endif %}"
+# ChatML with Qwen3's switch: an empty reasoning block opens the answer when thinking is off;
+# and the reasoning effort, when given, written first.
+THINKING_TEMPLATE = (
+    "{% if reasoning_effort is defined %}<effort:{{ reasoning_effort }}>{% endif %}"
+    + CHATML_TEMPLATE
+    + (
+        "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+        "<think>\n\n</think>\n\n{% endif %}"
+    )
 )
 ASKED = [{"role": "user", "content": "The capital of France?"}]
 STARTED = [*ASKED, {"role": "assistant", "content": "The capital of France is"}]
@@ -43,6 +49,26 @@ def test_template_kwargs_reach_the_template(tokenizer: Tokenizer) -> None:
     assert prompt(tokenizer, ASKED).endswith("<|im_start|>assistant\n")
     on = prompt(tokenizer, ASKED, chat_template_kwargs={"enable_thinking": True})
     assert on == prompt(tokenizer, ASKED)
+
+
+def test_reasoning_effort_reaches_the_template_and_switches_thinking(tokenizer: Tokenizer) -> None:
+    off = prompt(tokenizer, ASKED, reasoning_effort="none")
+    assert off.startswith("<effort:none>")
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    high = prompt(tokenizer, ASKED, reasoning_effort="high")
+    assert high == "<effort:high>" + prompt(tokenizer, ASKED)
+    # The template's own switch, where the request sets it, wins.
+    kept = prompt(
+        tokenizer, ASKED, reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}
+    )
+    assert kept == "<effort:none>" + prompt(tokenizer, ASKED)
+
+
+def test_an_unknown_reasoning_effort_is_refused() -> None:
+    with pytest.raises(ValidationError, match="reasoning_effort"):
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": ASKED, "reasoning_effort": "extreme"}
+        )
 
 
 def test_a_final_message_is_continued_without_its_end_of_turn(tokenizer: Tokenizer) -> None:

@@ -367,6 +367,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(chat_template_kwargs={"tools": []}), 400, "chat_template_kwargs"),
     ("chat/completions", chat(chat_template_kwargs=[1]), 400, "chat_template_kwargs"),
     ("chat/completions", chat(continue_final_message=True, add_generation_prompt=True), 400, None),
+    ("chat/completions", chat(reasoning_effort="extreme"), 400, "reasoning_effort"),
     ("chat/completions", chat(cache_salt=""), 400, "cache_salt"),
     ("chat/completions", chat(cache_salt=7), 400, "cache_salt"),
     ("completions", {"model": "M", "prompt": "x", "cache_salt": ["a"]}, 400, "cache_salt"),
@@ -437,6 +438,13 @@ def test_tokenize_gives_the_ids_a_request_is_given(
     assert chat["token_strs"] is None
     answered = client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=1)
     assert answered.usage is not None and answered.usage.prompt_tokens == chat["count"]
+    # The official client's reasoning_effort is taken (this model's template does not use it).
+    low = tokenize(messages=MESSAGES, reasoning_effort="low")
+    assert low["tokens"] == chat["tokens"]
+    answered = client.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=1, reasoning_effort="low"
+    )
+    assert answered.usage is not None and answered.usage.prompt_tokens == low["count"]
     r = httpx.post(
         f"{served.url}/detokenize", json={"model": served.model, "tokens": chat["tokens"]}
     )
@@ -452,6 +460,7 @@ def test_tokenize_gives_the_ids_a_request_is_given(
         ("tokenize", {}, 400, None),
         ("tokenize", {"prompt": "x", "tools": [ADD_TOOL]}, 400, None),
         ("tokenize", {"messages": USER, "add_special_tokens": True}, 400, None),
+        ("tokenize", {"prompt": "x", "reasoning_effort": "low"}, 400, None),
         ("tokenize", {"messages": USER, "chat_template_kwargs": {"tools": 1}}, 400,
          "chat_template_kwargs"),
         ("tokenize", {"messages": USER, "tools": [ADD_TOOL, ADD_TOOL]}, 400, "tools"),

@@ -280,16 +280,31 @@ class _Common(_NullIsDefault):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM's
+
+
 class _TemplateInputs(_NullIsDefault):
     """The chat template's inputs beside the messages, as vLLM takes them: on a chat request and
     on /tokenize's messages.
     - `continue_final_message` ends the prompt inside the last message, for the answer to go on
-      with it (without a generation prompt unless asked)."""
+      with it (without a generation prompt unless asked).
+    - `reasoning_effort` reaches the template as a variable of that name, and as
+      `enable_thinking` (false for "none": Qwen3's switch) unless `chat_template_kwargs` set it;
+      a template that uses neither ignores it."""
 
     tools: list[Tool] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+
+    def template_variables(self) -> dict[str, Any]:
+        """The variables the template is given beside its own inputs (see the class)."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables["reasoning_effort"] = self.reasoning_effort
+            variables.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return variables
 
 
 class ChatCompletionRequest(_TemplateInputs, _Common):

@@ -34,7 +34,7 @@ def chat_prompt(
             add_generation_prompt=request.add_generation_prompt,
             tools=tools,
             continue_final_message=request.continue_final_message,
-            template_kwargs=request.chat_template_kwargs,
+            template_kwargs=request.template_variables(),
         )
     except ReservedNameError as exc:
         raise bad_request(f"chat_template_kwargs {exc}", "chat_template_kwargs") from None
