@@ -127,4 +127,7 @@ def from_validation_errors(errors: Sequence[Any]) -> OpenAIError:
     same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
     best = next((e for e in same if not str(e.get("type", "")).endswith("_type")), first)
     message = str(best.get("msg", "invalid value")).removeprefix("Value error, ")
-    return bad_request(f"{param}: {message}" if param else message, param)
+    if param is None:  # a check across fields: the field it blames, if it names one
+        blamed = getattr(best.get("ctx", {}).get("error"), "param", None)
+        return bad_request(message, blamed if isinstance(blamed, str) else None)
+    return bad_request(f"{param}: {message}", param)

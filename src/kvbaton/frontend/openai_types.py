@@ -29,6 +29,15 @@ PositiveInt = Annotated[int, Field(ge=1)]
 INT64_MAX = 2**63 - 1  # the workers' messages carry 64-bit integers
 
 
+class FieldError(ValueError):
+    """A check across fields that blames one of them: `param` becomes the OpenAI error's
+    (errors.py), where pydantic would name none."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class _Body(BaseModel):
     """A request body, or a part of one: fields not declared are refused."""
 
@@ -240,7 +249,7 @@ class _Common(_NullIsDefault):
     @model_validator(mode="after")
     def _check_common(self) -> _Common:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise FieldError("stream_options", "stream_options is only allowed with stream=true")
         if self.nvext is not None:
             self.nvext.instance_id()  # a bad id is a bad request
         return self
@@ -332,16 +341,19 @@ class ChatCompletionRequest(_TemplateInputs, _Common):
         if self.modalities not in (None, ["text"]):
             unsupported.append("modalities")
         if unsupported:
-            raise ValueError(f"{', '.join(unsupported)}: not supported by this server yet")
+            raise FieldError(
+                unsupported[0], f"{', '.join(unsupported)}: not supported by this server yet"
+            )
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs=true")
         if self.continue_final_message:
             if "add_generation_prompt" not in self.model_fields_set:
                 self.add_generation_prompt = False
             elif self.add_generation_prompt:
-                raise ValueError(
+                raise FieldError(
+                    "continue_final_message",
                     "continue_final_message and add_generation_prompt cannot both be true: the "
-                    "answer goes on with the last message, it does not open a new one"
+                    "answer goes on with the last message, it does not open a new one",
                 )
         return self
 
@@ -398,13 +410,13 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.best_of not in (None, 1):
-            raise ValueError("best_of > 1 is not supported")
+            raise FieldError("best_of", "best_of > 1 is not supported")
         if self.best_of is not None and self.best_of < self.n:
-            raise ValueError("best_of must be at least n")
+            raise FieldError("best_of", "best_of must be at least n")
         if self.echo:
-            raise ValueError("echo is not supported by this server yet")
+            raise FieldError("echo", "echo is not supported by this server yet")
         if self.suffix:
-            raise ValueError("suffix is not supported by this server yet")
+            raise FieldError("suffix", "suffix is not supported by this server yet")
         return self
 
     @property
@@ -432,13 +444,13 @@ class TokenizeRequest(_TemplateInputs):
     @model_validator(mode="after")
     def _check_form(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give a prompt or messages, one of them")
+            raise FieldError("prompt", "give a prompt or messages, one of them")
         misplaced = self.model_fields_set & (
             _TEMPLATE_FIELDS if self.messages is None else {"add_special_tokens"}
         )
         if misplaced:
             form = "messages" if self.messages is None else "a prompt"
-            raise ValueError(f"{', '.join(sorted(misplaced))}: only with {form}")
+            raise FieldError(min(misplaced), f"{', '.join(sorted(misplaced))}: only with {form}")
         return self
 
     def chat_request(self) -> ChatCompletionRequest | None:
