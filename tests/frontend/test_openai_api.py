@@ -372,7 +372,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(cache_salt=""), 400, "cache_salt"),
     ("chat/completions", chat(cache_salt=7), 400, "cache_salt"),
     ("completions", {"model": "M", "prompt": "x", "cache_salt": ["a"]}, 400, "cache_salt"),
-    ("completions", {"model": "M", "prompt": "x", "echo": True}, 400, "echo"),
+    ("completions", {"model": "M", "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("completions", {"model": "M", "prompt": []}, 400, "prompt"),
     ("completions", {"model": "M", "prompt": [999999]}, 400, "prompt"),
     ("completions", {"model": "M", "prompt": "x", "logprobs": 99}, 400, "logprobs"),
@@ -414,6 +414,30 @@ def test_an_assistant_message_is_continued(
     )
     assert tokenizer.decode(continued, skip_special_tokens=False).endswith("The capital is")
     assert out.usage is not None and out.usage.prompt_tokens == len(continued)
+
+
+def test_echo_puts_each_prompt_before_its_answers(
+    client: openai.OpenAI, served: Deployment, tokenizer: Tokenizer
+) -> None:
+    prompts = ["Paris is", "The capital of Rome"]
+    ask: dict[str, Any] = {"model": served.model, "max_tokens": 4, "n": 2, **GREEDY}
+    plain = client.completions.create(prompt=prompts, **ask)
+    echoed = client.completions.create(prompt=prompts, echo=True, **ask)
+    assert [c.index for c in echoed.choices] == [0, 1, 2, 3]
+    for mine, theirs in zip(echoed.choices, plain.choices, strict=True):
+        assert mine.text == prompts[mine.index // 2] + theirs.text
+    assert echoed.usage == plain.usage  # the echo is not counted as output
+    streamed = client.completions.create(prompt=prompts, echo=True, stream=True, **ask)
+    texts = ["", "", "", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in echoed.choices]
+    # A prompt of token ids is echoed as their text; stop strings do not apply to the echo.
+    ids = tokenizer.encode("Paris is")
+    by_ids = client.completions.create(prompt=ids, echo=True, **ask | {"n": 1}, stop=["Paris"])
+    assert by_ids.choices[0].text.startswith(tokenizer.decode(ids))
+    assert by_ids.usage is not None and by_ids.usage.completion_tokens > 0
 
 
 ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}

@@ -47,7 +47,12 @@ from kvbaton.frontend.openai_types import (
     _Common,
 )
 from kvbaton.frontend.postprocess import ChoiceState, Delta
-from kvbaton.frontend.preprocess import ChatTools, build_requests, prompt_token_ids
+from kvbaton.frontend.preprocess import (
+    ChatTools,
+    build_requests,
+    echoed_prompts,
+    prompt_token_ids,
+)
 from kvbaton.frontend.reasoning import ReasoningFormat
 from kvbaton.frontend.responses import ResponseShape
 from kvbaton.frontend.tool_calls import ToolCallFormat, format_of_template
@@ -71,10 +76,11 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 class _Context:
     """What a request's choices share: its id, stop strings, reasoning format (a chat request
     on a frontend with a reasoning parser) and the text its answers continue (the final
-    message's, with `continue_final_message`), tools (a chat request's), routing extensions, and
-    the workers that served it (named in the `x-kvbaton-worker` response header)."""
+    message's, with `continue_final_message`), tools (a chat request's), routing extensions,
+    each prompt's echoed text (a completion request's, with `echo`), and the workers that served
+    it (named in the `x-kvbaton-worker` response header)."""
 
-    __slots__ = ("continued", "nvext", "reasoning", "rid", "served_by", "stops", "tools")
+    __slots__ = ("continued", "echoes", "nvext", "reasoning", "rid", "served_by", "stops", "tools")
 
     def __init__(
         self,
@@ -91,6 +97,7 @@ class _Context:
         self.continued = continued
         self.tools = tools
         self.nvext = nvext
+        self.echoes: list[str] = []  # by prompt; none: no echo
         self.served_by: list[int] = []
 
     def headers(self) -> dict[str, str]:
@@ -187,11 +194,18 @@ class Frontend:
         pre: PreprocessedRequest,
         ctx: _Context,
         fork: Fork | None = None,
+        echo: str = "",
     ) -> AsyncGenerator[Event, None]:
         """A choice's events; one of a prompt's later choices is sent once its first choice's
-        home is known (choices.py)."""
+        home is known (choices.py). `echo`: its prompt's echoed text."""
         state = ChoiceState(
-            served.tokenizer, pre.token_ids, ctx.stops, ctx.reasoning, ctx.continued, ctx.tools
+            served.tokenizer,
+            pre.token_ids,
+            ctx.stops,
+            ctx.reasoning,
+            ctx.continued,
+            ctx.tools,
+            echo,
         )
         rid = ctx.rid if index == 0 else f"{ctx.rid}-{index}"
         if fork is not None and not fork.leads:
@@ -213,7 +227,14 @@ class Frontend:
         """The events of every choice (`pres`: each prompt's `n` choices in index order)."""
         homes = [PromptHome() for _ in range(0, len(pres), n)]
         streams = [
-            self._choice(served, i, pre, ctx, Fork(homes[i // n], i % n == 0) if n > 1 else None)
+            self._choice(
+                served,
+                i,
+                pre,
+                ctx,
+                Fork(homes[i // n], i % n == 0) if n > 1 else None,
+                ctx.echoes[i // n] if ctx.echoes else "",
+            )
             for i, pre in enumerate(pres)
         ]
         return streams[0] if len(streams) == 1 else _merge(streams)
@@ -260,6 +281,8 @@ class Frontend:
             reasoning = self.reasoning if chat else None
             continued = body.continued_text() if isinstance(body, ChatCompletionRequest) else None
             ctx = _Context(rid, body.stop_strings(), reasoning, continued, use, body.nvext)
+            if isinstance(body, CompletionRequest) and body.echo:
+                ctx.echoes = echoed_prompts(served.tokenizer, body)
             events = self._events(served, pres, body.n, ctx)
             try:
                 first = await anext(events)  # errors before any output get their own status

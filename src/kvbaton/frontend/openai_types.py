@@ -413,8 +413,11 @@ class CompletionRequest(_Common):
             raise FieldError("best_of", "best_of > 1 is not supported")
         if self.best_of is not None and self.best_of < self.n:
             raise FieldError("best_of", "best_of must be at least n")
-        if self.echo:
-            raise FieldError("echo", "echo is not supported by this server yet")
+        if self.echo and self.logprobs is not None:
+            raise FieldError(
+                "echo",
+                "echo with logprobs needs the prompt's logprobs: not supported by this server yet",
+            )
         if self.suffix:
             raise FieldError("suffix", "suffix is not supported by this server yet")
         return self

@@ -42,16 +42,20 @@ class ChoiceState:
         reasoning: ReasoningFormat | None = None,
         continued: str | None = None,
         tools: ToolUse | None = None,
+        echo: str = "",
     ) -> None:
         """`reasoning`: split the reasoning from the content in that format (None: no split).
         `continued`: the text of the message the answer continues (None: it starts one).
-        `tools`: parse tool calls out of the content (None: the content is all text)."""
+        `tools`: parse tool calls out of the content (None: the content is all text).
+        `echo`: text the first delta starts with (a completion's echoed prompt), apart from
+        the answer's text: stop strings do not see it."""
         self.tokenizer = tokenizer
         self.prompt_tokens = len(prompt_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stops = StopStringMatcher(stops)
         self._reasoning = ReasoningSplitter(reasoning, continued) if reasoning is not None else None
         self._tools = tools
+        self._echo = echo
         self._calls = tools.parser() if tools is not None else None
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -68,8 +72,12 @@ class ChoiceState:
         - With stop strings, an output of several tokens counts (and gives the logprobs of) the
           tokens up to the one that completed the match, as if they had come one by one."""
         if len(out.token_ids) > 1 and self._stops.stops:
-            return self._update_each(out)
-        return self._update(out)
+            delta = self._update_each(out)
+        else:
+            delta = self._update(out)
+        if self._echo:
+            delta.text, self._echo = self._echo + delta.text, ""
+        return delta
 
     def _update_each(self, out: EngineOutput) -> Delta:
         deltas: list[Delta] = []

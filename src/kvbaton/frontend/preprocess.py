@@ -55,6 +55,19 @@ def completion_prompts(tokenizer: Tokenizer, request: CompletionRequest) -> list
     return [list(p) for p in prompt]  # type: ignore[arg-type]
 
 
+def echoed_prompts(tokenizer: Tokenizer, request: CompletionRequest) -> list[str]:
+    """The text `echo` puts before each prompt's answers, in `completion_prompts`' order: a
+    prompt given as text as given, one given as token ids decoded."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [tokenizer.decode(list(prompt))]  # type: ignore[arg-type]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    return [tokenizer.decode(list(p)) for p in prompt]  # type: ignore[arg-type]
+
+
 def prompt_token_ids(
     tokenizer: Tokenizer, request: _Common, tools: ChatTools | None = None
 ) -> list[list[int]]:
