@@ -84,6 +84,7 @@ BENCHMARKS = (
         "planner", ("--duration", "45", "--interval", "3", "--configs", "fixed-peak,planner")
     ),
     Benchmark("soak", ("--minutes", "1", "--window-s", "20", "--calibrate-s", "10")),
+    Benchmark("overload", ("--seconds", "5")),
     Benchmark(
         "vs_dynamo",
         ("--concurrency", "1,64", "--requests", "1000", "--requests-at-1", "50"),
