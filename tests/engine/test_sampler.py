@@ -1,5 +1,5 @@
 """The sampler's logit bias: added to a row's logits before the pick, never to its logprobs,
-and only to the rows that ask for it."""
+and only to the rows that ask for it; each row's logprobs with its own number of alternatives."""
 
 from __future__ import annotations
 
@@ -39,3 +39,15 @@ def test_a_bias_leaves_the_logprobs_raw() -> None:
 def test_a_bias_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 100.5}).validate()
+
+
+def test_rows_of_one_step_get_their_own_number_of_alternatives() -> None:
+    sampler = Sampler(0, torch.device("cpu"))
+    rows = [sequence("n", logprobs=None), sequence("a", logprobs=0), sequence("b", logprobs=3)]
+    assert sampler(torch.cat([LOGITS, LOGITS[:1]]), rows) == [1, 1, 1]
+    assert rows[0].logprobs == []
+    (only,), (ranked,) = rows[1].logprobs, rows[2].logprobs
+    expected = torch.log_softmax(LOGITS[0], -1)
+    assert [e.token_id for e in only] == [1]
+    assert [e.token_id for e in ranked] == [1, 1, 3, 2]  # the chosen one, then the best 3
+    assert [e.logprob for e in ranked] == pytest.approx(expected[[1, 1, 3, 2]].tolist())

@@ -40,6 +40,7 @@ def test_every_field_maps() -> None:
         ignore_eos=True,
         stop_token_ids=[5, 6],
         logprobs=2,
+        prompt_logprobs=1,
         logit_bias={9: 1.5},
     ).validate()
     ours = vllm_sampling_params(params)
@@ -51,6 +52,7 @@ def test_every_field_maps() -> None:
         -0.3,
     )
     assert ours.ignore_eos and ours.stop_token_ids == [5, 6] and ours.logprobs == 2
+    assert ours.prompt_logprobs == 1
     assert ours.logit_bias == {9: 1.5}
     assert ours.output_kind is RequestOutputKind.DELTA and ours.n == 1
 

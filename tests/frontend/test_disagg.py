@@ -12,13 +12,14 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from kvbaton.protocols.llm import WorkerLoad
-from kvbaton.runtime import DistributedRuntime
+from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest, SamplingParams, WorkerLoad
+from kvbaton.runtime import DistributedRuntime, HandlerError
 from tests.frontend.conftest import (
     Deployment,
     start_serve,
@@ -190,6 +191,44 @@ def test_disaggregated_tokens_equal_aggregated(disagg: Disagg) -> None:
 
     wait_until_sync(lambda: shown_handoffs() >= mover.kv_handoffs, what="the handoffs shown")
     asyncio.run(wait_all_blocks_free(disagg.discovery))
+
+
+def test_a_prompt_scored_with_echo_is_computed_whole_on_the_decode_worker(
+    disagg: Disagg,
+) -> None:
+    """A prompt's logprobs are read where it is computed: the decode worker serves it alone,
+    as it does pinned."""
+    health = httpx.get(f"{disagg.url}/health").json()
+    (decode,) = health["models"][disagg.model]
+    client = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key="none", max_retries=0)
+    ask: dict[str, Any] = {"model": disagg.model, "prompt": prompts()[-1], "max_tokens": 4}
+    ask |= {"temperature": 0, "echo": True, "logprobs": 2}
+    raw = client.completions.with_raw_response.create(**ask)
+    assert raw.headers["x-kvbaton-worker"].split(",") == [decode]
+    pinned = client.completions.create(**ask, extra_body={"nvext": {"backend_instance_id": decode}})
+    scored = raw.parse().choices[0].logprobs
+    assert scored is not None and scored.token_logprobs is not None
+    assert len(scored.token_logprobs) == len(prompts()[-1]) + 4
+    assert scored == pinned.choices[0].logprobs
+    with pytest.raises(HandlerError) as refused:  # sent to the prefill worker all the same
+        asyncio.run(prefill_directly(disagg, prompts()[-1], SamplingParams(prompt_logprobs=0)))
+    assert refused.value.error_type == "ValueError"
+    asyncio.run(wait_all_blocks_free(disagg.discovery))
+
+
+async def prefill_directly(
+    disagg: Disagg, prompt: list[int], sampling: SamplingParams
+) -> list[EngineOutput]:
+    """The prefill worker's outputs for a request sent to it over the request plane."""
+    async with DistributedRuntime(disagg.discovery) as runtime:
+        endpoint = runtime.endpoint("kvbaton.prefill.generate")
+        client = await endpoint.client(response_type=EngineOutput)
+        try:
+            await client.wait_for_instances(30)
+            request = PreprocessedRequest(model=disagg.model, token_ids=prompt, sampling=sampling)
+            return [out async for out in client.round_robin(request)]
+        finally:
+            await client.close()
 
 
 def test_streams_usage_and_cached_tokens(disagg: Disagg) -> None:

@@ -189,6 +189,9 @@ def test_continuation_and_settings() -> None:
     constrained = request(max_tokens=10, guided=Guided(kind="regex", spec="9+"))
     again = continuation(continuation(constrained, [9, 9]), [9])
     assert again.sampling.guided == Guided(kind="regex", spec="9+", replay=3)  # all 3 replayed
+    scored = request(max_tokens=10, prompt_logprobs=1)  # the first output brings them
+    assert continuation(scored, []).sampling.prompt_logprobs == 1
+    assert continuation(scored, [9]).sampling.prompt_logprobs is None
     with pytest.raises(ValueError, match="limit"):
         MigrationSettings(limit=-1)
     with pytest.raises(ValueError, match="timeouts"):

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.planner.observer import parse_totals
@@ -372,7 +373,6 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(cache_salt=""), 400, "cache_salt"),
     ("chat/completions", chat(cache_salt=7), 400, "cache_salt"),
     ("completions", {"model": "M", "prompt": "x", "cache_salt": ["a"]}, 400, "cache_salt"),
-    ("completions", {"model": "M", "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("completions", {"model": "M", "prompt": []}, 400, "prompt"),
     ("completions", {"model": "M", "prompt": [999999]}, 400, "prompt"),
     ("completions", {"model": "M", "prompt": "x", "logprobs": 99}, 400, "logprobs"),
@@ -438,6 +438,51 @@ def test_echo_puts_each_prompt_before_its_answers(
     by_ids = client.completions.create(prompt=ids, echo=True, **ask | {"n": 1}, stop=["Paris"])
     assert by_ids.choices[0].text.startswith(tokenizer.decode(ids))
     assert by_ids.usage is not None and by_ids.usage.completion_tokens > 0
+
+
+def test_echo_with_logprobs_scores_the_prompt(
+    client: openai.OpenAI, served: Deployment, tokenizer: Tokenizer, chat_model: Path
+) -> None:
+    """lm-evaluation-harness's loglikelihood request (token ids, echo, logprobs 1, max_tokens 1):
+    each prompt's tokens come first, the first with null logprob and alternatives, the others
+    with the model's own logprobs (HF transformers on the same weights, float32), then the
+    answer's, as without echo; computed whole though the prefix cache holds the prompt."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(chat_model, dtype=torch.float32).eval()
+    texts = ("The capital of France is Paris, and the capital of Italy is " * 3, "Rome is")
+    prompts = [tokenizer.encode(t) for t in texts]  # the first over two KV blocks
+    ask: dict[str, Any] = {"model": served.model, "max_tokens": 1, "temperature": 0, "logprobs": 1}
+    plain = client.completions.create(prompt=prompts, **ask)  # and the prefix cache holds them
+    echoed = client.completions.create(prompt=prompts, echo=True, **ask)
+    streamed = list(client.completions.create(prompt=prompts, echo=True, stream=True, **ask))
+    for ids, mine, theirs in zip(prompts, echoed.choices, plain.choices, strict=True):
+        lp, answer = mine.logprobs, theirs.logprobs
+        assert lp is not None and lp.tokens is not None and answer is not None
+        assert lp.token_logprobs is not None and lp.top_logprobs is not None
+        n = len(ids)
+        assert lp.tokens == [
+            tokenizer.backend.decode([t], skip_special_tokens=False) for t in ids
+        ] + (answer.tokens or [])
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0, :-1]
+        expected = torch.log_softmax(logits.float(), dim=-1)
+        wanted = [float(expected[i, ids[i + 1]]) for i in range(n - 1)]
+        assert lp.token_logprobs[1:n] == pytest.approx(wanted, abs=1e-3)
+        best = [max(top.values()) for top in lp.top_logprobs[1:n]]  # type: ignore[union-attr]
+        assert best == pytest.approx(expected.max(dim=-1).values.tolist(), abs=1e-3)
+        assert lp.token_logprobs[n:] == pytest.approx(answer.token_logprobs, abs=1e-4)
+        assert mine.text == tokenizer.decode(ids) + theirs.text
+        parts = [
+            c.choices[0].logprobs
+            for c in streamed
+            if c.choices and c.choices[0].index == mine.index
+        ]
+        assert [t for part in parts if part for t in part.tokens or []] == lp.tokens
+    assert echoed.usage == plain.usage
+    again = client.completions.create(prompt=prompts, **ask)
+    assert cached_tokens(echoed.usage) == 0 and cached_tokens(again.usage) > 0
 
 
 ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvbaton.frontend.postprocess import ChoiceState
@@ -36,6 +37,18 @@ def test_merged_outputs_keep_token_and_logprob_order_and_the_last_finish() -> No
     assert merged.token_ids == [5, 6, 7, 8]
     assert [lp[0].token_id for lp in merged.logprobs or []] == [5, 6, 7, 8]
     assert (merged.finish_reason, merged.usage) == ("stop", out([], "stop").usage)
+
+
+def test_merged_outputs_keep_the_first_output_s_prompt_logprobs() -> None:
+    prompt = [[TokenLogprob(4, -0.5)], [TokenLogprob(2, -1.5)]]
+    first = msgspec.structs.replace(out([5]), prompt_logprobs=prompt)
+    merged = first.merged(out([6]))
+    assert merged is not None and merged.prompt_logprobs == prompt
+    one_token_prompt = msgspec.structs.replace(out([5]), prompt_logprobs=[])
+    merged = one_token_prompt.merged(out([6]))
+    assert merged is not None and merged.prompt_logprobs == []
+    merged = out([5]).merged(out([6]))
+    assert merged is not None and merged.prompt_logprobs is None
 
 
 def test_the_last_output_and_outputs_that_move_kv_stay_apart() -> None:

@@ -42,6 +42,7 @@ from tests.frontend.fleet import poll
 from tests.frontend.vllm_helpers import (
     MAX_MODEL_LEN,
     MAX_TOKENS,
+    MODEL_DIR,
     READY_S,
     SAMPLINGS,
     VLLM_MARKS,
@@ -416,6 +417,38 @@ def test_a_json_schema_gives_valid_json(client: openai.OpenAI, vllm_serve: Deplo
     choice = answer.choices[0]
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content or ""), schema)
+
+
+def test_echo_with_logprobs_gives_vllm_s_prompt_logprobs(
+    client: openai.OpenAI, vllm_serve: Deployment
+) -> None:
+    """A prompt, then the prompt with its greedy answer's token after it, both pinned to one
+    worker: the second's logprob for that token (vLLM's prompt logprobs) is the first's for its
+    answer (bfloat16: close, not equal), and every prompt token but the first has one."""
+    from tokenizers import Tokenizer
+
+    ids = prompt_ids()[0]  # "The capital of France is"
+    ask: dict[str, Any] = {"model": vllm_serve.model, "max_tokens": 1, "temperature": 0}
+    ask |= {"logprobs": 1}
+    raw = client.completions.with_raw_response.create(prompt=ids, **ask)
+    pin = {"nvext": {"backend_instance_id": raw.headers["x-kvbaton-worker"]}}
+    answer = raw.parse().choices[0]
+    assert answer.logprobs is not None and answer.logprobs.token_logprobs is not None
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    (token,) = tokenizer.encode(answer.text, add_special_tokens=False).ids  # " Paris": one
+    scored = (
+        client.completions.create(prompt=[*ids, token], echo=True, extra_body=pin, **ask)
+        .choices[0]
+        .logprobs
+    )
+    assert scored is not None and scored.token_logprobs is not None
+    assert scored.top_logprobs is not None
+    assert len(scored.token_logprobs) == len(ids) + 2
+    assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None
+    expected = answer.logprobs.token_logprobs[0]
+    assert scored.token_logprobs[len(ids)] == pytest.approx(expected, abs=0.05)
+    for logprob, top in zip(scored.token_logprobs[1:], scored.top_logprobs[1:], strict=True):
+        assert logprob is not None and top is not None and logprob <= max(top.values()) + 1e-6
 
 
 def test_a_prompt_over_the_context_is_a_400(client: openai.OpenAI, vllm_serve: Deployment) -> None:

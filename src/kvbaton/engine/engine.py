@@ -289,6 +289,7 @@ class LLMEngine:
         logprobs = (
             seq.logprobs[seq.num_emitted_tokens :] if seq.params.logprobs is not None else None
         )
+        first = seq.num_emitted_tokens == 0 and seq.computes_whole_prompt
         seq.num_emitted_tokens += len(new)
         usage = None
         held = seq.status is SequenceStatus.HELD
@@ -304,6 +305,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             usage=usage,
             logprobs=logprobs,
+            prompt_logprobs=seq.prompt_logprobs if first else None,
             kv_blocks=list(seq.block_table) if held else None,
         )
 

@@ -23,6 +23,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[list[TokenLogprob]] | None = None
+    prompt_logprobs: list[list[TokenLogprob]] | None = None  # from the prompt's second token
 
 
 class LLM:
@@ -78,6 +79,8 @@ class LLM:
                 result.token_ids += out.token_ids
                 if out.logprobs is not None:
                     result.logprobs = (result.logprobs or []) + out.logprobs
+                if out.prompt_logprobs is not None:
+                    result.prompt_logprobs = out.prompt_logprobs
                 if out.finish_reason is not None:
                     result.finish_reason = out.finish_reason
                     result.num_cached_tokens = out.usage.cached_tokens if out.usage else 0

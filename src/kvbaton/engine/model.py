@@ -150,7 +150,9 @@ class StepBatch:
     decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] in the model dtype, added to the scores:
     # 0 where attended, -inf past a decode's length; None when every decode attends to all Lmax
     prefills: list[PrefillSpan]
-    logits_index: torch.Tensor  # [S] flat indices of the tokens whose next token is sampled
+    # [S] flat indices of the tokens whose next token is sampled, then of the prompt tokens
+    # whose logits give a prompt's logprobs (model_runner.py)
+    logits_index: torch.Tensor
 
 
 class ModelConfig:

@@ -22,7 +22,7 @@ from kvbaton.engine.model import (
     fp16_gemm_available,
     onednn_bf16_available,
 )
-from kvbaton.engine.sampler import Sampler
+from kvbaton.engine.sampler import PromptRows, Sampler
 from kvbaton.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -224,8 +224,11 @@ class ModelRunner:
             device=self.device,
         )
 
-    def build(self, scheduled: list[ScheduledSeq]) -> tuple[StepBatch, list[ScheduledSeq]]:
-        """The step's tensors, and the scheduled sequences in the order their logits come."""
+    def build(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[StepBatch, list[ScheduledSeq], list[PromptRows]]:
+        """The step's tensors; the scheduled sequences that sample, in the order their logits
+        come; then the prompt positions whose logits follow theirs (`prompt_logprobs`)."""
         decodes = [s for s in scheduled if s.num_tokens == 1]
         prefills = [s for s in scheduled if s.num_tokens > 1]
         ordered = decodes + prefills
@@ -260,11 +263,19 @@ class ModelRunner:
                     pad.shape, dtype=self.dtype, device=self.device
                 ).masked_fill_(pad, float("-inf"))[:, None, None, :]
         spans = []
+        prompt_rows: list[PromptRows] = []
+        prompt_index: list[int] = []
         flat = len(decodes)
         for s in prefills:
             end = flat + s.num_tokens
             computed = s.seq.num_computed_tokens
             context_len = computed + s.num_tokens
+            if s.seq.computes_whole_prompt:  # positions not recorded yet (not on a recompute)
+                first = max(computed, len(s.seq.prompt_logprobs))
+                last = min(context_len, s.seq.num_prompt_tokens - 1)
+                if first < last:
+                    prompt_rows.append(PromptRows(s.seq, first, last - first))
+                    prompt_index += range(flat + first - computed, flat + last - computed)
             chunk = torch.arange(computed, context_len, device=self.device)
             write_rows[flat:end] = self._rows(s.seq.block_table, chunk)
             # With a prefix in the cache, the chunk attends to it too.
@@ -287,10 +298,10 @@ class ModelRunner:
             decode_mask=decode_mask,
             prefills=spans,
             logits_index=torch.tensor(
-                [ends[i] for i in sampling], dtype=torch.long, device=self.device
+                [ends[i] for i in sampling] + prompt_index, dtype=torch.long, device=self.device
             ),
         )
-        return batch, [ordered[i] for i in sampling]
+        return batch, [ordered[i] for i in sampling], prompt_rows
 
     def _layer_calls(self, scheduled: list[ScheduledSeq]) -> Callable[[int], None] | None:
         """The forward pass's per-layer call: tells each sink of the step's prompt chunks."""
@@ -318,12 +329,15 @@ class ModelRunner:
         assert self.cache is not None, "allocate_cache first"
         if not output.scheduled:
             return {}
-        batch, sampling = self.build(output.scheduled)
+        batch, sampling, prompt_rows = self.build(output.scheduled)
         on_layer = self._layer_calls(output.scheduled)
         if self.compiled is not None and on_layer is None and self.compiled.takes(batch):
             logits = self.compiled(batch, self.cache)
         else:
             logits = self.model.forward(batch, self.cache, on_layer)
+        if prompt_rows:
+            self.sampler.record_prompt_logprobs(logits[len(sampling) :], prompt_rows)
+            logits = logits[: len(sampling)]
         if not sampling:
             return {}
         seqs = [s.seq for s in sampling]

@@ -5,18 +5,30 @@
   (`guided.py`), then greedy argmax, or temperature, top-k, top-p, min-p and a draw.
 - A request with a seed draws from its own generator: its tokens do not depend on what else is
   in the batch.
-- Logprobs are those of the raw model output.
+- Logprobs are those of the raw model output; so are a prompt's (`record_prompt_logprobs`).
 - A token that its constraint refuses (an llguidance fault: the mask allows only what it
   takes) marks its sequence `broken`; the engine aborts that request alone.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvbaton.engine.guided import GuidedDecoding
 from kvbaton.engine.sequence import Sequence
 from kvbaton.protocols.llm import TokenLogprob
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Positions [first, first + count) of a sequence's prompt whose logits give the logprobs
+    of the prompt tokens after them."""
+
+    seq: Sequence
+    first: int
+    count: int
 
 
 class Sampler:
@@ -77,18 +89,23 @@ class Sampler:
         wants = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if wants:
             logprobs = torch.log_softmax(raw[wants], dim=-1)
-            for row, i in enumerate(wants):
-                seq, token = seqs[i], tokens[i]
-                top = seq.params.logprobs or 0
-                entry = [TokenLogprob(token, float(logprobs[row, token]))]
-                if top:
-                    values, ids = logprobs[row].topk(top)
-                    entry += [
-                        TokenLogprob(int(t), float(v))
-                        for t, v in zip(ids.tolist(), values.tolist(), strict=True)
-                    ]
-                seq.logprobs.append(entry)
+            tops = [seqs[i].params.logprobs or 0 for i in wants]
+            entries = _entries(logprobs, [tokens[i] for i in wants], max(tops))
+            for i, top, entry in zip(wants, tops, entries, strict=True):
+                seqs[i].logprobs.append(entry[: 1 + top])
         return tokens
+
+    @staticmethod
+    def record_prompt_logprobs(logits: torch.Tensor, spans: list[PromptRows]) -> None:
+        """Append each span's prompt logprobs to its sequence: `logits` holds the spans' rows
+        one after the other, in order."""
+        row = 0
+        for span in spans:
+            seq, end = span.seq, span.first + span.count
+            logprobs = torch.log_softmax(logits[row : row + span.count], dim=-1)
+            targets = seq.token_ids[span.first + 1 : end + 1]
+            seq.prompt_logprobs += _entries(logprobs, targets, seq.params.prompt_logprobs or 0)
+            row += span.count
 
     @staticmethod
     def _penalties(seq: Sequence) -> tuple[bool, bool, bool, bool]:
@@ -141,3 +158,15 @@ class Sampler:
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return int(torch.multinomial(probs, 1, generator=self._generator(seq, probs.shape[0])))
+
+
+def _entries(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[list[TokenLogprob]]:
+    """Per row of `logprobs`: its token's logprob, then the `top` best."""
+    index = torch.tensor(tokens, device=logprobs.device)[:, None]
+    chosen = logprobs.gather(1, index)[:, 0].tolist()
+    entries = [[TokenLogprob(t, lp)] for t, lp in zip(tokens, chosen, strict=True)]
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)
+        for entry, row_ids, row_values in zip(entries, ids.tolist(), values.tolist(), strict=True):
+            entry += [TokenLogprob(t, v) for t, v in zip(row_ids, row_values, strict=True)]
+    return entries

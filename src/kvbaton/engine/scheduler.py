@@ -6,7 +6,8 @@ A step's life:
    budget; if its blocks cannot be had, the newest running sequence is preempted (its blocks
    freed, its tokens to be recomputed later) until they can;
 2. then waiting sequences, first come first served, while budget, sequence slots and blocks
-   last; a new sequence first takes what the prefix cache holds of its prompt;
+   last; a new sequence first takes what the prefix cache holds of its prompt (none for one
+   that wants its prompt's logprobs: it computes every position);
 3. `update` after the forward pass: computed counts move up, sampled tokens are appended,
    finished sequences free their blocks.
 
@@ -170,7 +171,12 @@ class Scheduler:
 
     def _tier_blocks(self, seq: Sequence, num_hits: int) -> list[int]:
         """Hashes of the prompt blocks after the `num_hits` cached ones that the tier holds."""
-        if self.tier is None or seq.kv_source is not None or seq.block_table:
+        if (
+            self.tier is None
+            or seq.kv_source is not None
+            or seq.block_table
+            or seq.computes_whole_prompt
+        ):
             return []
         bs = self.blocks.block_size
         hashes = seq.full_block_hashes(bs, reusable_blocks(seq.num_tokens, bs))[num_hits:]

@@ -47,6 +47,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    # With `params.prompt_logprobs`: entry i is prompt token i + 1's (from position i's logits).
+    prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     num_emitted_tokens: int = 0  # output tokens already handed to the caller
     hold_kv: bool = False  # end after the first token, blocks held for a decode worker
     kv_source: KvSource | None = None  # where the prompt's KV is loaded from
@@ -61,6 +63,11 @@ class Sequence:
     @property
     def extra_keys(self) -> tuple[Any, ...] | None:
         return block_extra_keys(self.cache_salt)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """It reads the logits of every prompt position: no prompt KV is reused."""
+        return self.params.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:

@@ -416,6 +416,15 @@ class VllmEngine:
                     if request.params.logprobs is not None
                     else None
                 )
+                prompt_logprobs = (  # all at once, on the first output (the first is None)
+                    token_logprobs(
+                        request.prompt_token_ids[1:],
+                        out.prompt_logprobs[1:],
+                        request.params.prompt_logprobs or 0,
+                    )
+                    if out.prompt_logprobs
+                    else None
+                )
                 usage = Usage(
                     prompt_tokens=len(request.prompt_token_ids),
                     completion_tokens=len(token_ids) if held else generated,
@@ -437,6 +446,7 @@ class VllmEngine:
                     finish_reason=FINISH_REASONS[reason] if finished else None,
                     usage=usage if finished else None,
                     logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
                 )
                 if finished:
                     return

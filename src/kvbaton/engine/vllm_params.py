@@ -2,9 +2,10 @@
 vLLM is imported when a function runs, never at import.
 
 - Every kvbaton field maps: max/min tokens, temperature, top_p/top_k/min_p, seed, the three
-  penalties, ignore_eos, stop token ids, logprobs, logit bias, and a constraint (`Guided`) to
-  vLLM's structured outputs (json schema, regex, choice, grammar). A JSON schema goes closed
-  (`llm/json_schema.py`), as kvbaton's engine and a resumed constraint read it.
+  penalties, ignore_eos, stop token ids, logprobs (of the output and of the prompt), logit
+  bias, and a constraint (`Guided`) to vLLM's structured outputs (json schema, regex, choice,
+  grammar). A JSON schema goes closed (`llm/json_schema.py`), as kvbaton's engine and a
+  resumed constraint read it.
 - Outputs stream as deltas (`RequestOutputKind.DELTA`), token ids only: vLLM does not
   detokenize (the frontend does, and matches stop strings there).
 - A constraint replayed over a migrated request's tokens (`Guided.replay`) has no vLLM
@@ -69,6 +70,7 @@ def vllm_sampling_params(params: SamplingParams, kv_transfer: dict[str, Any] | N
         ignore_eos=params.ignore_eos,
         stop_token_ids=list(params.stop_token_ids),
         logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
         logit_bias=dict(params.logit_bias) or None,
         structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA,

@@ -374,6 +374,7 @@ class Frontend:
                     or delta.tool_calls
                     or delta.finish_reason
                     or delta.logprobs
+                    or delta.prompt_logprobs
                 ):
                     yield shape.chunk_event(state, index, delta, include_usage)
                 event = await anext(events, None)

@@ -62,6 +62,8 @@ def continuation(request: PreprocessedRequest, produced: list[int]) -> Preproces
         max_tokens=request.sampling.max_tokens - len(produced),
         min_tokens=max(0, request.sampling.min_tokens - len(produced)),
         guided=guided,
+        # the first output brought them (nothing produced: none came yet)
+        prompt_logprobs=None if produced else request.sampling.prompt_logprobs,
     )
     return msgspec.structs.replace(
         request, token_ids=request.token_ids + produced, sampling=sampling

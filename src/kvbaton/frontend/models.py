@@ -245,6 +245,8 @@ class ServedModel:
                     blocks = route.overlaps.get(first, 0)
                     if at_home:  # the router may not have heard of the prompt's blocks yet
                         blocks = reusable_blocks(len(request.token_ids), size)
+                    if request.sampling.prompt_logprobs is not None:  # computed whole there
+                        blocks = 0
                     cached = blocks * size
                     prefilled = self.loads.sent(first, max(0, len(request.token_ids) - cached))
             if prefill:
@@ -284,7 +286,10 @@ class ServedModel:
         """The prefill workers to disaggregate on (those not busy, if `shed`: 503 if all are);
         none to prefill on the decode worker: no prefill worker lives (with `enforce_disagg`,
         one is waited for as long as for a worker, then 503), or the part of the prompt that
-        the decode worker ranked first lacks is short (`max_local_prefill_tokens`)."""
+        the decode worker ranked first lacks is short (`max_local_prefill_tokens`), or the
+        request wants its prompt's logprobs (read where the prompt is computed)."""
+        if request.sampling.prompt_logprobs is not None:
+            return []
         live = self.prefill.live()
         if not live and self.settings.enforce_disagg and self.prefill.router is not None:
             try:

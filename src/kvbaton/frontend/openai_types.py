@@ -285,6 +285,11 @@ class _Common(_NullIsDefault):
         return None
 
     @property
+    def num_prompt_logprobs(self) -> int | None:
+        """... per prompt token after the first, as `num_logprobs`."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -413,11 +418,6 @@ class CompletionRequest(_Common):
             raise FieldError("best_of", "best_of > 1 is not supported")
         if self.best_of is not None and self.best_of < self.n:
             raise FieldError("best_of", "best_of must be at least n")
-        if self.echo and self.logprobs is not None:
-            raise FieldError(
-                "echo",
-                "echo with logprobs needs the prompt's logprobs: not supported by this server yet",
-            )
         if self.suffix:
             raise FieldError("suffix", "suffix is not supported by this server yet")
         return self
@@ -429,6 +429,11 @@ class CompletionRequest(_Common):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs`: the echoed prompt's tokens come with theirs too."""
+        return self.logprobs if self.echo else None
 
 
 _TEMPLATE_FIELDS = frozenset(_TemplateInputs.model_fields)

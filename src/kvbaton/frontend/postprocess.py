@@ -31,6 +31,9 @@ class Delta:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     reasoning: str = ""  # the reasoning's new text (with a reasoning parser only)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    # The first delta's, with the prompt's logprobs: the prompt's tokens in `logprobs`' shape,
+    # the first without a logprob or alternatives (nothing comes before it).
+    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
 
 
 class ChoiceState:
@@ -50,6 +53,7 @@ class ChoiceState:
         `echo`: text the first delta starts with (a completion's echoed prompt), apart from
         the answer's text: stop strings do not see it."""
         self.tokenizer = tokenizer
+        self.prompt_token_ids = prompt_token_ids
         self.prompt_tokens = len(prompt_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._stops = StopStringMatcher(stops)
@@ -77,6 +81,10 @@ class ChoiceState:
             delta = self._update(out)
         if self._echo:
             delta.text, self._echo = self._echo + delta.text, ""
+        if out.prompt_logprobs is not None:
+            first: list[tuple[int, float | None, list[tuple[int, float]] | None]]
+            first = [(self.prompt_token_ids[0], None, None)]
+            delta.prompt_logprobs = first + list(_logprobs(out.prompt_logprobs))
         return delta
 
     def _update_each(self, out: EngineOutput) -> Delta:
@@ -152,13 +160,17 @@ class ChoiceState:
         }
 
     def completion_logprobs(self, delta: Delta) -> dict[str, Any] | None:
-        if not delta.logprobs:
+        """OpenAI's completion shape: an echoed prompt's tokens first (`prompt_logprobs`, the
+        first with null logprob and alternatives), then the answer's."""
+        entries = (delta.prompt_logprobs or []) + list(delta.logprobs)
+        if not entries:
             return None
         return {
-            "tokens": [self.token_text(t) for t, _, _ in delta.logprobs],
-            "token_logprobs": [lp for _, lp, _ in delta.logprobs],
+            "tokens": [self.token_text(t) for t, _, _ in entries],
+            "token_logprobs": [lp for _, lp, _ in entries],
             "top_logprobs": [
-                {self.token_text(a): alp for a, alp in top} for _, _, top in delta.logprobs
+                None if top is None else {self.token_text(a): alp for a, alp in top}
+                for _, _, top in entries
             ],
         }
 

@@ -189,6 +189,7 @@ def sampling_params(
         ignore_eos=request.ignore_eos,
         stop_token_ids=list(request.stop_token_ids or []),
         logprobs=request.num_logprobs,
+        prompt_logprobs=request.num_prompt_logprobs,
         logit_bias=bias or {},
         guided=guided,
         **given,

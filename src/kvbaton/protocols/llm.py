@@ -37,6 +37,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: int | None = None  # number of top logprobs per token (0: only the chosen one)
+    # ... per prompt token after the first (0: only its own); such a request computes its
+    # whole prompt (no prefix-cache hits) where it decodes.
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added
     guided: Guided | None = None
 
@@ -61,6 +64,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             (
                 self.logprobs is None or 0 <= self.logprobs <= 20,
                 "logprobs",
+                "must be between 0 and 20",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs",
                 "must be between 0 and 20",
             ),
             (
@@ -168,6 +176,9 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     usage: Usage | None = None
     # One entry per new token: the chosen token's logprob, then the top alternatives.
     logprobs: list[list[TokenLogprob]] | None = None
+    # On a request's first output, with `prompt_logprobs`: an entry per prompt token after
+    # the first (the first has nothing before it), as in `logprobs`.
+    prompt_logprobs: list[list[TokenLogprob]] | None = None
     kv_blocks: list[int] | None = None
     # With `kv_blocks` from an engine that moves KV itself: its own transfer parameters
     # (vLLM's kv_transfer_params; the blocks are its own, `kv_blocks` empty).
@@ -197,7 +208,8 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
         """This output and the `later` one of the same request as one; None where they must stay
         two (either moves KV, or this one is the last).
 
-        - Tokens and logprobs keep their order; the finish reason and usage are `later`'s.
+        - Tokens and logprobs keep their order; the finish reason and usage are `later`'s; the
+          prompt's logprobs are the first output's (only a request's first has them).
         - A stream of merged outputs says what the stream of the parts said."""
         if self.is_last or not (self.carries_tokens_only and later.carries_tokens_only):
             return None
@@ -210,6 +222,9 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
             finish_reason=later.finish_reason,
             usage=later.usage,
             logprobs=logprobs,
+            prompt_logprobs=(
+                self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
+            ),
         )
 
 

@@ -5,6 +5,7 @@ disaggregation endpoints), and a model card in discovery (docs/architecture.md).
 - Roles: "agg" runs whole requests; "prefill" runs each to its first token and hands its KV
   on (`PrefillSide`); "decode", and "agg" given a `DecodeSide`, also take requests whose
   prompt's KV a prefill worker computes.
+- A request for its prompt's logprobs is run whole, never disaggregated.
 - A request's engine id is unique in this worker even when callers reuse a request id.
 - A caller that goes away (cancel, disconnect, deadline) aborts its request in the engine, so
   its KV blocks are free before the engine's next step.
@@ -148,6 +149,11 @@ class LLMWorker:
         if request.model != self.served_name:
             raise ValueError(f"this worker serves {self.served_name!r}, not {request.model!r}")
         params, side = request.disaggregated_params, self.side
+        disaggregated = isinstance(side, PrefillSide | EnginePrefillSide) or (
+            params is not None or request.bootstrap
+        )
+        if disaggregated and request.sampling.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: the prompt is computed where it decodes, whole")
         if isinstance(side, PrefillSide | EnginePrefillSide):
             if request.bootstrap or params is not None:
                 raise ValueError("a prefill worker takes no bootstrap or disaggregated_params")
