@@ -348,6 +348,9 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(temperature=3), 400, "temperature"),
     ("chat/completions", chat(top_p=0), 400, "top_p"),
     ("chat/completions", chat(max_tokens=0), 400, "max_tokens"),
+    ("completions", {"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"model": "M", "prompt": "x", "max_tokens": -1, "echo": True}, 400,
+     "max_tokens"),
     ("chat/completions", chat(max_tokens=100000), 400, "max_tokens"),
     ("chat/completions", chat(n=17), 400, "n"),
     ("chat/completions", chat(tools=BAD_NAME), 400, "tools.0.function.name"),
@@ -483,6 +486,22 @@ def test_echo_with_logprobs_scores_the_prompt(
     assert echoed.usage == plain.usage
     again = client.completions.create(prompt=prompts, **ask)
     assert cached_tokens(echoed.usage) == 0 and cached_tokens(again.usage) > 0
+    # max_tokens 0 (vLLM's): the prompt alone, with the same logprobs, and no answer counted.
+    alone = client.completions.create(
+        prompt=prompts, echo=True, **ask | {"max_tokens": 0, "extra_body": {"ignore_eos": True}}
+    )
+    for ids, mine, whole in zip(prompts, alone.choices, echoed.choices, strict=True):
+        assert mine.text == tokenizer.decode(ids)
+        assert mine.finish_reason == "length"
+        assert mine.logprobs is not None and whole.logprobs is not None
+        assert mine.logprobs.tokens == (whole.logprobs.tokens or [])[: len(ids)]
+        assert mine.logprobs.token_logprobs == (whole.logprobs.token_logprobs or [])[: len(ids)]
+    assert alone.usage is not None and alone.usage.completion_tokens == 0
+    assert alone.usage.prompt_tokens == sum(len(ids) for ids in prompts)
+    chunks = client.completions.create(
+        prompt=prompts[1], echo=True, stream=True, **ask | {"max_tokens": 0}
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == tokenizer.decode(prompts[1])
 
 
 ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}

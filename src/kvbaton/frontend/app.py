@@ -77,10 +77,20 @@ class _Context:
     """What a request's choices share: its id, stop strings, reasoning format (a chat request
     on a frontend with a reasoning parser) and the text its answers continue (the final
     message's, with `continue_final_message`), tools (a chat request's), routing extensions,
-    each prompt's echoed text (a completion request's, with `echo`), and the workers that served
-    it (named in the `x-kvbaton-worker` response header)."""
+    each prompt's echoed text (a completion request's, with `echo`; alone, with `max_tokens`
+    0), and the workers that served it (named in the `x-kvbaton-worker` response header)."""
 
-    __slots__ = ("continued", "echoes", "nvext", "reasoning", "rid", "served_by", "stops", "tools")
+    __slots__ = (
+        "continued",
+        "echoes",
+        "nvext",
+        "prompt_only",
+        "reasoning",
+        "rid",
+        "served_by",
+        "stops",
+        "tools",
+    )
 
     def __init__(
         self,
@@ -98,6 +108,7 @@ class _Context:
         self.tools = tools
         self.nvext = nvext
         self.echoes: list[str] = []  # by prompt; none: no echo
+        self.prompt_only = False  # the echoes without the answers
         self.served_by: list[int] = []
 
     def headers(self) -> dict[str, str]:
@@ -206,6 +217,7 @@ class Frontend:
             ctx.continued,
             ctx.tools,
             echo,
+            ctx.prompt_only,
         )
         rid = ctx.rid if index == 0 else f"{ctx.rid}-{index}"
         if fork is not None and not fork.leads:
@@ -283,6 +295,7 @@ class Frontend:
             ctx = _Context(rid, body.stop_strings(), reasoning, continued, use, body.nvext)
             if isinstance(body, CompletionRequest) and body.echo:
                 ctx.echoes = echoed_prompts(served.tokenizer, body)
+                ctx.prompt_only = body.prompt_only
             events = self._events(served, pres, body.n, ctx)
             try:
                 first = await anext(events)  # errors before any output get their own status

@@ -406,7 +406,9 @@ class CompletionRequest(_Common):
         | Annotated[list[int], Field(min_length=1)]
         | Annotated[list[list[int]], Field(min_length=1)]
     )
-    max_tokens: PositiveInt | None = 16  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 with `echo`: the prompt alone (vLLM's), scored with
+    # `logprobs`
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     best_of: PositiveInt | None = None
@@ -418,13 +420,20 @@ class CompletionRequest(_Common):
             raise FieldError("best_of", "best_of > 1 is not supported")
         if self.best_of is not None and self.best_of < self.n:
             raise FieldError("best_of", "best_of must be at least n")
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens", "max_tokens 0 answers the prompt alone: it needs echo")
         if self.suffix:
             raise FieldError("suffix", "suffix is not supported by this server yet")
         return self
 
     @property
     def output_limit(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.prompt_only else self.max_tokens  # one token, never shown
+
+    @property
+    def prompt_only(self) -> bool:
+        """`max_tokens` 0 (with `echo`): each choice is its prompt, with no answer."""
+        return self.max_tokens == 0
 
     @property
     def num_logprobs(self) -> int | None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvbaton.frontend.reasoning import ReasoningFormat, ReasoningSplitter
 from kvbaton.frontend.tool_calls import ToolCall, ToolCallDelta
 from kvbaton.frontend.tools import ToolUse
@@ -46,12 +48,14 @@ class ChoiceState:
         continued: str | None = None,
         tools: ToolUse | None = None,
         echo: str = "",
+        prompt_only: bool = False,
     ) -> None:
         """`reasoning`: split the reasoning from the content in that format (None: no split).
         `continued`: the text of the message the answer continues (None: it starts one).
         `tools`: parse tool calls out of the content (None: the content is all text).
         `echo`: text the first delta starts with (a completion's echoed prompt), apart from
-        the answer's text: stop strings do not see it."""
+        the answer's text: stop strings do not see it. `prompt_only`: the answer's tokens are
+        dropped (not shown nor counted), its finish reason kept."""
         self.tokenizer = tokenizer
         self.prompt_token_ids = prompt_token_ids
         self.prompt_tokens = len(prompt_token_ids)
@@ -60,6 +64,7 @@ class ChoiceState:
         self._reasoning = ReasoningSplitter(reasoning, continued) if reasoning is not None else None
         self._tools = tools
         self._echo = echo
+        self._prompt_only = prompt_only
         self._calls = tools.parser() if tools is not None else None
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -75,6 +80,8 @@ class ChoiceState:
 
         - With stop strings, an output of several tokens counts (and gives the logprobs of) the
           tokens up to the one that completed the match, as if they had come one by one."""
+        if self._prompt_only:
+            out = msgspec.structs.replace(out, token_ids=[], logprobs=None)
         if len(out.token_ids) > 1 and self._stops.stops:
             delta = self._update_each(out)
         else:
