@@ -3,6 +3,7 @@ async, streaming and not) and raw HTTP where the client would hide what is check
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -183,6 +184,12 @@ def test_logprobs_in_both_shapes(client: openai.OpenAI, served: Deployment) -> N
     lp = text.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None and len(lp.token_logprobs) == 4
     assert lp.top_logprobs is not None and all(len(t) == 2 for t in lp.top_logprobs)
+    assert lp.tokens is not None and lp.text_offset == text_offsets(lp.tokens)
+
+
+def text_offsets(tokens: list[str]) -> list[int]:
+    """Where each token's text starts in their text joined (vLLM's `text_offset`)."""
+    return list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
 
 
 def cached_tokens(usage: Any) -> int:
@@ -483,6 +490,8 @@ def test_echo_with_logprobs_scores_the_prompt(
             if c.choices and c.choices[0].index == mine.index
         ]
         assert [t for part in parts if part for t in part.tokens or []] == lp.tokens
+        assert [o for part in parts if part for o in part.text_offset or []] == lp.text_offset
+        assert lp.text_offset == text_offsets(lp.tokens)
     assert echoed.usage == plain.usage
     again = client.completions.create(prompt=prompts, **ask)
     assert cached_tokens(echoed.usage) == 0 and cached_tokens(again.usage) > 0

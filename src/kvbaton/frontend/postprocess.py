@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,7 @@ class ChoiceState:
         self._calls = tools.parser() if tools is not None else None
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self._text_offset = 0  # of the next token in `completion_logprobs`
         self.finish_reason: str | None = None
 
     @property
@@ -168,17 +170,24 @@ class ChoiceState:
 
     def completion_logprobs(self, delta: Delta) -> dict[str, Any] | None:
         """OpenAI's completion shape: an echoed prompt's tokens first (`prompt_logprobs`, the
-        first with null logprob and alternatives), then the answer's."""
+        first with null logprob and alternatives), then the answer's.
+
+        - `text_offset`: where each token's text starts in the choice's, counted over the
+          tokens' texts as vLLM counts (from 0, across the deltas of the choice)."""
         entries = (delta.prompt_logprobs or []) + list(delta.logprobs)
         if not entries:
             return None
+        tokens = [self.token_text(t) for t, _, _ in entries]
+        offsets = list(itertools.accumulate((len(t) for t in tokens), initial=self._text_offset))
+        self._text_offset = offsets.pop()
         return {
-            "tokens": [self.token_text(t) for t, _, _ in entries],
+            "tokens": tokens,
             "token_logprobs": [lp for _, lp, _ in entries],
             "top_logprobs": [
                 None if top is None else {self.token_text(a): alp for a, alp in top}
                 for _, _, top in entries
             ],
+            "text_offset": offsets,
         }
 
 
