@@ -1,7 +1,7 @@
-"""A prompt's logprobs (`SamplingParams.prompt_logprobs`) equal HF transformers' log-softmax of
-the same model's logits at every prompt position (float32): whole and chunked prefill, beside
-other requests, past a prefix the cache holds (not reused), and across a preemption's
-recompute (recorded once)."""
+"""A prompt's logprobs (`SamplingParams.prompt_logprobs`) and ranks equal HF transformers'
+log-softmax of the same model's logits at every prompt position (float32): whole and chunked
+prefill, beside other requests, past a prefix the cache holds (not reused), and across a
+preemption's recompute (recorded once)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,10 @@ def assert_matches_hf(
     assert len(got) == len(prompt) - 1
     for i, entry in enumerate(got):
         assert entry[0].token_id == prompt[i + 1]
-        assert entry[0].logprob == pytest.approx(float(expected[i, prompt[i + 1]]), abs=1e-4)
+        row, mine = expected[i], expected[i, prompt[i + 1]]
+        assert entry[0].logprob == pytest.approx(float(mine), abs=1e-4)
+        # its rank as vLLM counts it: how many are at least as likely
+        assert int((row > mine + 1e-4).sum()) < entry[0].rank <= int((row >= mine - 1e-4).sum())
         values, ids = expected[i].topk(top)
         assert [e.token_id for e in entry[1:]] == ids.tolist()
         assert [e.logprob for e in entry[1:]] == pytest.approx(values.tolist(), abs=1e-4)

@@ -96,7 +96,7 @@ class _Logprob:
 def test_logprobs_are_the_chosen_one_then_the_best_by_rank() -> None:
     step = {7: _Logprob(-2.0, 3), 1: _Logprob(-0.1, 1), 2: _Logprob(-1.0, 2)}
     assert token_logprobs([7], [step], 2) == [
-        [TokenLogprob(7, -2.0), TokenLogprob(1, -0.1), TokenLogprob(2, -1.0)]
-    ]
-    assert token_logprobs([7], [step], 0) == [[TokenLogprob(7, -2.0)]]
+        [TokenLogprob(7, -2.0, 3), TokenLogprob(1, -0.1), TokenLogprob(2, -1.0)]
+    ]  # the chosen one with its rank
+    assert token_logprobs([7], [step], 0) == [[TokenLogprob(7, -2.0, 3)]]
     assert token_logprobs([7], None, 2) is None

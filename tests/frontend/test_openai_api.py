@@ -356,6 +356,9 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(top_p=0), 400, "top_p"),
     ("chat/completions", chat(max_tokens=0), 400, "max_tokens"),
     ("completions", {"model": "M", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"model": "M", "prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("chat/completions", chat(prompt_logprobs=-1), 400, "prompt_logprobs"),
+    ("chat/completions", chat(prompt_logprobs=1, stream=True), 400, "prompt_logprobs"),
     ("completions", {"model": "M", "prompt": "x", "max_tokens": -1, "echo": True}, 400,
      "max_tokens"),
     ("chat/completions", chat(max_tokens=100000), 400, "max_tokens"),
@@ -457,9 +460,6 @@ def test_echo_with_logprobs_scores_the_prompt(
     each prompt's tokens come first, the first with null logprob and alternatives, the others
     with the model's own logprobs (HF transformers on the same weights, float32), then the
     answer's, as without echo; computed whole though the prefix cache holds the prompt."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(chat_model, dtype=torch.float32).eval()
     texts = ("The capital of France is Paris, and the capital of Italy is " * 3, "Rome is")
     prompts = [tokenizer.encode(t) for t in texts]  # the first over two KV blocks
     ask: dict[str, Any] = {"model": served.model, "max_tokens": 1, "temperature": 0, "logprobs": 1}
@@ -475,9 +475,7 @@ def test_echo_with_logprobs_scores_the_prompt(
             tokenizer.backend.decode([t], skip_special_tokens=False) for t in ids
         ] + (answer.tokens or [])
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        with torch.inference_mode():
-            logits = model(torch.tensor([ids])).logits[0, :-1]
-        expected = torch.log_softmax(logits.float(), dim=-1)
+        expected = hf_logprobs(chat_model, ids)
         wanted = [float(expected[i, ids[i + 1]]) for i in range(n - 1)]
         assert lp.token_logprobs[1:n] == pytest.approx(wanted, abs=1e-3)
         best = [max(top.values()) for top in lp.top_logprobs[1:n]]  # type: ignore[union-attr]
@@ -511,6 +509,51 @@ def test_echo_with_logprobs_scores_the_prompt(
         prompt=prompts[1], echo=True, stream=True, **ask | {"max_tokens": 0}
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == tokenizer.decode(prompts[1])
+
+
+def hf_logprobs(chat_model: Path, ids: list[int]) -> torch.Tensor:
+    """[len(ids) - 1, vocab]: the model's log-softmax before each prompt token after the first
+    (HF transformers on the served weights, float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(chat_model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_prompt_logprobs_as_vllm_gives_them(
+    client: openai.OpenAI, served: Deployment, tokenizer: Tokenizer, chat_model: Path
+) -> None:
+    """vLLM's `prompt_logprobs` field: per completion choice, and on a whole chat response; per
+    prompt token after the first (null), its own logprob and rank and the best alternatives,
+    keyed by token id, each with its text."""
+    ids = tokenizer.encode("Paris is the capital of France, and Rome is")
+    ask: dict[str, Any] = {"model": served.model, "max_tokens": 3, "temperature": 0}
+    plain = client.completions.create(prompt=ids, **ask)
+    scored = client.completions.create(prompt=ids, extra_body={"prompt_logprobs": 2}, **ask)
+    (choice,) = scored.choices
+    assert choice.text == plain.choices[0].text and choice.logprobs is None
+    shown = (choice.model_extra or {})["prompt_logprobs"]
+    expected = hf_logprobs(chat_model, ids)
+    assert len(shown) == len(ids) and shown[0] is None
+    for i, position in enumerate(shown[1:]):
+        row, token = expected[i], ids[i + 1]
+        mine = position[str(token)]
+        assert mine["logprob"] == pytest.approx(float(row[token]), abs=1e-3)
+        above, near = int((row > row[token] + 1e-4).sum()), int((row >= row[token] - 1e-4).sum())
+        assert above < mine["rank"] <= near  # how many are at least as likely (vLLM's rank)
+        assert mine["decoded_token"] == tokenizer.backend.decode([token], skip_special_tokens=False)
+        best = row.topk(2).indices.tolist()
+        assert [position[str(t)]["rank"] for t in best] == [1, 2]
+        assert len(position) == 2 + (token not in best)
+    chat = client.chat.completions.create(
+        messages=MESSAGES, extra_body={"prompt_logprobs": 0}, n=2, **ask
+    )
+    prompt = tokenizer.apply_chat_template(MESSAGES)
+    shown = (chat.model_extra or {})["prompt_logprobs"]
+    assert len(shown) == len(prompt) and shown[0] is None
+    assert [list(p) for p in shown[1:]] == [[str(t)] for t in prompt[1:]]
 
 
 ADD_TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}

@@ -436,11 +436,10 @@ def test_echo_with_logprobs_gives_vllm_s_prompt_logprobs(
     assert answer.logprobs is not None and answer.logprobs.token_logprobs is not None
     tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
     (token,) = tokenizer.encode(answer.text, add_special_tokens=False).ids  # " Paris": one
-    scored = (
-        client.completions.create(prompt=[*ids, token], echo=True, extra_body=pin, **ask)
-        .choices[0]
-        .logprobs
-    )
+    choice = client.completions.create(
+        prompt=[*ids, token], echo=True, extra_body=pin | {"prompt_logprobs": 0}, **ask
+    ).choices[0]
+    scored = choice.logprobs
     assert scored is not None and scored.token_logprobs is not None
     assert scored.top_logprobs is not None
     assert len(scored.token_logprobs) == len(ids) + 2
@@ -449,6 +448,16 @@ def test_echo_with_logprobs_gives_vllm_s_prompt_logprobs(
     assert scored.token_logprobs[len(ids)] == pytest.approx(expected, abs=0.05)
     for logprob, top in zip(scored.token_logprobs[1:], scored.top_logprobs[1:], strict=True):
         assert logprob is not None and top is not None and logprob <= max(top.values()) + 1e-6
+    # vLLM's field beside it (its own alternatives: none asked), with vLLM's ranks.
+    shown = (choice.model_extra or {})["prompt_logprobs"]
+    assert shown[0] is None
+    scored_ids = [*ids, token]
+    for position, t, logprob in zip(
+        shown[1:], scored_ids[1:], scored.token_logprobs[1 : len(scored_ids)], strict=True
+    ):
+        assert list(position) == [str(t)]
+        assert position[str(t)]["logprob"] == pytest.approx(logprob)
+        assert position[str(t)]["rank"] >= 1
 
 
 def test_a_prompt_over_the_context_is_a_400(client: openai.OpenAI, vllm_serve: Deployment) -> None:

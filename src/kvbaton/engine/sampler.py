@@ -104,7 +104,8 @@ class Sampler:
             seq, end = span.seq, span.first + span.count
             logprobs = torch.log_softmax(logits[row : row + span.count], dim=-1)
             targets = seq.token_ids[span.first + 1 : end + 1]
-            seq.prompt_logprobs += _entries(logprobs, targets, seq.params.prompt_logprobs or 0)
+            top = seq.params.prompt_logprobs or 0
+            seq.prompt_logprobs += _entries(logprobs, targets, top, ranked=True)
             row += span.count
 
     @staticmethod
@@ -160,11 +161,18 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self._generator(seq, probs.shape[0])))
 
 
-def _entries(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[list[TokenLogprob]]:
-    """Per row of `logprobs`: its token's logprob, then the `top` best."""
+def _entries(
+    logprobs: torch.Tensor, tokens: list[int], top: int, ranked: bool = False
+) -> list[list[TokenLogprob]]:
+    """Per row of `logprobs`: its token's logprob (and its rank, if `ranked`), then the `top`
+    best."""
     index = torch.tensor(tokens, device=logprobs.device)[:, None]
-    chosen = logprobs.gather(1, index)[:, 0].tolist()
-    entries = [[TokenLogprob(t, lp)] for t, lp in zip(tokens, chosen, strict=True)]
+    chosen = logprobs.gather(1, index)
+    ranks = (logprobs >= chosen).sum(dim=1).tolist() if ranked else [0] * len(tokens)  # vLLM's
+    entries = [
+        [TokenLogprob(t, lp, rank)]
+        for t, lp, rank in zip(tokens, chosen[:, 0].tolist(), ranks, strict=True)
+    ]
     if top:
         values, ids = logprobs.topk(top, dim=-1)
         for entry, row_ids, row_values in zip(entries, ids.tolist(), values.tolist(), strict=True):

@@ -89,7 +89,8 @@ def token_logprobs(
         return None
     entries: list[list[TokenLogprob]] = []
     for token, ranked in zip(token_ids, logprobs, strict=True):
-        chosen = TokenLogprob(token, float(ranked[token].logprob))
+        mine = ranked[token]
+        chosen = TokenLogprob(token, float(mine.logprob), mine.rank or 0)
         best = sorted(
             ((lp.rank, tid, lp.logprob) for tid, lp in ranked.items() if lp.rank <= top),
         )

@@ -309,7 +309,16 @@ class Frontend:
             if record is not None:
                 record.done(error.status, prompt_tokens)
             return _error_response(error)
-        shape = ResponseShape(rid, body.model, chat, len(pres), reasoning is not None, body.n)
+        shape = ResponseShape(
+            rid,
+            body.model,
+            chat,
+            len(pres),
+            reasoning is not None,
+            body.n,
+            body.echo_logprobs,
+            body.shown_prompt_logprobs,
+        )
         if body.stream:
             return EventStream(
                 self._sse(shape, first, events, record, prompt_tokens, body.include_usage),

@@ -218,6 +218,9 @@ class _Common(_NullIsDefault):
     # As vLLM's: a tenant's key that enters every block hash, so that requests with another
     # salt (or none) never hit this one's cached prefix blocks.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # As vLLM's: the prompt's logprobs with this many alternatives, each prompt token's in the
+    # whole response's `prompt_logprobs` (a completion's per choice); not streamed.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # Constraints enforced by the engine (vLLM's extension fields): at most one, and none with
     # a chat request's response_format json_object or json_schema.
     guided_json: dict[str, Any] | str | None = None
@@ -250,6 +253,8 @@ class _Common(_NullIsDefault):
     def _check_common(self) -> _Common:
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed with stream=true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError("prompt_logprobs", "prompt_logprobs are not streamed: stream=false")
         if self.nvext is not None:
             self.nvext.instance_id()  # a bad id is a bad request
         return self
@@ -287,7 +292,18 @@ class _Common(_NullIsDefault):
     @property
     def num_prompt_logprobs(self) -> int | None:
         """... per prompt token after the first, as `num_logprobs`."""
+        return self.prompt_logprobs
+
+    @property
+    def echo_logprobs(self) -> int | None:
+        """Alternatives per echoed prompt token in a completion's `logprobs` (None: none)."""
         return None
+
+    @property
+    def shown_prompt_logprobs(self) -> int | None:
+        """Alternatives per token in the response's `prompt_logprobs` field (None: no field):
+        as asked, else as a completion's echo asks them (as vLLM gives them)."""
+        return self.prompt_logprobs if self.prompt_logprobs is not None else self.echo_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -441,7 +457,12 @@ class CompletionRequest(_Common):
 
     @property
     def num_prompt_logprobs(self) -> int | None:
-        """`echo` with `logprobs`: the echoed prompt's tokens come with theirs too."""
+        """The most of `prompt_logprobs` and the echoed prompt's (`echo` with `logprobs`)."""
+        wanted = [n for n in (self.prompt_logprobs, self.echo_logprobs) if n is not None]
+        return max(wanted, default=None)
+
+    @property
+    def echo_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
 
 

@@ -34,9 +34,8 @@ class Delta:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     reasoning: str = ""  # the reasoning's new text (with a reasoning parser only)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
-    # The first delta's, with the prompt's logprobs: the prompt's tokens in `logprobs`' shape,
-    # the first without a logprob or alternatives (nothing comes before it).
-    prompt_logprobs: list[tuple[int, float | None, list[tuple[int, float]] | None]] | None = None
+    # The first delta's, with the prompt's logprobs: the engine's (from the second token on).
+    prompt_logprobs: list[list[TokenLogprob]] | None = None
 
 
 class ChoiceState:
@@ -69,6 +68,7 @@ class ChoiceState:
         self._calls = tools.parser() if tools is not None else None
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.prompt_logprobs: list[list[TokenLogprob]] | None = None  # as the engine gave them
         self._text_offset = 0  # of the next token in `completion_logprobs`
         self.finish_reason: str | None = None
 
@@ -91,9 +91,7 @@ class ChoiceState:
         if self._echo:
             delta.text, self._echo = self._echo + delta.text, ""
         if out.prompt_logprobs is not None:
-            first: list[tuple[int, float | None, list[tuple[int, float]] | None]]
-            first = [(self.prompt_token_ids[0], None, None)]
-            delta.prompt_logprobs = first + list(_logprobs(out.prompt_logprobs))
+            delta.prompt_logprobs = self.prompt_logprobs = out.prompt_logprobs
         return delta
 
     def _update_each(self, out: EngineOutput) -> Delta:
@@ -168,13 +166,19 @@ class ChoiceState:
             ]
         }
 
-    def completion_logprobs(self, delta: Delta) -> dict[str, Any] | None:
-        """OpenAI's completion shape: an echoed prompt's tokens first (`prompt_logprobs`, the
-        first with null logprob and alternatives), then the answer's.
+    def completion_logprobs(self, delta: Delta, echo_top: int | None) -> dict[str, Any] | None:
+        """OpenAI's completion shape: an echoed prompt's tokens first (with `echo_top` set:
+        that many alternatives; the first token with null logprob and alternatives), then the
+        answer's.
 
         - `text_offset`: where each token's text starts in the choice's, counted over the
           tokens' texts as vLLM counts (from 0, across the deltas of the choice)."""
-        entries = (delta.prompt_logprobs or []) + list(delta.logprobs)
+        entries: list[tuple[int, float | None, list[tuple[int, float]] | None]]
+        entries = list(delta.logprobs)
+        if delta.prompt_logprobs is not None and echo_top is not None:
+            first = (self.prompt_token_ids[0], None, None)
+            shown = [e[: 1 + echo_top] for e in delta.prompt_logprobs]
+            entries = [first, *_logprobs(shown), *entries]
         if not entries:
             return None
         tokens = [self.token_text(t) for t, _, _ in entries]
@@ -189,6 +193,24 @@ class ChoiceState:
             ],
             "text_offset": offsets,
         }
+
+    def vllm_prompt_logprobs(self, top: int) -> list[dict[str, dict[str, Any]] | None]:
+        """The prompt's logprobs as vLLM's `prompt_logprobs` field: null for the first token,
+        then per token its own and the `top` best by token id, each with its rank and text."""
+        shown: list[dict[str, dict[str, Any]] | None] = [None]
+        for chosen, *best in self.prompt_logprobs or []:
+            position: dict[str, dict[str, Any]] = {}
+            for lp, rank in [(chosen, chosen.rank), *zip(best[:top], itertools.count(1))]:
+                position.setdefault(  # the chosen one first: once, if it is among the best
+                    str(lp.token_id),
+                    {
+                        "logprob": lp.logprob,
+                        "rank": rank,
+                        "decoded_token": self.token_text(lp.token_id),
+                    },
+                )
+            shown.append(position)
+        return shown
 
 
 def _logprobs(

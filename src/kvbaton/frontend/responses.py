@@ -22,6 +22,9 @@ class ResponseShape:
       (and `content` null if it wrote nothing else); a chunk's delta announces a call (index,
       id, type, name, empty arguments) before its argument fragments.
     - `n` choices in all, `per_prompt` of each prompt (choice i is prompt i // per_prompt's).
+    - A prompt's logprobs: a completion's echoed prompt's tokens lead its choice's `logprobs`
+      with `echo_top` alternatives; vLLM's `prompt_logprobs` field, with `prompt_top`, is on
+      each whole completion choice and on a whole chat response (never in chunks).
     """
 
     def __init__(
@@ -32,6 +35,8 @@ class ResponseShape:
         n: int,
         reasoning: bool = False,
         per_prompt: int = 1,
+        echo_top: int | None = None,
+        prompt_top: int | None = None,
     ) -> None:
         self.rid = rid
         self.model = model
@@ -39,6 +44,8 @@ class ResponseShape:
         self.n = n
         self.per_prompt = per_prompt
         self.reasoning = reasoning and chat
+        self.echo_top = echo_top
+        self.prompt_top = prompt_top
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
         self.created = int(time.time())
         self._event_start = b"data: " + _encode(self._head(True))[:-1] + b',"choices":['
@@ -57,7 +64,9 @@ class ResponseShape:
         return b"data: " + _encode(body) + b"\n\n"
 
     def logprobs(self, state: ChoiceState, delta: Delta) -> Any:
-        return state.chat_logprobs(delta) if self.chat else state.completion_logprobs(delta)
+        if self.chat:
+            return state.chat_logprobs(delta)
+        return state.completion_logprobs(delta, self.echo_top)
 
     def role_chunk(self, index: int, include_usage: bool) -> dict[str, Any]:
         choice = {
@@ -118,9 +127,14 @@ class ResponseShape:
             else:
                 choice["text"] = texts[i]
                 choice["logprobs"] = _join_completion_logprobs(logprobs[i])
+                if self.prompt_top is not None and i in states:
+                    choice["prompt_logprobs"] = states[i].vllm_prompt_logprobs(self.prompt_top)
             choice["finish_reason"] = states[i].finish_reason if i in states else None
             choices.append(choice)
-        return self._head(False) | {"choices": choices, "usage": _usage(states, self.per_prompt)}
+        body = self._head(False) | {"choices": choices, "usage": _usage(states, self.per_prompt)}
+        if self.chat and self.prompt_top is not None and 0 in states:  # one prompt: choice 0's
+            body["prompt_logprobs"] = states[0].vllm_prompt_logprobs(self.prompt_top)
+        return body
 
 
 def _call(call: ToolCall) -> dict[str, Any]:

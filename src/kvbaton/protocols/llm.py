@@ -106,6 +106,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
+    rank: int = 0  # its place in its distribution (1: the likeliest); 0: not known
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -177,7 +178,7 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     # One entry per new token: the chosen token's logprob, then the top alternatives.
     logprobs: list[list[TokenLogprob]] | None = None
     # On a request's first output, with `prompt_logprobs`: an entry per prompt token after
-    # the first (the first has nothing before it), as in `logprobs`.
+    # the first (the first has nothing before it), as in `logprobs`, its token's rank known.
     prompt_logprobs: list[list[TokenLogprob]] | None = None
     kv_blocks: list[int] | None = None
     # With `kv_blocks` from an engine that moves KV itself: its own transfer parameters
