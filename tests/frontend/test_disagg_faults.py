@@ -24,6 +24,7 @@ from tests.frontend.fleet import (
     client_of,
     load,
     mocker,
+    poll,
     ready,
     running_frontend,
 )
@@ -61,11 +62,19 @@ async def test_a_prefill_worker_killed_mid_prefill_leaves_the_decode_worker_to_p
                     extra_body={"ignore_eos": True},
                 )
             )
-            await asyncio.sleep(0.5)  # the prefill worker is busy with the long prompt
+
+            async def prefilling() -> bool:  # the prefill worker is busy with the long prompt
+                return (await load(rt, "prefill")).running > 0
+
+            await poll(prefilling, 30, "the prefill worker never took the long prompt")
             prefill.send_signal(signal.SIGKILL)
             out = await request
             assert out.usage is not None and out.usage.completion_tokens == 20
-            assert "prefilling on the decode worker" in frontend.log_text()
+            async with httpx.AsyncClient() as http:
+                cluster = (await http.get(f"{frontend.url}/v1/cluster")).json()
+            (model,) = cluster["models"]
+            assert model["disaggregated"]["answered"] == 1  # the reference
+            assert model["disaggregated"]["fallbacks"] == 1  # prefilled on the decode worker
             assert reference.choices[0].text  # the deployment worked before the kill
             await all_free(rt, "backend")
         if order == "decode-first":  # the writer's claim ended with its process, not by a report
