@@ -111,6 +111,27 @@ def test_streamed_deltas_carry_the_reasoning_apart(frontends: Frontends) -> None
     assert chunks[-1].usage.completion_tokens == frontends.tokens
 
 
+def test_a_response_has_a_reasoning_item_before_its_message(frontends: Frontends) -> None:
+    """The Responses API: the reasoning is an item of its own, whole and streamed."""
+    ask: dict[str, Any] = {"model": frontends.model, "max_output_tokens": frontends.tokens}
+    response = frontends.parsed.responses.create(input="Why?", **ask)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and message.type == "message"
+    assert [c.text for c in reasoning.content or []] == ["plan"]
+    assert response.output_text == "answer"
+    events = list(frontends.parsed.responses.create(input="Why?", stream=True, **ask))
+    deltas = {
+        kind: "".join(e.delta for e in events if e.type == f"response.{kind}.delta")
+        for kind in ("reasoning_text", "output_text")
+    }
+    assert deltas == {"reasoning_text": "plan", "output_text": "answer"}
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message"]
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning", "message"]
+    assert final.output_text == "answer"
+
+
 def test_without_the_flag_the_tags_stay_in_the_content(frontends: Frontends) -> None:
     out, reasoning, content = whole(frontends.plain, frontends)
     assert (reasoning, content) == (None, ANSWER)

@@ -42,6 +42,7 @@ from kvbaton.frontend.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    FieldError,
     NvExt,
     TokenizeRequest,
     _Common,
@@ -55,6 +56,8 @@ from kvbaton.frontend.preprocess import (
 )
 from kvbaton.frontend.reasoning import ReasoningFormat
 from kvbaton.frontend.responses import ResponseShape
+from kvbaton.frontend.responses_api import ResponsesRequest
+from kvbaton.frontend.responses_output import ResponseOutput, ResponseStream
 from kvbaton.frontend.tool_calls import ToolCallFormat, format_of_template
 from kvbaton.frontend.tools import ToolUse, tool_use
 from kvbaton.protocols.llm import PreprocessedRequest
@@ -188,6 +191,7 @@ class Frontend:
             {
                 "/v1/chat/completions": (ChatCompletionRequest, self._chat_completions),
                 "/v1/completions": (CompletionRequest, self._completions),
+                "/v1/responses": (ResponsesRequest, self._responses),
             },
         )
 
@@ -267,7 +271,15 @@ class Frontend:
             return self.tool_format
         return format_of_template(served.tokenizer.chat_template)
 
-    async def _handle(self, request: Request, body: _Common, route: str) -> Response:
+    async def _handle(
+        self,
+        request: Request,
+        body: _Common,
+        route: str,
+        responses: ResponsesRequest | None = None,
+    ) -> Response:
+        """`responses`: the Responses API request that `body` answers (its response is shaped
+        from the chat answer)."""
         rid: str = request.state.request_id
         record: RequestRecord | None = None
         prompt_tokens = 0
@@ -319,15 +331,18 @@ class Frontend:
             body.echo_logprobs,
             body.shown_prompt_logprobs,
         )
+        output = ResponseOutput(rid, responses) if responses is not None else None
         if body.stream:
-            return EventStream(
-                self._sse(shape, first, events, record, prompt_tokens, body.include_usage),
-                headers={"cache-control": "no-cache", **ctx.headers()},
+            stream = (
+                self._sse(shape, first, events, record, prompt_tokens, body.include_usage)
+                if output is None
+                else self._response_events(ResponseStream(output), first, events, record)
             )
+            return EventStream(stream, headers={"cache-control": "no-cache", **ctx.headers()})
         if len(pres) == 1 and first[1].finished:  # all there: nothing left to wait for
             result = await self._collect(shape, first, events, record)
             record.done(200, prompt_tokens)
-            return _json(result, headers=ctx.headers())
+            return _json(result if output is None else output.whole(result), headers=ctx.headers())
         try:
             result = await while_connected(
                 request.receive, self._collect(shape, first, events, record)
@@ -340,7 +355,7 @@ class Frontend:
             record.done(error.status, prompt_tokens)
             return _error_response(error)
         record.done(200, prompt_tokens)
-        return _json(result, headers=ctx.headers())
+        return _json(result if output is None else output.whole(result), headers=ctx.headers())
 
     async def _collect(
         self,
@@ -413,8 +428,47 @@ class Frontend:
             await events.aclose()
             record.done(status, prompt_tokens)
 
+    async def _response_events(
+        self,
+        stream: ResponseStream,
+        first: Event,
+        events: AsyncGenerator[Event, None],
+        record: RequestRecord,
+    ) -> AsyncGenerator[bytes, None]:
+        """A Responses API stream: its events as the choice's deltas come (`_sse`'s part)."""
+        status = 499  # unless it ends one way or the other below
+        prompt_tokens = first[1].prompt_tokens
+        try:
+            yield b"".join(stream.start())
+            event: Event | None = first
+            state = first[1]
+            while event is not None:
+                _, state, delta = event
+                record.tokens(delta.tokens)
+                chunk = b"".join(stream.update(delta))
+                if chunk:
+                    yield chunk
+                event = await anext(events, None)
+            yield b"".join(stream.finish(state))
+            status = 200
+        except Exception as exc:
+            error = as_openai_error(exc, stream.output.request.model)
+            status = error.status
+            log.warning("request %s failed mid-stream: %s", stream.output.rid, error.message)
+            yield stream.failed(error)
+        finally:
+            await events.aclose()
+            record.done(status, prompt_tokens)
+
     async def _chat_completions(self, request: Request, body: ChatCompletionRequest) -> Response:
         return await self._handle(request, body, "chat_completions")
+
+    async def _responses(self, request: Request, body: ResponsesRequest) -> Response:
+        try:
+            chat = body.to_chat()
+        except FieldError as exc:
+            return _error_response(bad_request(str(exc), exc.param))
+        return await self._handle(request, chat, "responses", body)
 
     async def _completions(self, request: Request, body: CompletionRequest) -> Response:
         return await self._handle(request, body, "completions")
@@ -449,6 +503,10 @@ class Frontend:
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request) -> Response:
             return await self._completions(request, body)
+
+        @app.post("/v1/responses")
+        async def responses(body: ResponsesRequest, request: Request) -> Response:
+            return await self._responses(request, body)
 
         @app.post("/tokenize")
         async def tokenize(body: TokenizeRequest) -> Response:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
     BaseModel,
@@ -44,6 +44,9 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+_B = TypeVar("_B", bound=BaseModel)
+
+
 class _NullIsDefault(_Body):
     """A body with optional fields whose types take no None (a test holds every such body to
     this class).
@@ -72,6 +75,25 @@ def defaulted_on_null(cls: type[BaseModel]) -> frozenset[str]:
         and field.annotation is not Any
         and type(None) not in get_args(field.annotation)
     )
+
+
+def without(data: Any, ignored: tuple[str, ...]) -> Any:
+    """A body without its `ignored` fields (harmless ones, taken and not used)."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if k not in ignored}
+    return data
+
+
+def validated(model: type[_B], value: Any, what: str, hint: str = "") -> _B:
+    """`value` as a `model`; else a ValueError naming `what`, the faulty field and the fault,
+    then `hint` (a part of a list, whose union's own error would say only which types fail)."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        fault = e.errors()[0]
+        field = ".".join(str(p) for p in fault["loc"])
+        where = f" field {field!r}" if field else ""
+        raise ValueError(f"{what}{where}: {fault['msg']}{hint}") from None
 
 
 class TextPart(_Body):
@@ -115,15 +137,8 @@ class ChatMessage(_Body):
                     f"a content part of type {kind!r} is not supported: the models served here "
                     "take text parts only"
                 )
-            try:
-                parts.append(TextPart.model_validate(part))
-            except ValidationError as e:
-                fault = e.errors()[0]
-                field = ".".join(str(p) for p in fault["loc"])
-                raise ValueError(
-                    f"content part {i}{f' field {field!r}' if field else ''}: {fault['msg']} "
-                    '(a text part is {"type": "text", "text": "..."})'
-                ) from None
+            hint = ' (a text part is {"type": "text", "text": "..."})'
+            parts.append(validated(TextPart, part, f"content part {i}", hint))
         return parts
 
     @model_validator(mode="after")
@@ -245,9 +260,7 @@ class _Common(_NullIsDefault):
     @model_validator(mode="before")
     @classmethod
     def _drop_harmless(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if k not in _IGNORED}
-        return data
+        return without(data, _IGNORED)
 
     @model_validator(mode="after")
     def _check_common(self) -> _Common:

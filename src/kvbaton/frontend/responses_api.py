@@ -1,0 +1,275 @@
+"""The request of OpenAI's Responses API (`POST /v1/responses`), without state: it becomes a chat
+request (its input items the messages, its function tools and text format the chat's), whose
+answer becomes the response (`responses_output.py`).
+
+- Nothing is kept: `previous_response_id`, `conversation` and `background` are refused with a
+  400 naming them; `store` is taken and ignored (no response can be fetched later).
+- Input: a string (one user message) or items: messages (user, system, developer and
+  assistant; text parts), `function_call` items (an assistant's calls) and
+  `function_call_output` items (tool messages). Earlier `reasoning` items are taken and left
+  out of the prompt, as chat templates leave out earlier turns' reasoning.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from kvbaton.frontend.openai_types import (
+    ChatCompletionRequest,
+    FieldError,
+    FunctionName,
+    PositiveInt,
+    ReasoningEffort,
+    _Body,
+    _NullIsDefault,
+    validated,
+    without,
+)
+
+_IGNORED = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key")
+
+
+class TextPart(_Body):
+    """A message's text: `input_text`, or an earlier answer's `output_text`."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # an earlier answer's (none are written here)
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(_NullIsDefault):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(_NullIsDefault):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_NullIsDefault):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return "".join(part.text for part in self.output)
+
+
+class ReasoningItem(_NullIsDefault):
+    """An earlier answer's reasoning: taken, left out of the prompt."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] | None = None
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+_ITEMS: dict[str, type[InputItem]] = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
+}
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (none: no arguments)
+    strict: bool | None = None
+
+
+class NamedFunction(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class TextConfig(_NullIsDefault):
+    format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningConfig(_NullIsDefault):
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesRequest(_NullIsDefault):
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stream: bool = False
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    # Recognised, not supported: refused when given a value that would need them.
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    stream_options: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_harmless(cls, data: Any) -> Any:
+        return without(data, _IGNORED)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _items_by_type(cls, value: Any) -> Any:
+        """- Each item is validated as its `type` says (a message without one), so that an
+        error names the item and its fault."""
+        if not isinstance(value, list):
+            return value
+        items: list[InputItem] = []
+        for i, item in enumerate(value):
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            model = _ITEMS.get(kind) if isinstance(kind, str) else None
+            if model is None:
+                raise ValueError(
+                    f"input item {i}: type {kind!r} is not supported (messages, function_call, "
+                    "function_call_output and reasoning items are)"
+                )
+            items.append(validated(model, item, f"input item {i} ({kind})"))
+        return items
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools_only(cls, value: Any) -> Any:
+        for tool in value if isinstance(value, list) else []:
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ValueError(f"a tool of type {kind!r} is not supported: function tools are")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponsesRequest:
+        stateful = {
+            "previous_response_id": self.previous_response_id is not None,
+            "conversation": self.conversation is not None,
+            "background": bool(self.background),
+        }
+        unsupported = {
+            "include": bool(self.include),
+            "top_logprobs": bool(self.top_logprobs),
+            "max_tool_calls": self.max_tool_calls is not None,
+            "truncation": self.truncation == "auto",
+            "reasoning.summary": self.reasoning is not None
+            and (self.reasoning.summary or self.reasoning.generate_summary) is not None,
+        }
+        for name, given in stateful.items():
+            if given:
+                raise FieldError(name, f"{name}: this server keeps no responses")
+        for name, given in unsupported.items():
+            if given:
+                raise FieldError(name, f"{name}: not supported by this server yet")
+        if not self.input:
+            raise FieldError("input", "input is empty")
+        return self
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The chat request that answers this one (FieldError naming this request's field)."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": self._messages(),
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "stream": self.stream,
+        }
+        given = {
+            "max_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "reasoning_effort": self.reasoning.effort if self.reasoning else None,
+            "response_format": self._response_format(),
+        }
+        body |= {name: value for name, value in given.items() if value is not None}
+        if self.tools:
+            body["tools"] = [
+                {"type": "function", "function": tool.model_dump(exclude={"type"})}
+                for tool in self.tools
+            ]
+        if isinstance(self.tool_choice, NamedFunction):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        try:
+            return ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:  # the fields above are checked: what is left is input's
+            raise FieldError("input", e.errors()[0]["msg"]) from None
+
+    def _messages(self) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        for item in self.input:
+            if isinstance(item, MessageItem):
+                messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant":  # its text, or calls
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append(
+                    {"role": "tool", "tool_call_id": item.call_id, "content": item.text()}
+                )
+        if not messages:
+            raise FieldError("input", "input has no message (reasoning items alone)")
+        return messages
+
+    def _response_format(self) -> dict[str, Any] | None:
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return {"type": "json_object"}
+        if fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
+            schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+            return {"type": "json_schema", "json_schema": schema}
+        raise FieldError(
+            "text.format",
+            "text.format: type must be text, json_object or json_schema (with schema, an object)",
+        )

@@ -1,0 +1,236 @@
+"""OpenAI's Responses API (`/v1/responses`) of a real `kvbaton serve`, through the official
+`openai` client: each response is the chat answer of the same conversation (input items as
+messages, function tools, the text format), whole and streamed as typed events; what it
+cannot do (keep responses, other tools, images) is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.frontend.conftest import Deployment, start_serve, stop_cleanly
+from tests.tiny_models import build_chat_model
+
+pytestmark = pytest.mark.integration
+
+ADD = {
+    "type": "function",
+    "name": "add",
+    "description": "Add two integers.",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"enum": [2, 3]}, "b": {"enum": [2, 3]}},  # a short call
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def client(served: Deployment) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def long_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """A tiny model of 1,024 positions: its template's tool prompt is longer than 256."""
+    model = build_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat", max_positions=1024)
+    deployment = start_serve(model, tmp_path_factory.mktemp("discovery"))
+    yield deployment
+    stop_cleanly(deployment)
+
+
+def events_of(client: openai.OpenAI, **ask: Any) -> list[Any]:
+    return list(client.responses.create(stream=True, **ask))
+
+
+def test_a_response_is_the_chat_answer_of_its_conversation(
+    client: openai.OpenAI, served: Deployment
+) -> None:
+    """Instructions and items (an earlier answer among them) give the chat answer of the same
+    messages: its text, its usage, and `incomplete` where it reached max_output_tokens."""
+    items: list[Any] = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Paris.", "annotations": []}],
+        },
+        {"role": "user", "content": [{"type": "input_text", "text": "And of Italy?"}]},
+    ]
+    messages = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    for limit in (3, 40):
+        ask: dict[str, Any] = {"model": served.model, "temperature": 0}
+        chat = client.chat.completions.create(messages=messages, max_tokens=limit, **ask)
+        response = client.responses.create(
+            input=items, instructions="Be terse.", max_output_tokens=limit, **ask
+        )
+        assert response.object == "response" and response.id.startswith("resp_")
+        assert response.output_text == chat.choices[0].message.content
+        (message,) = response.output
+        assert message.type == "message" and message.role == "assistant"
+        cut = chat.choices[0].finish_reason == "length"
+        assert response.status == ("incomplete" if cut else "completed")
+        if cut:
+            assert response.incomplete_details is not None
+            assert response.incomplete_details.reason == "max_output_tokens"
+        assert response.usage is not None and chat.usage is not None
+        assert response.usage.input_tokens == chat.usage.prompt_tokens
+        assert response.usage.output_tokens == chat.usage.completion_tokens
+        assert response.usage.total_tokens == chat.usage.total_tokens
+    one = client.responses.create(model=served.model, input="Hi", max_output_tokens=4)
+    assert one.usage is not None and one.usage.output_tokens <= 4
+
+
+def test_a_stream_gives_the_whole_response_in_numbered_events(
+    client: openai.OpenAI, served: Deployment
+) -> None:
+    ask: dict[str, Any] = {"model": served.model, "input": "Hello there", "temperature": 0}
+    ask["max_output_tokens"] = 12
+    whole = client.responses.create(**ask)
+    events = events_of(client, **ask)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert kinds[-1] == f"response.{whole.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-4].text
+    final = events[-1].response
+    assert final.output_text == whole.output_text
+    assert final.usage is not None and whole.usage is not None
+    counts = [(u.input_tokens, u.output_tokens) for u in (final.usage, whole.usage)]
+    assert counts[0] == counts[1]  # (their cached tokens differ: the second hits the first's)
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+
+
+def test_a_forced_function_call_and_its_answer(long_served: Deployment) -> None:
+    """tool_choice required: a function_call item whose arguments fit the schema, whole and
+    streamed (its arguments in deltas); the call and its output go back as items."""
+    served = long_served
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
+    ask: dict[str, Any] = {"model": served.model, "tools": [ADD], "tool_choice": "required"}
+    ask |= {"input": "What is 2 + 3?", "temperature": 0, "max_output_tokens": 80}
+    ask["parallel_tool_calls"] = False  # one call, then the end
+    response = client.responses.create(**ask)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and response.status == "completed"
+    call = calls[0]
+    assert call.name == "add" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), ADD["parameters"])
+    events = events_of(client, **ask)
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [i.type for i in added] == [i.type for i in response.output]
+    arguments = "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta"
+    )
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done and "".join(e.arguments for e in done) == arguments
+    assert [e.arguments for e in done] == [c.arguments for c in calls]
+    follow_up: list[Any] = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": "add",
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": "5"},
+    ]
+    answer = client.responses.create(
+        model=served.model, input=follow_up, tools=[ADD], max_output_tokens=8, temperature=0
+    )
+    chat = client.chat.completions.create(
+        model=served.model,
+        messages=[
+            {"role": "user", "content": "What is 2 + 3?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": "add", "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": "5"},
+        ],
+        tools=[{"type": "function", "function": {k: v for k, v in ADD.items() if k != "type"}}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert answer.usage is not None and chat.usage is not None
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_json_schema_format_gives_valid_json(client: openai.OpenAI, served: Deployment) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    response = client.responses.create(
+        model=served.model,
+        input="Name a capital as JSON.",
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}},
+        max_output_tokens=60,
+        temperature=0,
+    )
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), schema)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"background": True}, "background"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input"),
+        ({"input": [{"type": "computer_call"}]}, "input"),
+        ({"input": []}, "input"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"unknown_field": 1}, "unknown_field"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+    ],
+)  # fmt: skip
+def test_what_a_response_cannot_do_is_a_400_naming_it(
+    served: Deployment, body: dict[str, Any], param: str
+) -> None:
+    request = {"model": served.model, "input": "x"} | body
+    r = httpx.post(f"{served.url}/v1/responses", json=request)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param, error
+
+
+def test_store_and_metadata_are_taken(client: openai.OpenAI, served: Deployment) -> None:
+    response = client.responses.create(
+        model=served.model, input="Hi", max_output_tokens=2, store=True, metadata={"k": "v"}
+    )
+    assert response.status in ("completed", "incomplete")
