@@ -78,8 +78,8 @@ class BlockManager:
     # -- the five verbs ----------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest prefix of a new sequence's tokens. At least one
-        token is left to compute, since the model must run on the last one to sample. None for
-        one that computes its whole prompt."""
+        token is left to compute, since the model must run on the last one to sample. No
+        block for one that computes its whole prompt (`computes_whole_prompt`)."""
         if not self.enable_prefix_caching or seq.computes_whole_prompt:
             return []
         max_blocks = reusable_blocks(seq.num_tokens, self.block_size)

@@ -164,11 +164,11 @@ class Sampler:
 def _entries(
     logprobs: torch.Tensor, tokens: list[int], top: int, ranked: bool = False
 ) -> list[list[TokenLogprob]]:
-    """Per row of `logprobs`: its token's logprob (and its rank, if `ranked`), then the `top`
-    best."""
+    """Per row of `logprobs`: its token's logprob (and, if `ranked`, its rank as vLLM counts
+    it: how many tokens are at least as likely), then the `top` best."""
     index = torch.tensor(tokens, device=logprobs.device)[:, None]
     chosen = logprobs.gather(1, index)
-    ranks = (logprobs >= chosen).sum(dim=1).tolist() if ranked else [0] * len(tokens)  # vLLM's
+    ranks = (logprobs >= chosen).sum(dim=1).tolist() if ranked else [0] * len(tokens)
     entries = [
         [TokenLogprob(t, lp, rank)]
         for t, lp, rank in zip(tokens, chosen[:, 0].tolist(), ranks, strict=True)
