@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 
 STATE: Any = SimpleNamespace(
     chat_logprobs=lambda delta: {"content": [{"token": "a"}]} if delta.logprobs else None,
-    completion_logprobs=lambda delta: {"tokens": ["a"]} if delta.logprobs else None,
+    completion_logprobs=lambda delta, echo_top: {"tokens": ["a"]} if delta.logprobs else None,
 )
 
 
