@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from kvbaton.engine import LLMEngine, SamplingParams
+from kvbaton.engine import scheduler as scheduler_module
 from kvbaton.engine.connector import EngineRequest
+from kvbaton.engine.sampler import PromptRows, Sampler
 from kvbaton.protocols.llm import EngineOutput, TokenLogprob
 from tests.engine.conftest import TEST_DEVICE
 from tests.engine.reference import _hf_model, engine, prompts, run
@@ -106,6 +108,28 @@ def test_a_preempted_prompt_records_its_logprobs_once(tiny_models: dict[str, Pat
     assert eng.scheduler.num_preemptions > 0  # the path under test was taken
     for rid, prompt in batch.items():
         assert_matches_hf(prompt_logprobs_of(outs[rid]), model_dir, prompt, 1)
+
+
+def test_a_long_prompt_s_logits_come_a_bounded_chunk_at_a_time(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunked prefill off and a budget that holds the prompt whole: its logits still come at
+    most `PROMPT_LOGPROBS_CHUNK` rows a step (here 16), and equal HF's."""
+    monkeypatch.setattr(scheduler_module, "PROMPT_LOGPROBS_CHUNK", 16)
+    rows: list[int] = []
+    record = Sampler.record_prompt_logprobs
+
+    def counted(logits: torch.Tensor, spans: list[PromptRows]) -> None:
+        rows.append(logits.shape[0])
+        record(logits, spans)
+
+    monkeypatch.setattr(Sampler, "record_prompt_logprobs", staticmethod(counted))
+    model_dir = tiny_models["llama-tied"]
+    eng = engine(model_dir, enable_chunked_prefill=False, max_num_batched_tokens=256)
+    prompt = prompts()[-1]  # 75 tokens
+    outs = collect(eng, {"long": prompt}, SamplingParams(max_tokens=2, prompt_logprobs=0))
+    assert_matches_hf(prompt_logprobs_of(outs["long"]), model_dir, prompt, 0)
+    assert max(rows) <= 16 and sum(rows) == len(prompt) - 1
 
 
 def test_prompt_logprobs_out_of_range_are_refused() -> None:

@@ -40,6 +40,10 @@ from kvbaton.engine.connector import KvLoad, KvSource, KvTier
 from kvbaton.engine.sequence import Sequence, SequenceStatus
 from kvbaton.llm.hashing import reusable_blocks
 
+# The most prompt tokens a step computes of a prompt whose logprobs are read: its logits there
+# are [chunk, vocabulary] float32 (512 x 128k: 256 MiB).
+PROMPT_LOGPROBS_CHUNK = 512
+
 
 @dataclass(frozen=True)
 class ScheduledSeq:
@@ -298,7 +302,11 @@ class Scheduler:
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
         """Tokens to compute this step. Without chunked prefill a prompt waits for a budget
         that holds it whole; a preempted sequence's recompute (prompt and output, possibly
-        longer than any budget) is chunked regardless, or it could never run again."""
+        longer than any budget) is chunked regardless, or it could never run again; so is a
+        prompt whose logprobs are read, by `PROMPT_LOGPROBS_CHUNK` (its logits are [chunk,
+        vocabulary] floats)."""
+        if seq.computes_whole_prompt:
+            return min(remaining, budget, PROMPT_LOGPROBS_CHUNK)
         if remaining <= budget:
             return remaining
         return budget if self.enable_chunked_prefill or seq.num_output_tokens else 0
