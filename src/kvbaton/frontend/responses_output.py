@@ -8,8 +8,10 @@ typed stream events (`ResponseStream`, from the choice's deltas).
   reached its limit.
 - A stream: `response.created`, `response.in_progress`, each item's events in output order (its
   `response.output_item.added`, its deltas, its `.done` events, `response.output_item.done`),
-  then `response.completed` (or `response.incomplete`) with the whole response; every event
-  numbered by `sequence_number`. An error mid-stream is an `error` event, the stream's last.
+  then `response.completed` with the whole response (its `status` "incomplete" where it is:
+  the event vLLM ends with, and the one the OpenAI SDK's stream helpers take as the end);
+  every event numbered by `sequence_number`. An error mid-stream is an `error` event, the
+  stream's last.
 """
 
 from __future__ import annotations
@@ -213,8 +215,7 @@ class ResponseStream:
             state.completion_tokens,
             state.cached_tokens,
         )
-        kind = "response.incomplete" if whole["status"] == "incomplete" else "response.completed"
-        return [*events, self._event(kind, response=whole)]
+        return [*events, self._event("response.completed", response=whole)]
 
     def failed(self, error: OpenAIError) -> bytes:
         """The stream's last event, for a failure after it started: OpenAI's error event, with
