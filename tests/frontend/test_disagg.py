@@ -161,7 +161,7 @@ def test_disaggregated_tokens_equal_aggregated(disagg: Disagg) -> None:
         )
         assert workers == [decode]
         warm, workers = complete(disagg.url, disagg.model, prompt)  # hits on both sides
-        assert sorted(workers) == sorted(both)
+        assert sorted(workers) == sorted(both), (len(prompt), disagg.log_text()[-4000:])
         assert cold == whole == warm, len(prompt)
     moved = "read" if disagg.order == "prefill-first" else "wrote"
     assert re.search(rf"{moved} \d+ KV blocks .* over {disagg.backend}", disagg.log_text())
