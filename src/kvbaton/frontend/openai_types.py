@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, Protocol, TypeVar, get_args
 
 from pydantic import (
     BaseModel,
@@ -75,6 +76,20 @@ def defaulted_on_null(cls: type[BaseModel]) -> frozenset[str]:
         and field.annotation is not Any
         and type(None) not in get_args(field.annotation)
     )
+
+
+class _HasText(Protocol):
+    @property
+    def text(self) -> str: ...
+
+
+def joined_text(content: str | Sequence[_HasText] | None) -> str:
+    """A message's text: the string itself, its text parts joined, or "" for none."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
 
 
 def without(data: Any, ignored: tuple[str, ...]) -> Any:
@@ -150,11 +165,7 @@ class ChatMessage(_Body):
         return self
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return joined_text(self.content)
 
 
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]

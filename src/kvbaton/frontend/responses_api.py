@@ -24,6 +24,7 @@ from kvbaton.frontend.openai_types import (
     ReasoningEffort,
     _Body,
     _NullIsDefault,
+    joined_text,
     validated,
     without,
 )
@@ -48,9 +49,7 @@ class MessageItem(_NullIsDefault):
     status: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return joined_text(self.content)
 
 
 class FunctionCallItem(_NullIsDefault):
@@ -70,9 +69,7 @@ class FunctionCallOutputItem(_NullIsDefault):
     status: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(part.text for part in self.output)
+        return joined_text(self.output)
 
 
 class ReasoningItem(_NullIsDefault):
