@@ -383,6 +383,8 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("chat/completions", chat(continue_final_message=True, add_generation_prompt=True), 400,
      "continue_final_message"),
     ("chat/completions", chat(reasoning_effort="extreme"), 400, "reasoning_effort"),
+    ("chat/completions", chat(verbosity="low"), 400, "verbosity"),
+    ("chat/completions", chat(verbosity="loud"), 400, "verbosity"),
     ("chat/completions", chat(cache_salt=""), 400, "cache_salt"),
     ("chat/completions", chat(cache_salt=7), 400, "cache_salt"),
     ("completions", {"model": "M", "prompt": "x", "cache_salt": ["a"]}, 400, "cache_salt"),
@@ -634,6 +636,27 @@ def test_nulls_stand_for_the_defaults(client: openai.OpenAI, served: Deployment)
     text = client.completions.create(prompt="Paris is", **ask, extra_body=unset | {"echo": None})
     assert text.object == "text_completion" and len(text.choices) == 1
     assert not text.choices[0].text.startswith("Paris is")  # not echoed
+
+
+def test_hints_and_identifiers_are_taken(client: openai.OpenAI, served: Deployment) -> None:
+    """The client's fields that name the caller or hint at OpenAI's caching and storage change
+    nothing: the answer is the plain request's."""
+    ask: dict[str, Any] = {"model": served.model, "messages": MESSAGES, "max_tokens": 6}
+    ask["temperature"] = 0
+    plain = client.chat.completions.create(**ask)
+    hinted = client.chat.completions.create(
+        **ask,
+        prompt_cache_key="session-1",
+        prompt_cache_retention="24h",
+        safety_identifier="user-hash",
+        user="someone",
+        store=False,
+        metadata={"k": "v"},
+        service_tier="auto",
+        verbosity="medium",
+        extra_body={"prompt_cache_options": {"ttl": "1h"}},
+    )
+    assert hinted.choices[0].message.content == plain.choices[0].message.content
 
 
 def test_body_over_the_limit_gets_413(served: Deployment) -> None:

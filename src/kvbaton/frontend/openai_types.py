@@ -3,7 +3,7 @@ them and /openapi.json describes them).
 
 Invariant: a field that is recognised but not supported is refused with a 400 naming it; a field
 that is not recognised at all is refused too (as OpenAI does), except the few harmless ones in
-`_IGNORED`. Nothing a client asks for is silently dropped."""
+`HARMLESS_FIELDS`. Nothing a client asks for is silently dropped."""
 
 from __future__ import annotations
 
@@ -24,7 +24,19 @@ from pydantic import (
 from kvbaton.frontend.choices import MAX_CHOICES
 from kvbaton.protocols.llm import Guided
 
-_IGNORED = ("user", "store", "metadata", "service_tier")
+# Taken and not used: who the caller is (`user`, `safety_identifier`), where OpenAI keeps
+# things (`store`, `metadata`, `service_tier`), and prompt-cache hints (`prompt_cache_*`:
+# kvbaton's prefix cache keys blocks by their tokens and keeps them while the pool has room).
+HARMLESS_FIELDS = (
+    "user",
+    "safety_identifier",
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+)
 
 PositiveInt = Annotated[int, Field(ge=1)]
 INT64_MAX = 2**63 - 1  # the workers' messages carry 64-bit integers
@@ -271,7 +283,7 @@ class _Common(_NullIsDefault):
     @model_validator(mode="before")
     @classmethod
     def _drop_harmless(cls, data: Any) -> Any:
-        return without(data, _IGNORED)
+        return without(data, HARMLESS_FIELDS)
 
     @model_validator(mode="after")
     def _check_common(self) -> _Common:
@@ -335,6 +347,8 @@ class _Common(_NullIsDefault):
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # vLLM's
+# OpenAI's answer length setting: "medium" is the model's own, the others are refused.
+Verbosity = Literal["low", "medium", "high"]
 
 
 class _TemplateInputs(_NullIsDefault):
@@ -375,6 +389,7 @@ class ChatCompletionRequest(_TemplateInputs, _Common):
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
+    verbosity: Verbosity | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -385,6 +400,8 @@ class ChatCompletionRequest(_TemplateInputs, _Common):
         ]
         if self.modalities not in (None, ["text"]):
             unsupported.append("modalities")
+        if self.verbosity not in (None, "medium"):
+            unsupported.append("verbosity")
         if unsupported:
             raise FieldError(
                 unsupported[0], f"{', '.join(unsupported)}: not supported by this server yet"
