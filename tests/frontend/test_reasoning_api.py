@@ -4,10 +4,11 @@ fixed-output worker, whose answer is `<think>plan</think>answer`."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import openai
 import pytest
@@ -130,6 +131,24 @@ def test_a_response_has_a_reasoning_item_before_its_message(frontends: Frontends
     final = events[-1].response
     assert [i.type for i in final.output] == ["reasoning", "message"]
     assert final.output_text == "answer"
+
+
+def test_reasoning_goes_back_as_encrypted_content(frontends: Frontends) -> None:
+    """include reasoning.encrypted_content (what stateless clients ask, to send the reasoning
+    back with the next turn): the reasoning item carries it, and the whole output goes back."""
+    ask: dict[str, Any] = {"model": frontends.model, "max_output_tokens": frontends.tokens}
+    ask |= {"include": ["reasoning.encrypted_content"], "store": False}
+    response = frontends.parsed.responses.create(input="Why?", **ask)
+    reasoning = response.output[0]
+    assert reasoning.type == "reasoning" and reasoning.encrypted_content
+    assert base64.b64decode(reasoning.encrypted_content).decode() == "plan"
+    turn = [
+        {"role": "user", "content": "Why?"},
+        *response.output,
+        {"role": "user", "content": "Ok"},
+    ]
+    again = frontends.parsed.responses.create(input=cast(Any, turn), **ask)
+    assert again.output_text == "answer"
 
 
 def test_without_the_flag_the_tags_stay_in_the_content(frontends: Frontends) -> None:

@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 
+from kvbaton.frontend.responses_api import LOGPROBS
 from tests.frontend.conftest import Deployment, start_serve, stop_cleanly
 from tests.tiny_models import build_chat_model
 
@@ -224,6 +225,9 @@ def test_a_json_schema_format_gives_valid_json(client: openai.OpenAI, served: De
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"unknown_field": 1}, "unknown_field"),
         ({"top_logprobs": 2}, "top_logprobs"),
+        ({"top_logprobs": 21, "include": [LOGPROBS]}, "top_logprobs"),
+        ({"include": ["file_search_call.results"]}, "include"),
+        ({"text": {"verbosity": "high"}}, "text.verbosity"),
     ],
 )  # fmt: skip
 def test_what_a_response_cannot_do_is_a_400_naming_it(
@@ -237,8 +241,59 @@ def test_what_a_response_cannot_do_is_a_400_naming_it(
     assert error["param"] == param, error
 
 
-def test_store_and_metadata_are_taken(client: openai.OpenAI, served: Deployment) -> None:
-    response = client.responses.create(
-        model=served.model, input="Hi", max_output_tokens=2, store=True, metadata={"k": "v"}
+def test_hints_and_identifiers_are_taken(client: openai.OpenAI, served: Deployment) -> None:
+    ask: dict[str, Any] = {"model": served.model, "input": "Hi", "max_output_tokens": 4}
+    ask["temperature"] = 0
+    plain = client.responses.create(**ask)
+    hinted = client.responses.create(
+        **ask,
+        store=True,
+        metadata={"k": "v"},
+        prompt_cache_key="session-1",
+        prompt_cache_retention="24h",
+        safety_identifier="user-hash",
+        text={"verbosity": "medium"},
     )
-    assert response.status in ("completed", "incomplete")
+    assert hinted.output_text == plain.output_text
+
+
+def test_the_message_logprobs_are_the_chat_answer_s(
+    client: openai.OpenAI, served: Deployment
+) -> None:
+    """include message.output_text.logprobs: the message's tokens and logprobs, with
+    `top_logprobs` alternatives each, equal to the chat answer's, whole and streamed."""
+    ask: dict[str, Any] = {"model": served.model, "temperature": 0}
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=10,
+        logprobs=True,
+        top_logprobs=2,
+        **ask,
+    )
+    assert chat.choices[0].logprobs is not None
+    expected = chat.choices[0].logprobs.content
+    assert expected
+    ask |= {"input": "Hello there", "max_output_tokens": 10, "top_logprobs": 2}
+    response = client.responses.create(**ask, include=[LOGPROBS])
+    assert response.top_logprobs == 2
+    (message,) = response.output
+    assert message.type == "message"
+    (part,) = message.content
+    assert part.type == "output_text" and part.logprobs is not None
+    assert_same_logprobs(part.logprobs, expected)
+    assert all(len(e.top_logprobs) == 2 for e in part.logprobs)
+    events = events_of(client, **ask, include=[LOGPROBS])
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert_same_logprobs([lp for e in deltas for lp in e.logprobs], expected)
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert_same_logprobs(done.logprobs, expected)
+    assert_same_logprobs(events[-1].response.output[0].content[0].logprobs, expected)
+    plain = client.responses.create(**ask | {"top_logprobs": 0})
+    assert plain.output[0].content[0].logprobs == []
+
+
+def assert_same_logprobs(got: Any, expected: Any) -> None:
+    """Equal tokens, logprobs equal within float32's rounding (a prefix cache hit computes the
+    prompt's last tokens in another batch shape)."""
+    assert [e.token for e in got] == [e.token for e in expected]
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in expected], abs=1e-4)

@@ -119,6 +119,12 @@ class _Context:
         return {"x-kvbaton-worker": workers} if workers else {}
 
 
+def _message_logprobs(state: ChoiceState, delta: Delta) -> list[dict[str, Any]]:
+    """`delta`'s token logprobs in chat's shape (none unless the request asked for them)."""
+    logprobs = state.chat_logprobs(delta)
+    return logprobs["content"] if logprobs is not None else []
+
+
 def _error_response(error: OpenAIError) -> Response:
     return Response(
         error.json(), status_code=error.status, media_type="application/json", headers=error.headers
@@ -339,14 +345,17 @@ class Frontend:
                 else self._response_events(ResponseStream(output), first, events, record)
             )
             return EventStream(stream, headers={"cache-control": "no-cache", **ctx.headers()})
+        collect = (
+            self._collect(shape, first, events, record)
+            if output is None
+            else self._collect_response(ResponseStream(output, emits=False), first, events, record)
+        )
         if len(pres) == 1 and first[1].finished:  # all there: nothing left to wait for
-            result = await self._collect(shape, first, events, record)
+            result = await collect
             record.done(200, prompt_tokens)
-            return _json(result if output is None else output.whole(result), headers=ctx.headers())
+            return _json(result, headers=ctx.headers())
         try:
-            result = await while_connected(
-                request.receive, self._collect(shape, first, events, record)
-            )
+            result = await while_connected(request.receive, collect)
         except ClientLeftError:  # the workers were stopped
             record.done(499, prompt_tokens)
             return Response(status_code=499)
@@ -355,7 +364,7 @@ class Frontend:
             record.done(error.status, prompt_tokens)
             return _error_response(error)
         record.done(200, prompt_tokens)
-        return _json(result if output is None else output.whole(result), headers=ctx.headers())
+        return _json(result, headers=ctx.headers())
 
     async def _collect(
         self,
@@ -384,6 +393,26 @@ class Frontend:
             await events.aclose()
         joined = ["".join(t) for t in texts]
         return shape.full(states, joined, ["".join(r) for r in reasonings], logprobs)
+
+    async def _collect_response(
+        self,
+        stream: ResponseStream,
+        first: Event,
+        events: AsyncGenerator[Event, None],
+        record: RequestRecord,
+    ) -> dict[str, Any]:
+        """A Responses API response, whole: built as its stream is (`_response_events`)."""
+        try:
+            event: Event | None = first
+            state = first[1]
+            while event is not None:
+                _, state, delta = event
+                record.tokens(delta.tokens)
+                stream.update(delta, _message_logprobs(state, delta))
+                event = await anext(events, None)
+        finally:
+            await events.aclose()
+        return stream.whole(state)
 
     async def _sse(
         self,
@@ -445,7 +474,7 @@ class Frontend:
             while event is not None:
                 _, state, delta = event
                 record.tokens(delta.tokens)
-                chunk = b"".join(stream.update(delta))
+                chunk = b"".join(stream.update(delta, _message_logprobs(state, delta)))
                 if chunk:
                     yield chunk
                 event = await anext(events, None)

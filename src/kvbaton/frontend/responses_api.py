@@ -4,6 +4,10 @@ answer becomes the response (`responses_output.py`).
 
 - Nothing is kept: `previous_response_id`, `conversation` and `background` are refused with a
   400 naming them; `store` is taken and ignored (no response can be fetched later).
+- `include`: "message.output_text.logprobs" (the message's token logprobs, `top_logprobs`
+  alternatives each) and "reasoning.encrypted_content" (a reasoning item's text, base64: not
+  encrypted, as nothing is kept; what clients that carry reasoning across stateless turns send
+  back). Any other is a 400 naming `include`.
 - Input: a string (one user message) or items: messages (user, system, developer and
   assistant; text parts), `function_call` items (an assistant's calls) and
   `function_call_output` items (tool messages). Earlier `reasoning` items are taken and left
@@ -17,11 +21,13 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from kvbaton.frontend.openai_types import (
+    HARMLESS_FIELDS,
     ChatCompletionRequest,
     FieldError,
     FunctionName,
     PositiveInt,
     ReasoningEffort,
+    Verbosity,
     _Body,
     _NullIsDefault,
     joined_text,
@@ -29,7 +35,8 @@ from kvbaton.frontend.openai_types import (
     without,
 )
 
-_IGNORED = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key")
+LOGPROBS = "message.output_text.logprobs"
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
 class TextPart(_Body):
@@ -107,7 +114,7 @@ class NamedFunction(_Body):
 
 class TextConfig(_NullIsDefault):
     format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
-    verbosity: Literal["low", "medium", "high"] | None = None
+    verbosity: Verbosity | None = None
 
 
 class ReasoningConfig(_NullIsDefault):
@@ -130,19 +137,19 @@ class ResponsesRequest(_NullIsDefault):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     truncation: Literal["disabled", "auto"] | None = None
+    include: list[str] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # Recognised, not supported: refused when given a value that would need them.
     previous_response_id: str | None = None
     conversation: Any = None
     background: bool | None = None
-    include: list[str] | None = None
-    top_logprobs: int | None = None
     max_tool_calls: int | None = None
     stream_options: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _drop_harmless(cls, data: Any) -> Any:
-        return without(data, _IGNORED)
+        return without(data, HARMLESS_FIELDS)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -180,9 +187,8 @@ class ResponsesRequest(_NullIsDefault):
             "background": bool(self.background),
         }
         unsupported = {
-            "include": bool(self.include),
-            "top_logprobs": bool(self.top_logprobs),
             "max_tool_calls": self.max_tool_calls is not None,
+            "text.verbosity": self.text is not None and self.text.verbosity not in (None, "medium"),
             "truncation": self.truncation == "auto",
             "reasoning.summary": self.reasoning is not None
             and (self.reasoning.summary or self.reasoning.generate_summary) is not None,
@@ -193,9 +199,28 @@ class ResponsesRequest(_NullIsDefault):
         for name, given in unsupported.items():
             if given:
                 raise FieldError(name, f"{name}: not supported by this server yet")
+        for value in self.include or []:
+            if value not in (LOGPROBS, ENCRYPTED_REASONING):
+                raise FieldError(
+                    "include",
+                    f"include: {value!r} is not supported ({LOGPROBS!r} and "
+                    f"{ENCRYPTED_REASONING!r} are)",
+                )
+        if self.top_logprobs and not self.logprobs:
+            raise FieldError("top_logprobs", f"top_logprobs needs include [{LOGPROBS!r}]")
         if not self.input:
             raise FieldError("input", "input is empty")
         return self
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the message's token logprobs are asked for."""
+        return LOGPROBS in (self.include or [])
+
+    @property
+    def encrypted_reasoning(self) -> bool:
+        """Whether reasoning items carry `encrypted_content`."""
+        return ENCRYPTED_REASONING in (self.include or [])
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat request that answers this one (FieldError naming this request's field)."""
@@ -211,6 +236,8 @@ class ResponsesRequest(_NullIsDefault):
             "top_p": self.top_p,
             "reasoning_effort": self.reasoning.effort if self.reasoning else None,
             "response_format": self._response_format(),
+            "logprobs": self.logprobs or None,
+            "top_logprobs": (self.top_logprobs or 0) if self.logprobs else None,
         }
         body |= {name: value for name, value in given.items() if value is not None}
         if self.tools:

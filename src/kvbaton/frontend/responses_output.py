@@ -1,9 +1,14 @@
-"""The response of OpenAI's Responses API, from the chat answer of its request
-(`responses_api.py`): whole (`ResponseOutput.whole`, from the chat completion) or as the API's
-typed stream events (`ResponseStream`, from the choice's deltas).
+"""The response of OpenAI's Responses API, from the deltas of its request's chat answer
+(`responses_api.py`): `ResponseStream` builds its items as they come, and gives them as the
+API's typed stream events, or whole at the end (`ResponseStream.whole`): one path, so a
+stream's final response is the whole one.
 
 - Output items, in order: the reasoning (with a reasoning parser, when there is some), the
   message (when it has text, or nothing else came), the function calls.
+- The message's logprobs (with include "message.output_text.logprobs") are its text's tokens':
+  those of deltas with text, and of deltas with no text at all before them (text held back:
+  a stop string's start, a character's first bytes; at the end, on a last delta of no text).
+  Tokens of reasoning or of calls alone have none: the API has no place for them.
 - `status` is "incomplete" (`incomplete_details.reason` "max_output_tokens") when the output
   reached its limit.
 - A stream: `response.created`, `response.in_progress`, each item's events in output order (its
@@ -16,6 +21,7 @@ typed stream events (`ResponseStream`, from the choice's deltas).
 
 from __future__ import annotations
 
+import base64
 import time
 from typing import Any
 
@@ -61,28 +67,11 @@ class ResponseOutput:
             "top_p": r.top_p,
             "text": {"format": (r.text.format if r.text else None) or {"type": "text"}},
             "reasoning": r.reasoning.model_dump() if r.reasoning else None,
+            "top_logprobs": r.top_logprobs,
             "truncation": "disabled",
             "store": False,
             "usage": None,
         } | fields
-
-    def whole(self, chat: dict[str, Any]) -> dict[str, Any]:
-        """The response from the chat completion that answered it."""
-        (choice,) = chat["choices"]
-        message = choice["message"]
-        output: list[dict[str, Any]] = []
-        if message.get("reasoning_content"):
-            output.append(self.reasoning_item(0, message["reasoning_content"]))
-        calls = message.get("tool_calls") or []
-        if message.get("content") or not calls:
-            output.append(self.message_item(len(output), message.get("content") or ""))
-        for call in calls:
-            function = call["function"]
-            output.append(self.call_item(call["id"], function["name"], function["arguments"]))
-        usage = chat["usage"]
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        counts = (usage["prompt_tokens"], usage["completion_tokens"], cached)
-        return self.finished(output, choice["finish_reason"], *counts)
 
     def finished(
         self,
@@ -107,17 +96,26 @@ class ResponseOutput:
         )
 
     def reasoning_item(self, index: int, text: str, status: str = "completed") -> dict[str, Any]:
-        content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
-        return {
+        done = status == "completed"
+        item = {
             "type": "reasoning",
             "id": f"rs_{self.rid}_{index}",
             "summary": [],
-            "content": content,
+            "content": [{"type": "reasoning_text", "text": text}] if done else [],
             "status": status,
         }
+        if done and self.request.encrypted_reasoning:
+            item["encrypted_content"] = base64.b64encode(text.encode()).decode()
+        return item
 
-    def message_item(self, index: int, text: str, status: str = "completed") -> dict[str, Any]:
-        content = [_text_part(text)] if status == "completed" else []
+    def message_item(
+        self,
+        index: int,
+        text: str,
+        status: str = "completed",
+        logprobs: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        content = [_text_part(text, logprobs)] if status == "completed" else []
         return {
             "type": "message",
             "id": f"msg_{self.rid}_{index}",
@@ -140,14 +138,14 @@ class ResponseOutput:
         }
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 class _Item:
     """An output item being streamed: its place, kind, id and text (or arguments) so far."""
 
-    __slots__ = ("call_id", "id", "index", "kind", "name", "text")
+    __slots__ = ("call_id", "id", "index", "kind", "logprobs", "name", "text")
 
     def __init__(self, index: int, kind: str, item_id: str, name: str = "", call_id: str = ""):
         self.index = index
@@ -156,20 +154,24 @@ class _Item:
         self.name = name
         self.call_id = call_id
         self.text = ""
+        self.logprobs: list[dict[str, Any]] = []  # a message's, in chat's shape
 
 
 class ResponseStream:
-    """A response's stream events (SSE), from its choice's deltas.
+    """A response's items, from its choice's deltas, with its stream events (SSE).
 
     - At most one item is open at a time: a new item closes the one before (the reasoning comes
-      before the message, the message before the calls, each call before the next)."""
+      before the message, the message before the calls, each call before the next).
+    - `emits` False: no event is encoded (each call gives b""), for a response given whole."""
 
-    def __init__(self, output: ResponseOutput) -> None:
+    def __init__(self, output: ResponseOutput, emits: bool = True) -> None:
         self.output = output
+        self.emits = emits
         self._sequence = 0
         self._items: list[dict[str, Any]] = []  # the closed ones, whole
         self._open: _Item | None = None
         self._calls: dict[int, _Item] = {}  # by the parser's call index
+        self._held: list[dict[str, Any]] = []  # logprobs of tokens whose text has not come
 
     def start(self) -> list[bytes]:
         created = self.output.body("in_progress", [])
@@ -178,12 +180,18 @@ class ResponseStream:
             self._event("response.in_progress", response=created),
         ]
 
-    def update(self, delta: Delta) -> list[bytes]:
+    def update(self, delta: Delta, logprobs: list[dict[str, Any]]) -> list[bytes]:
+        """`logprobs`: the delta's tokens', in chat's shape (empty unless asked for)."""
         events: list[bytes] = []
         if delta.reasoning:
             events += self._append("reasoning", delta.reasoning)
         if delta.text:
-            events += self._append("message", delta.text)
+            logprobs, self._held = self._held + logprobs, []
+            events += self._append("message", delta.text, logprobs)
+        elif delta.reasoning or delta.tool_calls:
+            self._held = []
+        else:
+            self._held += logprobs
         for call in delta.tool_calls:
             if call.id is not None:  # a new call: its name and id
                 events += self._close()
@@ -205,17 +213,32 @@ class ResponseStream:
 
     def finish(self, state: ChoiceState) -> list[bytes]:
         """The events that close the open item and end the response."""
-        events = self._close()
+        events = self._end()
+        return [*events, self._event("response.completed", response=self._response(state))]
+
+    def whole(self, state: ChoiceState) -> dict[str, Any]:
+        """The response, once the last delta is in (`state` its choice's)."""
+        self._end()
+        return self._response(state)
+
+    def _end(self) -> list[bytes]:
+        events: list[bytes] = []
+        if self._held and (self._open.kind == "message" if self._open else not self._items):
+            events += self._append("message", "", self._held)  # text never completed
+        self._held = []
+        events += self._close()
         if not self._items:  # nothing came: an empty message
             events += self._append("message", "") + self._close()
-        whole = self.output.finished(
+        return events
+
+    def _response(self, state: ChoiceState) -> dict[str, Any]:
+        return self.output.finished(
             self._items,
             state.finish_reason,
             state.prompt_tokens,
             state.completion_tokens,
             state.cached_tokens,
         )
-        return [*events, self._event("response.completed", response=whole)]
 
     def failed(self, error: OpenAIError) -> bytes:
         """The stream's last event, for a failure after it started: OpenAI's error event, with
@@ -230,7 +253,9 @@ class ResponseStream:
             **body,
         )
 
-    def _append(self, kind: str, text: str) -> list[bytes]:
+    def _append(
+        self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> list[bytes]:
         events: list[bytes] = []
         item = self._open
         if item is None or item.kind != kind:
@@ -243,7 +268,8 @@ class ResponseStream:
         if kind == "reasoning":
             events.append(self._event("response.reasoning_text.delta", **place, delta=text))
         else:
-            delta = {"delta": text, "logprobs": []}
+            item.logprobs += logprobs or []
+            delta = {"delta": text, "logprobs": logprobs or []}
             events.append(self._event("response.output_text.delta", **place, **delta))
         return events
 
@@ -279,9 +305,10 @@ class ResponseStream:
             events = [self._event("response.reasoning_text.done", **place, text=item.text)]
         else:
             place["content_index"] = 0
+            text, logprobs = item.text, item.logprobs
             events = [
-                self._event("response.output_text.done", **place, text=item.text, logprobs=[]),
-                self._event("response.content_part.done", **place, part=_text_part(item.text)),
+                self._event("response.output_text.done", **place, text=text, logprobs=logprobs),
+                self._event("response.content_part.done", **place, part=_text_part(text, logprobs)),
             ]
         whole = self._whole(item, "completed")
         self._items.append(whole)
@@ -295,9 +322,11 @@ class ResponseStream:
             return out.call_item(item.call_id, item.name, text, status)
         if item.kind == "reasoning":
             return out.reasoning_item(item.index, item.text, status)
-        return out.message_item(item.index, item.text, status)
+        return out.message_item(item.index, item.text, status, item.logprobs)
 
     def _event(self, kind: str, **fields: Any) -> bytes:
+        if not self.emits:
+            return b""
         body = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
         return b"event: " + kind.encode() + b"\ndata: " + _encode(body) + b"\n\n"
