@@ -211,7 +211,6 @@ def test_a_json_schema_format_gives_valid_json(client: openai.OpenAI, served: De
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"background": True}, "background"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"tools": [{"type": "web_search"}]}, "tools"),

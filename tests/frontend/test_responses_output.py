@@ -32,7 +32,7 @@ def lp(token: str) -> dict[str, Any]:
 def build(deltas: list[tuple[Delta, list[dict[str, Any]]]], *include: str) -> Any:
     """(the whole response, the streamed events' bodies) of the same deltas."""
     request = ResponsesRequest.model_validate({"model": "m", "input": "x", "include": include})
-    output = ResponseOutput("r1", request)
+    output = ResponseOutput("r1", request, "resp_1_2")
     whole, streamed = ResponseStream(output, emits=False), ResponseStream(output)
     events: list[bytes] = streamed.start()
     for delta, logprobs in deltas:

@@ -9,6 +9,7 @@ import argparse
 import os
 
 from kvbaton.frontend.reasoning import REASONING_FORMATS, ReasoningFormat
+from kvbaton.frontend.response_store import DEFAULT_MAX_BYTES
 from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
 from kvbaton.frontend.tool_calls import TOOL_CALL_FORMATS, ToolCallFormat
 
@@ -23,6 +24,7 @@ FRONTEND_FLAGS = (
     "canary_timeout",
     "reasoning_parser",
     "tool_call_parser",
+    "responses_store_mib",
 )
 API_KEY_ENV = "KVBATON_API_KEY"
 
@@ -114,6 +116,15 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
         'llama3_json: {"name": ..., "parameters": ...}; mistral: [TOOL_CALLS][...]; '
         "default: the one the chat template writes, else hermes)",
     )
+    parser.add_argument_group("the OpenAI API (the frontend)").add_argument(
+        "--responses-store-mib",
+        type=float,
+        default=DEFAULT_MAX_BYTES / (1 << 20),
+        metavar="MIB",
+        help="the Responses API's responses each frontend keeps in memory, for "
+        "previous_response_id and GET /v1/responses/{id} (the least recently used forgotten "
+        f"first; 0: keep none; default {DEFAULT_MAX_BYTES >> 20})",
+    )
 
 
 def busy_thresholds(args: argparse.Namespace) -> BusyThresholds:
@@ -137,6 +148,10 @@ def migration_settings(args: argparse.Namespace) -> MigrationSettings:
         idle_s=args.stream_idle_timeout,
         worker_wait_s=args.worker_wait_timeout,
     )
+
+
+def responses_store_bytes(args: argparse.Namespace) -> int:
+    return int(args.responses_store_mib * (1 << 20))
 
 
 def tool_format(args: argparse.Namespace) -> ToolCallFormat | None:

@@ -20,6 +20,7 @@ from kvbaton.cli.frontend_flags import (
     canary_settings,
     migration_settings,
     reasoning,
+    responses_store_bytes,
     tool_format,
 )
 from kvbaton.cli.planner import add_planner_flags
@@ -197,6 +198,7 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         reasoning=reasoning(args),
         tool_format=tool_format(args),
         reuse_port=args.reuse_port,
+        responses_store_bytes=responses_store_bytes(args),
     )
 
     async def main() -> None:

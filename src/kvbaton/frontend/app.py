@@ -12,11 +12,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import pydantic
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -34,6 +34,7 @@ from kvbaton.frontend.errors import (
     bad_request,
     from_validation_errors,
     model_not_found,
+    response_not_found,
 )
 from kvbaton.frontend.fast_path import FastPath
 from kvbaton.frontend.metrics import FrontendMetrics
@@ -55,12 +56,14 @@ from kvbaton.frontend.preprocess import (
     prompt_token_ids,
 )
 from kvbaton.frontend.reasoning import ReasoningFormat
+from kvbaton.frontend.response_store import StoredResponses, input_page
 from kvbaton.frontend.responses import ResponseShape
 from kvbaton.frontend.responses_api import ResponsesRequest
 from kvbaton.frontend.responses_output import ResponseOutput, ResponseStream
 from kvbaton.frontend.tool_calls import ToolCallFormat, format_of_template
 from kvbaton.frontend.tools import ToolUse, tool_use
 from kvbaton.protocols.llm import PreprocessedRequest
+from kvbaton.protocols.stored_responses import StoredResponse
 
 log = logging.getLogger(__name__)
 
@@ -183,10 +186,13 @@ class Frontend:
         metrics: FrontendMetrics | None = None,
         reasoning: ReasoningFormat | None = None,
         tool_format: ToolCallFormat | None = None,
+        stored: StoredResponses | None = None,
     ) -> None:
         """`reasoning`: chat answers' reasoning goes to `reasoning_content` (None: no split).
-        `tool_format`: how every model writes tool calls (None: as its chat template does)."""
+        `tool_format`: how every model writes tool calls (None: as its chat template does).
+        `stored`: the Responses API's kept responses (None: this frontend's alone)."""
         self.models = models
+        self.stored = stored or StoredResponses()
         self.metrics = metrics or FrontendMetrics()
         self.reasoning = reasoning
         self.tool_format = tool_format
@@ -337,7 +343,9 @@ class Frontend:
             body.echo_logprobs,
             body.shown_prompt_logprobs,
         )
-        output = ResponseOutput(rid, responses) if responses is not None else None
+        output = (
+            ResponseOutput(rid, responses, self.stored.new_id()) if responses is not None else None
+        )
         if body.stream:
             stream = (
                 self._sse(shape, first, events, record, prompt_tokens, body.include_usage)
@@ -412,7 +420,14 @@ class Frontend:
                 event = await anext(events, None)
         finally:
             await events.aclose()
-        return stream.whole(state)
+        return self._kept(stream.output, stream.whole(state))
+
+    def _kept(self, output: ResponseOutput, response: dict[str, Any]) -> dict[str, Any]:
+        """`response`, kept if its request asked (`store`)."""
+        if output.request.store:
+            stored = StoredResponse(response=response, input=output.request.kept_input())
+            self.stored.put(output.id, stored)
+        return response
 
     async def _sse(
         self,
@@ -478,7 +493,9 @@ class Frontend:
                 if chunk:
                     yield chunk
                 event = await anext(events, None)
-            yield b"".join(stream.finish(state))
+            end = b"".join(stream.finish(state))
+            self._kept(stream.output, stream.response(state))  # before a next turn can ask
+            yield end
             status = 200
         except Exception as exc:
             error = as_openai_error(exc, stream.output.request.model)
@@ -493,6 +510,14 @@ class Frontend:
         return await self._handle(request, body, "chat_completions")
 
     async def _responses(self, request: Request, body: ResponsesRequest) -> Response:
+        if not self.stored.enabled:
+            body = body.model_copy(update={"store": False})  # said so in the response
+        if body.previous_response_id is not None:
+            previous = await self.stored.get(body.previous_response_id)
+            if previous is None:
+                error = response_not_found(body.previous_response_id, "previous_response_id")
+                return _error_response(error)
+            body = body.after(previous)
         try:
             chat = body.to_chat()
         except FieldError as exc:
@@ -536,6 +561,34 @@ class Frontend:
         @app.post("/v1/responses")
         async def responses(body: ResponsesRequest, request: Request) -> Response:
             return await self._responses(request, body)
+
+        @app.get("/v1/responses/{response_id}")
+        async def get_response(response_id: str) -> Response:
+            stored = await self.stored.get(response_id)
+            if stored is None:
+                return _error_response(response_not_found(response_id, "response_id"))
+            return _json(stored.response)
+
+        @app.delete("/v1/responses/{response_id}")
+        async def delete_response(response_id: str) -> Response:
+            if await self.stored.delete(response_id) is None:
+                return _error_response(response_not_found(response_id, "response_id"))
+            return _json({"id": response_id, "object": "response", "deleted": True})
+
+        @app.get("/v1/responses/{response_id}/input_items")
+        async def list_input_items(
+            response_id: str,
+            limit: Annotated[int, Query(ge=1, le=100)] = 20,
+            order: Literal["asc", "desc"] = "desc",
+            after: str | None = None,
+        ) -> Response:
+            stored = await self.stored.get(response_id)
+            if stored is None:
+                return _error_response(response_not_found(response_id, "response_id"))
+            try:
+                return _json(input_page(stored.input, limit, order, after))
+            except KeyError:
+                return _error_response(bad_request(f"no input item {after!r}", "after"))
 
         @app.post("/tokenize")
         async def tokenize(body: TokenizeRequest) -> Response:

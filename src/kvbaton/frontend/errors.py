@@ -63,6 +63,17 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
+def response_not_found(response_id: str, param: str | None = None) -> OpenAIError:
+    """A Responses API response not kept (`response_store.py`)."""
+    return OpenAIError(
+        404,
+        f"No response with id {response_id!r} is kept here (never stored, deleted, forgotten "
+        "to make room, or its frontend restarted).",
+        param=param,
+        code="not_found",
+    )
+
+
 def no_workers(model: str, role: str = "worker", waited_s: float = 0.0) -> OpenAIError:
     """`waited_s`: how long the request waited for one to come back."""
     waited = f" (none came back within {waited_s:g} s)" if waited_s else ""

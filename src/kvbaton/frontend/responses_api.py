@@ -2,12 +2,13 @@
 request (its input items the messages, its function tools and text format the chat's), whose
 answer becomes the response (`responses_output.py`).
 
-- Nothing is kept: `previous_response_id`, `conversation` and `background` are refused with a
-  400 naming them; `store` is taken and ignored (no response can be fetched later).
+- `store` (true unless false) keeps the response (`response_store.py`); `previous_response_id`
+  prepends the conversation of a kept one: its input items, then its output items (not its
+  `instructions`, as OpenAI's API does). `conversation` and `background` are a 400 naming them.
 - `include`: "message.output_text.logprobs" (the message's token logprobs, `top_logprobs`
   alternatives each) and "reasoning.encrypted_content" (a reasoning item's text, base64: not
-  encrypted, as nothing is kept; what clients that carry reasoning across stateless turns send
-  back). Any other is a 400 naming `include`.
+  encrypted, kvbaton holds no key; what clients that carry reasoning across stateless turns
+  send back). Any other is a 400 naming `include`.
 - Input: a string (one user message) or items: messages (user, system, developer and
   assistant; text parts), `function_call` items (an assistant's calls) and
   `function_call_output` items (tool messages). Earlier `reasoning` items are taken and left
@@ -16,6 +17,7 @@ answer becomes the response (`responses_output.py`).
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -34,7 +36,9 @@ from kvbaton.frontend.openai_types import (
     validated,
     without,
 )
+from kvbaton.protocols.stored_responses import StoredResponse
 
+_HARMLESS = tuple(f for f in HARMLESS_FIELDS if f not in ("store", "metadata"))  # kept here
 LOGPROBS = "message.output_text.logprobs"
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
@@ -99,6 +103,30 @@ _ITEMS: dict[str, type[InputItem]] = {
 }
 
 
+_ID_PREFIX = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
+def input_items(value: list[Any]) -> list[InputItem]:
+    """- Each item is validated as its `type` says (a message without one), so that an error
+    names the item and its fault."""
+    items: list[InputItem] = []
+    for i, item in enumerate(value):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        model = _ITEMS.get(kind) if isinstance(kind, str) else None
+        if model is None:
+            raise ValueError(
+                f"input item {i}: type {kind!r} is not supported (messages, function_call, "
+                "function_call_output and reasoning items are)"
+            )
+        items.append(validated(model, item, f"input item {i} ({kind})"))
+    return items
+
+
 class FunctionTool(_Body):
     type: Literal["function"]
     name: FunctionName
@@ -139,8 +167,10 @@ class ResponsesRequest(_NullIsDefault):
     truncation: Literal["disabled", "auto"] | None = None
     include: list[str] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    # Recognised, not supported: refused when given a value that would need them.
+    store: bool = True
+    metadata: dict[str, str] | None = None  # given back with the response
     previous_response_id: str | None = None
+    # Recognised, not supported: refused when given a value that would need them.
     conversation: Any = None
     background: bool | None = None
     max_tool_calls: int | None = None
@@ -149,26 +179,12 @@ class ResponsesRequest(_NullIsDefault):
     @model_validator(mode="before")
     @classmethod
     def _drop_harmless(cls, data: Any) -> Any:
-        return without(data, HARMLESS_FIELDS)
+        return without(data, _HARMLESS)
 
     @field_validator("input", mode="before")
     @classmethod
     def _items_by_type(cls, value: Any) -> Any:
-        """- Each item is validated as its `type` says (a message without one), so that an
-        error names the item and its fault."""
-        if not isinstance(value, list):
-            return value
-        items: list[InputItem] = []
-        for i, item in enumerate(value):
-            kind = item.get("type", "message") if isinstance(item, dict) else None
-            model = _ITEMS.get(kind) if isinstance(kind, str) else None
-            if model is None:
-                raise ValueError(
-                    f"input item {i}: type {kind!r} is not supported (messages, function_call, "
-                    "function_call_output and reasoning items are)"
-                )
-            items.append(validated(model, item, f"input item {i} ({kind})"))
-        return items
+        return input_items(value) if isinstance(value, list) else value
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -182,7 +198,6 @@ class ResponsesRequest(_NullIsDefault):
     @model_validator(mode="after")
     def _check(self) -> ResponsesRequest:
         stateful = {
-            "previous_response_id": self.previous_response_id is not None,
             "conversation": self.conversation is not None,
             "background": bool(self.background),
         }
@@ -221,6 +236,30 @@ class ResponsesRequest(_NullIsDefault):
     def encrypted_reasoning(self) -> bool:
         """Whether reasoning items carry `encrypted_content`."""
         return ENCRYPTED_REASONING in (self.include or [])
+
+    def after(self, previous: StoredResponse) -> ResponsesRequest:
+        """This request with the conversation of `previous` (kept) before its input."""
+        earlier = [*previous.input, *previous.response["output"]]
+        return self.model_copy(update={"input": input_items(earlier) + self.items()})
+
+    def items(self) -> list[InputItem]:
+        """The input as items (a string: one user message)."""
+        if isinstance(self.input, str):
+            return [
+                MessageItem(role="user", content=[TextPart(type="input_text", text=self.input)])
+            ]
+        return list(self.input)
+
+    def kept_input(self) -> list[dict[str, Any]]:
+        """The input items as kept with the response: each with an id (given one if it had
+        none)."""
+        kept = []
+        for item in self.items():
+            body = item.model_dump(exclude_none=True)
+            body.setdefault("type", "message")
+            body.setdefault("id", f"{_ID_PREFIX[body['type']]}_{uuid.uuid4().hex}")
+            kept.append(body)
+        return kept
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat request that answers this one (FieldError naming this request's field)."""

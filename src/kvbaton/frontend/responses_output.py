@@ -35,12 +35,17 @@ _encode = msgspec.json.Encoder().encode
 
 
 class ResponseOutput:
-    """One response's body, whole (`whole`) or at its stream's ends."""
+    """One response's body: its request's settings around the items `ResponseStream` builds.
 
-    def __init__(self, rid: str, request: ResponsesRequest) -> None:
+    - Its items' ids are its own id's, numbered (unique as it is: not the HTTP request's id,
+      which a client may give twice)."""
+
+    def __init__(self, rid: str, request: ResponsesRequest, response_id: str) -> None:
+        """`rid`: the HTTP request's id (for the log); `response_id`: the response's."""
         self.request = request
         self.rid = rid
-        self.id = f"resp_{rid}"
+        self.id = response_id
+        self.stem = response_id.removeprefix("resp_")  # of its items' ids
         self.created_at = int(time.time())
 
     def body(self, status: str, output: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
@@ -69,7 +74,9 @@ class ResponseOutput:
             "reasoning": r.reasoning.model_dump() if r.reasoning else None,
             "top_logprobs": r.top_logprobs,
             "truncation": "disabled",
-            "store": False,
+            "store": r.store,
+            "previous_response_id": r.previous_response_id,
+            "metadata": r.metadata or {},
             "usage": None,
         } | fields
 
@@ -99,7 +106,7 @@ class ResponseOutput:
         done = status == "completed"
         item = {
             "type": "reasoning",
-            "id": f"rs_{self.rid}_{index}",
+            "id": f"rs_{self.stem}_{index}",
             "summary": [],
             "content": [{"type": "reasoning_text", "text": text}] if done else [],
             "status": status,
@@ -118,7 +125,7 @@ class ResponseOutput:
         content = [_text_part(text, logprobs)] if status == "completed" else []
         return {
             "type": "message",
-            "id": f"msg_{self.rid}_{index}",
+            "id": f"msg_{self.stem}_{index}",
             "role": "assistant",
             "status": status,
             "content": content,
@@ -214,12 +221,12 @@ class ResponseStream:
     def finish(self, state: ChoiceState) -> list[bytes]:
         """The events that close the open item and end the response."""
         events = self._end()
-        return [*events, self._event("response.completed", response=self._response(state))]
+        return [*events, self._event("response.completed", response=self.response(state))]
 
     def whole(self, state: ChoiceState) -> dict[str, Any]:
         """The response, once the last delta is in (`state` its choice's)."""
         self._end()
-        return self._response(state)
+        return self.response(state)
 
     def _end(self) -> list[bytes]:
         events: list[bytes] = []
@@ -231,7 +238,8 @@ class ResponseStream:
             events += self._append("message", "") + self._close()
         return events
 
-    def _response(self, state: ChoiceState) -> dict[str, Any]:
+    def response(self, state: ChoiceState) -> dict[str, Any]:
+        """The response as it stands (whole once `finish` or `whole` closed its items)."""
         return self.output.finished(
             self._items,
             state.finish_reason,
@@ -261,7 +269,7 @@ class ResponseStream:
         if item is None or item.kind != kind:
             events += self._close()
             prefix = "rs" if kind == "reasoning" else "msg"
-            item = self._item(kind, f"{prefix}_{self.output.rid}_{len(self._items)}")
+            item = self._item(kind, f"{prefix}_{self.output.stem}_{len(self._items)}")
             events += self._opened(item)
         item.text += text
         place: dict[str, Any] = {"item_id": item.id, "output_index": item.index, "content_index": 0}

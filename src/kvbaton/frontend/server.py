@@ -24,6 +24,7 @@ from kvbaton.frontend.asgi import EndCutRequests, RequestIdAndLimits
 from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager
 from kvbaton.frontend.reasoning import ReasoningFormat
+from kvbaton.frontend.response_store import DEFAULT_MAX_BYTES, StoredResponses
 from kvbaton.frontend.settings import BusyThresholds, CanarySettings, MigrationSettings
 from kvbaton.frontend.tool_calls import ToolCallFormat
 from kvbaton.router import ReplicaSync, RouterMetrics, RouterSettings
@@ -53,11 +54,13 @@ class FrontendServer:
         reasoning: ReasoningFormat | None = None,
         tool_format: ToolCallFormat | None = None,
         reuse_port: bool = False,
+        responses_store_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         """`reuse_port`: other processes (replicas) listen on the same port (SO_REUSEPORT).
         `api_key`: asked of every request but the probes' (none if None or empty).
         `reasoning`: split chat answers' reasoning from their content (None: no split).
-        `tool_format`: how models write tool calls (None: as each one's chat template does)."""
+        `tool_format`: how models write tool calls (None: as each one's chat template does).
+        `responses_store_bytes`: the Responses API's responses kept here (0: none)."""
         self.runtime = runtime
         self.sync = ReplicaSync(runtime, namespace)  # with the other frontends of the namespace
         metrics = FrontendMetrics()
@@ -71,7 +74,8 @@ class FrontendServer:
             canary,
             self.sync,
         )
-        self.frontend = Frontend(self.models, metrics, reasoning, tool_format)
+        self.stored = StoredResponses(runtime, namespace, responses_store_bytes)
+        self.frontend = Frontend(self.models, metrics, reasoning, tool_format, self.stored)
         self.sock = bound(host, port, reuse_port=reuse_port)  # listening once models loaded
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
@@ -96,15 +100,17 @@ class FrontendServer:
         await self.models.start()
         if not await self.models.loaded(MODELS_LOAD_S):
             log.warning("models still loading after %g s: serving meanwhile", MODELS_LOAD_S)
+        await self.stored.start()  # (the ids of the responses kept here name this frontend)
         start_listening(self.sock)  # a replica gets connections once it knows the models
         trimming = asyncio.create_task(trim_heap_every())
         syncing = asyncio.create_task(self.sync.run())  # with the other frontends' routers
+        keeping = asyncio.create_task(self.stored.run())  # and their kept responses
         try:
             if on_ready is not None:
                 on_ready(self.url)
             await self.server.serve(sockets=[self.sock])
         finally:
-            for task in (trimming, syncing):
+            for task in (trimming, syncing, keeping):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
