@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import anthropic
 import openai
 import pytest
 
@@ -149,6 +150,33 @@ def test_reasoning_goes_back_as_encrypted_content(frontends: Frontends) -> None:
     ]
     again = frontends.parsed.responses.create(input=cast(Any, turn), **ask)
     assert again.output_text == "answer"
+
+
+def test_a_message_has_a_thinking_block_before_its_text(frontends: Frontends) -> None:
+    """Anthropic's Messages API: the reasoning is a thinking block, whole and streamed; it goes
+    back in the next turn's assistant message (left out of the prompt)."""
+    claude = anthropic.Anthropic(
+        base_url=str(frontends.parsed.base_url).removesuffix("/v1/"), api_key="x", max_retries=0
+    )
+    ask: dict[str, Any] = {"model": frontends.model, "max_tokens": frontends.tokens}
+    ask["messages"] = [{"role": "user", "content": "Why?"}]
+    message = claude.messages.create(**ask)
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == "plan" and message.content[1].text == "answer"
+    events = list(claude.messages.create(stream=True, **ask))
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == "plan"
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == "answer"
+    with claude.messages.stream(**ask) as stream:
+        helped = stream.get_final_message()
+    assert [b.type for b in helped.content] == ["thinking", "text"]
+    turn = [
+        *ask["messages"],
+        {"role": "assistant", "content": [b.model_dump() for b in message.content]},
+        {"role": "user", "content": "Ok"},
+    ]
+    again = claude.messages.create(**ask | {"messages": turn})
+    assert again.content[-1].text == "answer"
 
 
 def test_without_the_flag_the_tags_stay_in_the_content(frontends: Frontends) -> None:

@@ -34,11 +34,11 @@ def build(deltas: list[tuple[Delta, list[dict[str, Any]]]], *include: str) -> An
     request = ResponsesRequest.model_validate({"model": "m", "input": "x", "include": include})
     output = ResponseOutput("r1", request, "resp_1_2")
     whole, streamed = ResponseStream(output, emits=False), ResponseStream(output)
-    events: list[bytes] = streamed.start()
+    state = cast(ChoiceState, Finished())
+    events: list[bytes] = streamed.start(state)
     for delta, logprobs in deltas:
         whole.update(delta, logprobs)
         events += streamed.update(delta, logprobs)
-    state = cast(ChoiceState, Finished())
     events += streamed.finish(state)
     bodies = [json.loads(e.split(b"data: ", 1)[1]) for e in events]
     return whole.whole(state), bodies

@@ -100,6 +100,7 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--api-key",
         help="ask every request but /health, /live and /metrics for `Authorization: Bearer KEY` "
+        "(or `x-api-key: KEY`, as Anthropic's clients send it) "
         f"(default: ${API_KEY_ENV}, else no key)",
     )
     parser.add_argument_group("the OpenAI API (the frontend)").add_argument(

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 import pydantic
@@ -37,6 +37,8 @@ from kvbaton.frontend.errors import (
     response_not_found,
 )
 from kvbaton.frontend.fast_path import FastPath
+from kvbaton.frontend.messages_api import CountTokensRequest, MessagesRequest
+from kvbaton.frontend.messages_output import MessageStream, anthropic_error
 from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager, ServedModel
 from kvbaton.frontend.openai_types import (
@@ -128,6 +130,36 @@ def _message_logprobs(state: ChoiceState, delta: Delta) -> list[dict[str, Any]]:
     return logprobs["content"] if logprobs is not None else []
 
 
+class Builder(Protocol):
+    """An answer in another API's shape, built from the chat answer's deltas, whole or as its
+    stream's events (`ResponseStream`, `MessageStream`)."""
+
+    rid: str
+    model: str
+
+    def start(self, state: ChoiceState) -> list[bytes]: ...
+    def update(self, delta: Delta, logprobs: list[dict[str, Any]]) -> list[bytes]: ...
+    def finish(self, state: ChoiceState) -> list[bytes]: ...
+    def whole(self, state: ChoiceState) -> dict[str, Any]: ...
+    def response(self, state: ChoiceState) -> dict[str, Any]: ...
+    def failed(self, error: OpenAIError) -> bytes: ...
+
+
+@dataclasses.dataclass
+class OtherApi:
+    """A route answered in another API's shape than chat's (Responses, Anthropic's Messages)."""
+
+    builder: Callable[[bool], Builder]  # its answer's builder (True: one that emits events)
+    error: Callable[[OpenAIError], Response] = dataclasses.field(
+        default_factory=lambda: _error_response
+    )
+    done: Callable[[dict[str, Any]], None] = lambda response: None  # given the whole answer
+
+
+def anthropic_error_response(error: OpenAIError) -> Response:
+    return _json(anthropic_error(error), error.status, error.headers)
+
+
 def _error_response(error: OpenAIError) -> Response:
     return Response(
         error.json(), status_code=error.status, media_type="application/json", headers=error.headers
@@ -204,6 +236,7 @@ class Frontend:
                 "/v1/chat/completions": (ChatCompletionRequest, self._chat_completions),
                 "/v1/completions": (CompletionRequest, self._completions),
                 "/v1/responses": (ResponsesRequest, self._responses),
+                "/v1/messages": (MessagesRequest, self._messages),
             },
         )
 
@@ -288,10 +321,10 @@ class Frontend:
         request: Request,
         body: _Common,
         route: str,
-        responses: ResponsesRequest | None = None,
+        api: OtherApi | None = None,
     ) -> Response:
-        """`responses`: the Responses API request that `body` answers (its response is shaped
-        from the chat answer)."""
+        """`api`: the other API whose request `body` answers (its answer is built from the chat
+        answer's deltas; its errors in its shape). None: chat's or completions' own."""
         rid: str = request.state.request_id
         record: RequestRecord | None = None
         prompt_tokens = 0
@@ -332,7 +365,7 @@ class Frontend:
                 log.warning("request %s failed: %s", rid, error.message)
             if record is not None:
                 record.done(error.status, prompt_tokens)
-            return _error_response(error)
+            return (api.error if api else _error_response)(error)
         shape = ResponseShape(
             rid,
             body.model,
@@ -343,20 +376,17 @@ class Frontend:
             body.echo_logprobs,
             body.shown_prompt_logprobs,
         )
-        output = (
-            ResponseOutput(rid, responses, self.stored.new_id()) if responses is not None else None
-        )
         if body.stream:
             stream = (
                 self._sse(shape, first, events, record, prompt_tokens, body.include_usage)
-                if output is None
-                else self._response_events(ResponseStream(output), first, events, record)
+                if api is None
+                else self._built_events(api, first, events, record)
             )
             return EventStream(stream, headers={"cache-control": "no-cache", **ctx.headers()})
         collect = (
             self._collect(shape, first, events, record)
-            if output is None
-            else self._collect_response(ResponseStream(output, emits=False), first, events, record)
+            if api is None
+            else self._collect_built(api, first, events, record)
         )
         if len(pres) == 1 and first[1].finished:  # all there: nothing left to wait for
             result = await collect
@@ -370,7 +400,7 @@ class Frontend:
         except Exception as exc:
             error = as_openai_error(exc, body.model)
             record.done(error.status, prompt_tokens)
-            return _error_response(error)
+            return (api.error if api else _error_response)(error)
         record.done(200, prompt_tokens)
         return _json(result, headers=ctx.headers())
 
@@ -402,14 +432,15 @@ class Frontend:
         joined = ["".join(t) for t in texts]
         return shape.full(states, joined, ["".join(r) for r in reasonings], logprobs)
 
-    async def _collect_response(
+    async def _collect_built(
         self,
-        stream: ResponseStream,
+        api: OtherApi,
         first: Event,
         events: AsyncGenerator[Event, None],
         record: RequestRecord,
     ) -> dict[str, Any]:
-        """A Responses API response, whole: built as its stream is (`_response_events`)."""
+        """Another API's answer, whole: built as its stream is (`_built_events`)."""
+        stream = api.builder(False)
         try:
             event: Event | None = first
             state = first[1]
@@ -420,14 +451,15 @@ class Frontend:
                 event = await anext(events, None)
         finally:
             await events.aclose()
-        return self._kept(stream.output, stream.whole(state))
+        whole = stream.whole(state)
+        api.done(whole)
+        return whole
 
-    def _kept(self, output: ResponseOutput, response: dict[str, Any]) -> dict[str, Any]:
-        """`response`, kept if its request asked (`store`)."""
+    def _kept(self, output: ResponseOutput, response: dict[str, Any]) -> None:
+        """`response` kept if its request asked (`store`)."""
         if output.request.store:
             stored = StoredResponse(response=response, input=output.request.kept_input())
             self.stored.put(output.id, stored)
-        return response
 
     async def _sse(
         self,
@@ -472,18 +504,19 @@ class Frontend:
             await events.aclose()
             record.done(status, prompt_tokens)
 
-    async def _response_events(
+    async def _built_events(
         self,
-        stream: ResponseStream,
+        api: OtherApi,
         first: Event,
         events: AsyncGenerator[Event, None],
         record: RequestRecord,
     ) -> AsyncGenerator[bytes, None]:
-        """A Responses API stream: its events as the choice's deltas come (`_sse`'s part)."""
+        """Another API's stream: its events as the choice's deltas come (`_sse`'s part)."""
         status = 499  # unless it ends one way or the other below
+        stream = api.builder(True)
         prompt_tokens = first[1].prompt_tokens
         try:
-            yield b"".join(stream.start())
+            yield b"".join(stream.start(first[1]))
             event: Event | None = first
             state = first[1]
             while event is not None:
@@ -494,13 +527,13 @@ class Frontend:
                     yield chunk
                 event = await anext(events, None)
             end = b"".join(stream.finish(state))
-            self._kept(stream.output, stream.response(state))  # before a next turn can ask
+            api.done(stream.response(state))  # before a next turn can ask for it
             yield end
             status = 200
         except Exception as exc:
-            error = as_openai_error(exc, stream.output.request.model)
+            error = as_openai_error(exc, stream.model)
             status = error.status
-            log.warning("request %s failed mid-stream: %s", stream.output.rid, error.message)
+            log.warning("request %s failed mid-stream: %s", stream.rid, error.message)
             yield stream.failed(error)
         finally:
             await events.aclose()
@@ -522,7 +555,38 @@ class Frontend:
             chat = body.to_chat()
         except FieldError as exc:
             return _error_response(bad_request(str(exc), exc.param))
-        return await self._handle(request, chat, "responses", body)
+        output = ResponseOutput(request.state.request_id, body, self.stored.new_id())
+        api = OtherApi(
+            builder=lambda emits: ResponseStream(output, emits),
+            done=lambda response: self._kept(output, response),
+        )
+        return await self._handle(request, chat, "responses", api)
+
+    async def _messages(self, request: Request, body: MessagesRequest) -> Response:
+        try:
+            chat = body.to_chat()
+        except FieldError as exc:
+            return anthropic_error_response(bad_request(str(exc), exc.param))
+        rid: str = request.state.request_id
+        api = OtherApi(
+            builder=lambda emits: MessageStream(rid, body.model, emits),
+            error=anthropic_error_response,
+        )
+        return await self._handle(request, chat, "messages", api)
+
+    async def _count_tokens(self, body: CountTokensRequest) -> Response:
+        try:
+            chat = body.to_chat()
+            served = self._served(body.model)
+            fmt = self._tool_format(served)
+            (ids,) = await asyncio.to_thread(
+                prompt_token_ids, served.tokenizer, chat, (fmt, tool_use(chat, fmt))
+            )
+        except FieldError as exc:
+            return anthropic_error_response(bad_request(str(exc), exc.param))
+        except Exception as exc:
+            return anthropic_error_response(as_openai_error(exc, body.model))
+        return _json({"input_tokens": len(ids)})
 
     async def _completions(self, request: Request, body: CompletionRequest) -> Response:
         return await self._handle(request, body, "completions")
@@ -542,13 +606,18 @@ class Frontend:
     def _build(self) -> FastAPI:
         app = FastAPI(title="kvbaton", summary="OpenAI-compatible LLM serving")
 
+        def shaped(request: Request) -> Callable[[OpenAIError], Response]:
+            """Anthropic's error shape on its routes, OpenAI's elsewhere."""
+            anthropic = request.url.path.startswith("/v1/messages")
+            return anthropic_error_response if anthropic else _error_response
+
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, exc: HTTPException) -> Response:
-            return _error_response(OpenAIError(exc.status_code, str(exc.detail)))
+            return shaped(request)(OpenAIError(exc.status_code, str(exc.detail)))
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, exc: RequestValidationError) -> Response:
-            return _error_response(from_validation_errors(exc.errors()))
+            return shaped(request)(from_validation_errors(exc.errors()))
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -561,6 +630,14 @@ class Frontend:
         @app.post("/v1/responses")
         async def responses(body: ResponsesRequest, request: Request) -> Response:
             return await self._responses(request, body)
+
+        @app.post("/v1/messages")
+        async def messages(body: MessagesRequest, request: Request) -> Response:
+            return await self._messages(request, body)
+
+        @app.post("/v1/messages/count_tokens")
+        async def count_tokens(body: CountTokensRequest) -> Response:
+            return await self._count_tokens(body)
 
         @app.get("/v1/responses/{response_id}")
         async def get_response(response_id: str) -> Response:

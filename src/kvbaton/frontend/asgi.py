@@ -39,12 +39,13 @@ class RequestIdAndLimits:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self._bearer = f"Bearer {api_key}".encode() if api_key else None
+        self._key = api_key.encode() if api_key else None  # as Anthropic's clients send it
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = content_length = None
-        authorization = b""
+        authorization = x_api_key = b""
         for name, value in scope["headers"]:
             if name == b"x-request-id":
                 given = value.decode("latin-1")
@@ -52,6 +53,8 @@ class RequestIdAndLimits:
                 content_length = value
             elif name == b"authorization":
                 authorization = value
+            elif name == b"x-api-key":
+                x_api_key = value
         request_id = given if given and _GOOD_ID.match(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         id_header = (b"x-request-id", request_id.encode())
@@ -63,12 +66,16 @@ class RequestIdAndLimits:
 
         if (
             self._bearer is not None
+            and self._key is not None
             and scope["path"] not in OPEN_PATHS
             and not scope["path"].startswith(OPEN_PREFIX)
             and not hmac.compare_digest(authorization, self._bearer)
+            and not hmac.compare_digest(x_api_key, self._key)
         ):
             error = OpenAIError(
-                401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key"
+                401,
+                "a valid API key is needed: Authorization: Bearer KEY (or x-api-key: KEY)",
+                code="invalid_api_key",
             )
             return await _reject(send_with_id, error, [(b"www-authenticate", b"Bearer")])
         if content_length is not None:

@@ -76,6 +76,11 @@ class ChoiceState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the answer (None: none did)."""
+        return self._stops.matched
+
     def update(self, out: EngineOutput) -> Delta:
         """The delta for one engine output. After a stop string matched, the choice is finished
         (finish reason "stop") and the caller should stop the request at the worker.

@@ -173,6 +173,8 @@ class ResponseStream:
 
     def __init__(self, output: ResponseOutput, emits: bool = True) -> None:
         self.output = output
+        self.rid = output.rid
+        self.model = output.request.model
         self.emits = emits
         self._sequence = 0
         self._items: list[dict[str, Any]] = []  # the closed ones, whole
@@ -180,7 +182,8 @@ class ResponseStream:
         self._calls: dict[int, _Item] = {}  # by the parser's call index
         self._held: list[dict[str, Any]] = []  # logprobs of tokens whose text has not come
 
-    def start(self) -> list[bytes]:
+    def start(self, state: ChoiceState) -> list[bytes]:
+        """The stream's first events (`state`: the choice's; its settings are the request's)."""
         created = self.output.body("in_progress", [])
         return [
             self._event("response.created", response=created),
