@@ -35,7 +35,7 @@ from kvbaton.frontend.openai_types import (
     _Body,
     _NullIsDefault,
     joined_text,
-    validated,
+    validated_by_type,
     without,
 )
 
@@ -110,20 +110,9 @@ class Message(_Body):
     @field_validator("content", mode="before")
     @classmethod
     def _blocks_by_type(cls, value: Any) -> Any:
-        """- Each block is validated as its `type` says, so that an error names it."""
-        if not isinstance(value, list):
-            return value
-        blocks: list[Block] = []
-        for i, block in enumerate(value):
-            kind = block.get("type") if isinstance(block, dict) else None
-            model = _BLOCKS.get(kind) if isinstance(kind, str) else None
-            if model is None:
-                raise ValueError(
-                    f"content block {i}: type {kind!r} is not supported (text, tool_use, "
-                    "tool_result, thinking and redacted_thinking blocks are)"
-                )
-            blocks.append(validated(model, block, f"content block {i} ({kind})"))
-        return blocks
+        return (
+            validated_by_type(value, _BLOCKS, "content block") if isinstance(value, list) else value
+        )
 
     def texts(self) -> str:
         if isinstance(self.content, str):

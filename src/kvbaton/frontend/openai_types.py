@@ -111,6 +111,23 @@ def without(data: Any, ignored: tuple[str, ...]) -> Any:
     return data
 
 
+def validated_by_type(
+    values: list[Any], models: dict[str, type[_B]], what: str, default: str | None = None
+) -> list[_B]:
+    """Each of `values` (a list of `what`s) validated as the model its `type` names (`default`
+    where it has none), so that an error names the element and its fault."""
+    out: list[_B] = []
+    for i, value in enumerate(values):
+        kind = value.get("type", default) if isinstance(value, dict) else None
+        model = models.get(kind) if isinstance(kind, str) else None
+        if model is None:
+            raise ValueError(
+                f"{what} {i}: type {kind!r} is not supported ({', '.join(models)} are)"
+            )
+        out.append(validated(model, value, f"{what} {i} ({kind})"))
+    return out
+
+
 def validated(model: type[_B], value: Any, what: str, hint: str = "") -> _B:
     """`value` as a `model`; else a ValueError naming `what`, the faulty field and the fault,
     then `hint` (a part of a list, whose union's own error would say only which types fail)."""

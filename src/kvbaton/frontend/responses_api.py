@@ -33,7 +33,7 @@ from kvbaton.frontend.openai_types import (
     _Body,
     _NullIsDefault,
     joined_text,
-    validated,
+    validated_by_type,
     without,
 )
 from kvbaton.protocols.stored_responses import StoredResponse
@@ -112,19 +112,7 @@ _ID_PREFIX = {
 
 
 def input_items(value: list[Any]) -> list[InputItem]:
-    """- Each item is validated as its `type` says (a message without one), so that an error
-    names the item and its fault."""
-    items: list[InputItem] = []
-    for i, item in enumerate(value):
-        kind = item.get("type", "message") if isinstance(item, dict) else None
-        model = _ITEMS.get(kind) if isinstance(kind, str) else None
-        if model is None:
-            raise ValueError(
-                f"input item {i}: type {kind!r} is not supported (messages, function_call, "
-                "function_call_output and reasoning items are)"
-            )
-        items.append(validated(model, item, f"input item {i} ({kind})"))
-    return items
+    return validated_by_type(value, _ITEMS, "input item", default="message")
 
 
 class FunctionTool(_Body):
