@@ -111,3 +111,18 @@ def routed_series(registry: CollectorRegistry) -> set[str]:
         for sample in metric.samples
         if sample.name == "kvbaton_router_requests_total"
     }
+
+
+# Schemas that a tiny random model meets in a few tokens when they are enforced.
+CITY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+ADD_PARAMETERS: dict[str, Any] = {  # a tool's: a short call
+    "type": "object",
+    "properties": {"a": {"enum": [2, 3]}, "b": {"enum": [2, 3]}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}

@@ -213,6 +213,15 @@ def stop_cleanly(deployment: Deployment) -> None:
 
 
 @pytest.fixture(scope="module")
+def long_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """A tiny model of 1,024 positions: its template's tool prompt is longer than 256."""
+    model = build_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat", max_positions=1024)
+    deployment = start_serve(model, tmp_path_factory.mktemp("discovery"))
+    yield deployment
+    stop_cleanly(deployment)
+
+
+@pytest.fixture(scope="module")
 def served(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     deployment = start_serve(chat_model, tmp_path_factory.mktemp("discovery"))
     yield deployment

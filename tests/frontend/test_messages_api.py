@@ -6,7 +6,6 @@ sequences; a prefilled answer; token counts; errors in Anthropic's shape."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -15,20 +14,15 @@ import jsonschema
 import openai
 import pytest
 
-from tests.frontend.conftest import Deployment, start_serve, stop_cleanly
-from tests.tiny_models import build_chat_model
+from tests.frontend.conftest import Deployment
+from tests.helpers import ADD_PARAMETERS, CITY_SCHEMA
 
 pytestmark = pytest.mark.integration
 
 ADD = {
     "name": "add",
     "description": "Add two integers.",
-    "input_schema": {
-        "type": "object",
-        "properties": {"a": {"enum": [2, 3]}, "b": {"enum": [2, 3]}},  # a short call
-        "required": ["a", "b"],
-        "additionalProperties": False,
-    },
+    "input_schema": ADD_PARAMETERS,
 }
 CONVERSATION: list[Any] = [
     {"role": "user", "content": "What is the capital of France?"},
@@ -49,15 +43,6 @@ def clients(deployment: Deployment) -> tuple[anthropic.Anthropic, openai.OpenAI]
         anthropic.Anthropic(base_url=deployment.url, api_key="none", max_retries=0),
         openai.OpenAI(base_url=f"{deployment.url}/v1", api_key="none", max_retries=0),
     )
-
-
-@pytest.fixture(scope="module")
-def long_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    """A tiny model of 1,024 positions: its template's tool prompt is longer than 256."""
-    model = build_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat", max_positions=1024)
-    deployment = start_serve(model, tmp_path_factory.mktemp("discovery"))
-    yield deployment
-    stop_cleanly(deployment)
 
 
 def text_of(message: Any) -> str:
@@ -214,12 +199,7 @@ def test_a_forced_tool_use_and_its_result(long_served: Deployment) -> None:
 
 def test_an_output_format_gives_valid_json(served: Deployment) -> None:
     claude, _ = clients(served)
-    schema = {
-        "type": "object",
-        "properties": {"city": {"enum": ["Paris", "Rome"]}},
-        "required": ["city"],
-        "additionalProperties": False,
-    }
+    schema = CITY_SCHEMA
     message = claude.messages.create(
         model=served.model,
         messages=[{"role": "user", "content": "Name a capital as JSON."}],

@@ -6,7 +6,6 @@ cannot do (keep responses, other tools, images) is a 400 naming the field."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,8 +14,8 @@ import openai
 import pytest
 
 from kvbaton.frontend.responses_api import LOGPROBS
-from tests.frontend.conftest import Deployment, start_serve, stop_cleanly
-from tests.tiny_models import build_chat_model
+from tests.frontend.conftest import Deployment
+from tests.helpers import ADD_PARAMETERS, CITY_SCHEMA
 
 pytestmark = pytest.mark.integration
 
@@ -24,27 +23,13 @@ ADD = {
     "type": "function",
     "name": "add",
     "description": "Add two integers.",
-    "parameters": {
-        "type": "object",
-        "properties": {"a": {"enum": [2, 3]}, "b": {"enum": [2, 3]}},  # a short call
-        "required": ["a", "b"],
-        "additionalProperties": False,
-    },
+    "parameters": ADD_PARAMETERS,
 }
 
 
 @pytest.fixture(scope="module")
 def client(served: Deployment) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def long_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    """A tiny model of 1,024 positions: its template's tool prompt is longer than 256."""
-    model = build_chat_model(tmp_path_factory.mktemp("models") / "tiny-chat", max_positions=1024)
-    deployment = start_serve(model, tmp_path_factory.mktemp("discovery"))
-    yield deployment
-    stop_cleanly(deployment)
 
 
 def events_of(client: openai.OpenAI, **ask: Any) -> list[Any]:
@@ -191,12 +176,7 @@ def test_a_forced_function_call_and_its_answer(long_served: Deployment) -> None:
 
 
 def test_a_json_schema_format_gives_valid_json(client: openai.OpenAI, served: Deployment) -> None:
-    schema = {
-        "type": "object",
-        "properties": {"city": {"enum": ["Paris", "Rome"]}},
-        "required": ["city"],
-        "additionalProperties": False,
-    }
+    schema = CITY_SCHEMA
     response = client.responses.create(
         model=served.model,
         input="Name a capital as JSON.",
