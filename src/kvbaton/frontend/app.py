@@ -226,6 +226,8 @@ class Frontend:
         self.models = models
         self.stored = stored or StoredResponses()
         self.metrics = metrics or FrontendMetrics()
+        kept = self.stored.local
+        self.metrics.follow_kept(lambda: len(kept), lambda: kept.bytes)
         self.reasoning = reasoning
         self.tool_format = tool_format
         self.cluster = ClusterView(models, self.metrics)

@@ -3,6 +3,7 @@ last minutes of its requests for the cluster page (`request_window.py`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -76,6 +77,18 @@ class FrontendMetrics:
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
+
+    def follow_kept(self, count: Callable[[], float], size: Callable[[], float]) -> None:
+        """Gauges of the Responses API's kept responses (`response_store.py`), read at scrape."""
+        prefix = "kvbaton_frontend_kept_responses"
+        Gauge(prefix, "Responses API responses kept here", registry=self.registry).set_function(
+            count
+        )
+        Gauge(
+            f"{prefix}_bytes",
+            "Their size as JSON (at most --responses-store-mib)",
+            registry=self.registry,
+        ).set_function(size)
 
     def of_model(self, model: str) -> ModelMetrics:
         """The metrics of one model, labelled once (labelling costs more than observing)."""
