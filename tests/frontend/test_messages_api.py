@@ -110,6 +110,25 @@ def test_a_stop_sequence_ends_the_message_and_is_named(served: Deployment) -> No
     assert text_of(message) == free[: free.index(stop)]
 
 
+def test_max_tokens_past_the_context_is_cut_to_it(served: Deployment) -> None:
+    """Anthropic's clients ask for more output than a small model's context holds: the answer
+    runs to the context's end (model_context_window_exceeded) instead of a 400, as chat's."""
+    claude, chat_client = clients(served)
+    with claude.messages.stream(  # (the SDK streams such a long ask)
+        model=served.model, messages=CONVERSATION, max_tokens=100_000, extra_body=GREEDY
+    ) as stream:
+        message = stream.get_final_message()
+    context = chat_client.models.retrieve(served.model).model_extra["max_model_len"]  # type: ignore[index]
+    usage = message.usage
+    used = usage.input_tokens + (usage.cache_read_input_tokens or 0) + usage.output_tokens
+    if message.stop_reason == "model_context_window_exceeded":
+        assert used == context
+    else:  # the model ended its turn first
+        assert message.stop_reason == "end_turn" and used < context
+    with pytest.raises(openai.BadRequestError):  # chat's own limit stays a 400
+        chat_client.chat.completions.create(model=served.model, messages=CHAT, max_tokens=100_000)
+
+
 def test_a_last_assistant_turn_is_the_start_of_the_answer(served: Deployment) -> None:
     """Anthropic's prefill: the answer goes on from the assistant's text (chat's
     continue_final_message)."""

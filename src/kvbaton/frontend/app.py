@@ -571,7 +571,7 @@ class Frontend:
             return anthropic_error_response(bad_request(str(exc), exc.param))
         rid: str = request.state.request_id
         api = OtherApi(
-            builder=lambda emits: MessageStream(rid, body.model, emits),
+            builder=lambda emits: MessageStream(rid, body.model, body.max_tokens, emits),
             error=anthropic_error_response,
         )
         return await self._handle(request, chat, "messages", api)

@@ -12,10 +12,11 @@ to run on kvbaton's models.
   from its text (chat's `continue_final_message`).
 - `system`, custom `tools` (`input_schema` the function's parameters), `tool_choice` (auto,
   any: some call, tool: that one, none; `disable_parallel_tool_use`), `stop_sequences`,
-  `temperature`, `top_p`, `top_k`, `max_tokens`; `thinking` enabled or adaptive (the template's
-  `enable_thinking` true; `budget_tokens` is not enforced apart from `max_tokens`) or disabled
-  (false); `output_config.effort` (the template's `reasoning_effort`) and `output_config.format`
-  (a JSON schema, enforced).
+  `temperature`, `top_p`, `top_k`, `max_tokens` (past the model's context: cut to the room the
+  prompt leaves, the answer then stopping with "model_context_window_exceeded"); `thinking`
+  enabled or adaptive (the template's `enable_thinking` true; `budget_tokens` is not enforced
+  apart from `max_tokens`) or disabled (false); `output_config.effort` (the template's
+  `reasoning_effort`) and `output_config.format` (a JSON schema, enforced).
 - Fields that name the caller or steer Anthropic's caching and routing are taken and change
   nothing (`_HARMLESS`; `cache_control` on blocks and tools); any other is a 400 naming it.
 """
@@ -158,6 +159,13 @@ class OutputConfig(_NullIsDefault):
     format: OutputFormat | None = None
 
 
+class _CutChatRequest(ChatCompletionRequest):
+    """A chat request whose `max_tokens` past the context is cut to the room left: Anthropic's
+    clients ask for more than most models hold (stop reason model_context_window_exceeded)."""
+
+    cut_to_context = True
+
+
 class _Conversation(_NullIsDefault):
     """What both routes take: the conversation and what shapes its prompt."""
 
@@ -210,7 +218,7 @@ class _Conversation(_NullIsDefault):
                 "json_schema": {"name": "output", "schema": out.format.schema_},
             }
         try:
-            return ChatCompletionRequest.model_validate(body)
+            return _CutChatRequest.model_validate(body)
         except ValidationError as e:  # the fields above are checked: what is left is messages'
             raise FieldError("messages", e.errors()[0]["msg"]) from None
 

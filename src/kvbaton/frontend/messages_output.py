@@ -6,8 +6,9 @@ message is the whole one.
 - Content blocks, in order: `thinking` (with a reasoning parser, when there is some; its
   `signature` empty: kvbaton signs nothing), `text`, then a `tool_use` block per call (`input`
   the call's arguments, parsed).
-- `stop_reason`: "max_tokens" at the limit, "tool_use" after calls, "stop_sequence" (with
-  `stop_sequence`, the one that matched), else "end_turn".
+- `stop_reason`: "max_tokens" at the limit, "model_context_window_exceeded" at the context's
+  end before it (the limit cut to the context: `messages_api.py`), "tool_use" after calls,
+  "stop_sequence" (with `stop_sequence`, the one that matched), else "end_turn".
 - `usage`: `input_tokens` are the prompt's tokens that the prefix cache did not hold, and
   `cache_read_input_tokens` those it held (Anthropic's split); `output_tokens` the answer's.
 - A stream: `message_start`, each block's `content_block_start`, deltas (`text_delta`,
@@ -88,10 +89,11 @@ class MessageStream:
     - At most one block is open at a time: a new block closes the one before.
     - `emits` False: no event is encoded (each call gives b""), for a message given whole."""
 
-    def __init__(self, rid: str, model: str, emits: bool = True) -> None:
-        """`rid`: the HTTP request's id (for the log)."""
+    def __init__(self, rid: str, model: str, max_tokens: int, emits: bool = True) -> None:
+        """`rid`: the HTTP request's id (for the log); `max_tokens`: the request's."""
         self.rid = rid
         self.model = model
+        self.max_tokens = max_tokens
         self.id = f"msg_{uuid.uuid4().hex}"
         self.emits = emits
         self._blocks: list[_Block] = []
@@ -162,7 +164,8 @@ class MessageStream:
 
     def _stop(self, state: ChoiceState) -> tuple[str, str | None]:
         if state.finish_reason == "length":
-            return "max_tokens", None
+            cut = state.completion_tokens < self.max_tokens  # by the context, first
+            return "model_context_window_exceeded" if cut else "max_tokens", None
         if any(b.kind == "tool_use" for b in self._blocks):
             return "tool_use", None
         if state.stop_string is not None:

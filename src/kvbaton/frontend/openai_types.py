@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, Protocol, TypeVar, get_args
+from typing import Annotated, Any, ClassVar, Literal, Protocol, TypeVar, get_args
 
 from pydantic import (
     BaseModel,
@@ -248,8 +248,13 @@ class NvExt(_Body):
 
 
 class _Common(_NullIsDefault):
-    """Sampling and stopping, shared by both routes."""
+    """Sampling and stopping, shared by both routes.
 
+    - `cut_to_context` (a subclass's, never a body's): an output limit past the model's context
+      is cut to the room the prompt leaves, not refused (Anthropic's Messages API, whose
+      clients ask for more than most models hold)."""
+
+    cut_to_context: ClassVar[bool] = False
     model: str
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None

@@ -106,6 +106,8 @@ def build_requests(
                 "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
             )
         limit = request.output_limit
+        if limit is not None and n + limit > context_length and request.cut_to_context:
+            limit = context_length - n
         if limit is not None and n + limit > context_length:
             raise bad_request(
                 f"This model's maximum context length is {context_length} tokens; the prompt "
