@@ -38,7 +38,11 @@ async def test_routes_need_the_key_and_probes_do_not() -> None:
         r = await http.post("/v1/messages", json={}, headers={"x-api-key": "s3cret"})
         assert r.status_code == 200  # Anthropic's clients send it so
         r = await http.post("/v1/messages", json={}, headers={"x-api-key": "wrong"})
-        assert r.status_code == 401
+        assert r.status_code == 401  # in Anthropic's shape, on its route
+        assert r.json() == {
+            "type": "error",
+            "error": {"type": "authentication_error", "message": r.json()["error"]["message"]},
+        }
         assert (await http.post("/busy_threshold", json={})).status_code == 401
         for probe in ("/health", "/live", "/metrics"):
             assert (await http.get(probe)).status_code == 200

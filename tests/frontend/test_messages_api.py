@@ -241,6 +241,13 @@ def test_an_output_format_gives_valid_json(served: Deployment) -> None:
          "invalid_request_error"),
         ({"messages": []}, 400, "invalid_request_error"),
         ({"tool_choice": {"type": "tool"}}, 400, "invalid_request_error"),
+        ({"tool_choice": {"type": "auto", "name": "add"}}, 400, "invalid_request_error"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "tool_use", "id": "t1", "name": "add", "input": {}}]}]}, 400,
+         "invalid_request_error"),
+        ({"messages": [*CONVERSATION, {"role": "assistant", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "5"}]}]}, 400,
+         "invalid_request_error"),
         ({"unknown_field": 1}, 400, "invalid_request_error"),
         ({"model": "nope"}, 404, "not_found_error"),
     ],

@@ -177,6 +177,13 @@ def test_a_message_has_a_thinking_block_before_its_text(frontends: Frontends) ->
     ]
     again = claude.messages.create(**ask | {"messages": turn})
     assert again.content[-1].text == "answer"
+    omitted = claude.messages.create(
+        **ask, thinking={"type": "enabled", "budget_tokens": 1024, "display": "omitted"}
+    )
+    assert [(b.type, getattr(b, "thinking", None)) for b in omitted.content[:1]] == [
+        ("thinking", "")
+    ]
+    assert omitted.content[1].text == "answer"
 
 
 def test_without_the_flag_the_tags_stay_in_the_content(frontends: Frontends) -> None:

@@ -3,11 +3,18 @@ least recently used forgotten first; ids that name their frontend; pages of inpu
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
 import msgspec
 import pytest
 
-from kvbaton.frontend.response_store import ResponseStore, input_page, keeper
+from kvbaton.frontend import response_store
+from kvbaton.frontend.errors import OpenAIError
+from kvbaton.frontend.response_store import ResponseStore, StoredResponses, input_page, keeper
 from kvbaton.protocols.stored_responses import StoredResponse
+from kvbaton.runtime import NoInstancesError
 
 
 def kept(text: str) -> StoredResponse:
@@ -48,3 +55,36 @@ def test_input_items_are_paged_as_openai_lists() -> None:
     assert input_page(items, 2, "asc", "m4")["data"] == []
     with pytest.raises(KeyError):
         input_page(items, 2, "asc", "nope")
+
+
+class Peers:
+    """A stand-in for the client of the other frontends' `responses` endpoints."""
+
+    def __init__(self, fault: type[BaseException] | None) -> None:
+        self.fault = fault  # raised by the call; None: it never answers
+
+    def direct(self, lookup: Any, instance: int) -> AsyncIterator[Any]:
+        async def answers() -> AsyncIterator[Any]:
+            if self.fault is not None:
+                raise self.fault("no such instance")
+            await asyncio.Event().wait()
+            yield None
+
+        return answers()
+
+
+async def test_a_keeper_gone_is_not_found_and_one_silent_is_unavailable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(response_store, "LOOKUP_TIMEOUT_S", 0.05)
+    stored = StoredResponses()
+    stored._client = Peers(NoInstancesError)  # type: ignore[assignment]
+    with pytest.raises(OpenAIError) as gone:
+        await stored.get("resp_2_ab", "response_id")
+    assert gone.value.status == 404 and gone.value.param == "response_id"
+    stored._client = Peers(None)  # type: ignore[assignment]
+    with pytest.raises(OpenAIError) as silent:
+        await stored.delete("resp_2_ab", "response_id")
+    assert silent.value.status == 503 and silent.value.headers == {"retry-after": "1"}
+    stored.put("resp_0_cd", kept("cd"))  # this frontend's own: no peer asked
+    assert (await stored.get("resp_0_cd", "response_id")).input == [{"id": "cd"}]

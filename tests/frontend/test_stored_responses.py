@@ -105,6 +105,9 @@ def test_a_kept_response_is_read_listed_and_deleted(served: Deployment) -> None:
     assert again.model_dump() == second.model_dump()
     items = client.responses.input_items.list(second.id, order="asc")
     assert [i.type for i in items.data] == ["message", "message", "message"]
+    first_text = items.data[0].content[0]  # type: ignore[union-attr]
+    assert (first_text.type, first_text.text) == ("input_text", "Hello")  # type: ignore[union-attr]
+    assert all(getattr(i, "status", None) == "completed" for i in items.data)
     roles = [getattr(i, "role", None) for i in items.data]
     assert roles == ["user", "assistant", "user"]
     assert all(i.id for i in items.data)
@@ -137,6 +140,10 @@ def test_store_false_keeps_nothing(served: Deployment) -> None:
     for missing in ("resp_nothing", "resp_0_0"):
         r = httpx.get(f"{served.url}/v1/responses/{missing}")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    kept = client.responses.create(model=served.model, input="Hi", **ASK)
+    for query, param in (("stream=true", "stream"), ("starting_after=0", "starting_after")):
+        r = httpx.get(f"{served.url}/v1/responses/{kept.id}?{query}")
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
 def test_another_frontend_reads_and_continues_a_kept_response(

@@ -29,16 +29,16 @@ from kvbaton.frontend.client_gone import ClientLeftError, EventStream, while_con
 from kvbaton.frontend.cluster import ClusterView
 from kvbaton.frontend.dashboard_assets import ASSETS, HEADERS, asset
 from kvbaton.frontend.errors import (
+    ANTHROPIC_PREFIX,
     OpenAIError,
     as_openai_error,
     bad_request,
     from_validation_errors,
     model_not_found,
-    response_not_found,
 )
 from kvbaton.frontend.fast_path import FastPath
 from kvbaton.frontend.messages_api import CountTokensRequest, MessagesRequest
-from kvbaton.frontend.messages_output import MessageStream, anthropic_error
+from kvbaton.frontend.messages_output import MessageStream
 from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager, ServedModel
 from kvbaton.frontend.openai_types import (
@@ -130,6 +130,12 @@ def _message_logprobs(state: ChoiceState, delta: Delta) -> list[dict[str, Any]]:
     return logprobs["content"] if logprobs is not None else []
 
 
+def _error_response(error: OpenAIError) -> Response:
+    return Response(
+        error.json(), status_code=error.status, media_type="application/json", headers=error.headers
+    )
+
+
 class Builder(Protocol):
     """An answer in another API's shape, built from the chat answer's deltas, whole or as its
     stream's events (`ResponseStream`, `MessageStream`)."""
@@ -150,20 +156,12 @@ class OtherApi:
     """A route answered in another API's shape than chat's (Responses, Anthropic's Messages)."""
 
     builder: Callable[[bool], Builder]  # its answer's builder (True: one that emits events)
-    error: Callable[[OpenAIError], Response] = dataclasses.field(
-        default_factory=lambda: _error_response
-    )
+    error: Callable[[OpenAIError], Response] = dataclasses.field(default=_error_response)
     done: Callable[[dict[str, Any]], None] = lambda response: None  # given the whole answer
 
 
 def anthropic_error_response(error: OpenAIError) -> Response:
-    return _json(anthropic_error(error), error.status, error.headers)
-
-
-def _error_response(error: OpenAIError) -> Response:
-    return Response(
-        error.json(), status_code=error.status, media_type="application/json", headers=error.headers
-    )
+    return _json(error.anthropic_body(), error.status, error.headers)
 
 
 class RequestRecord:
@@ -547,16 +545,15 @@ class Frontend:
     async def _responses(self, request: Request, body: ResponsesRequest) -> Response:
         if not self.stored.enabled:
             body = body.model_copy(update={"store": False})  # said so in the response
-        if body.previous_response_id is not None:
-            previous = await self.stored.get(body.previous_response_id)
-            if previous is None:
-                error = response_not_found(body.previous_response_id, "previous_response_id")
-                return _error_response(error)
-            body = body.after(previous)
         try:
+            if body.previous_response_id is not None:
+                previous = await self.stored.get(body.previous_response_id, "previous_response_id")
+                body = body.after(previous)
             chat = body.to_chat()
         except FieldError as exc:
             return _error_response(bad_request(str(exc), exc.param))
+        except OpenAIError as exc:
+            return _error_response(exc)
         output = ResponseOutput(request.state.request_id, body, self.stored.new_id())
         api = OtherApi(
             builder=lambda emits: ResponseStream(output, emits),
@@ -571,7 +568,7 @@ class Frontend:
             return anthropic_error_response(bad_request(str(exc), exc.param))
         rid: str = request.state.request_id
         api = OtherApi(
-            builder=lambda emits: MessageStream(rid, body.model, body.max_tokens, emits),
+            builder=lambda emits: MessageStream(rid, body, emits),
             error=anthropic_error_response,
         )
         return await self._handle(request, chat, "messages", api)
@@ -610,7 +607,7 @@ class Frontend:
 
         def shaped(request: Request) -> Callable[[OpenAIError], Response]:
             """Anthropic's error shape on its routes, OpenAI's elsewhere."""
-            anthropic = request.url.path.startswith("/v1/messages")
+            anthropic = request.url.path.startswith(ANTHROPIC_PREFIX)
             return anthropic_error_response if anthropic else _error_response
 
         @app.exception_handler(HTTPException)
@@ -641,17 +638,26 @@ class Frontend:
         async def count_tokens(body: CountTokensRequest) -> Response:
             return await self._count_tokens(body)
 
+        @app.exception_handler(OpenAIError)
+        async def openai_error(request: Request, exc: OpenAIError) -> Response:
+            return shaped(request)(exc)
+
         @app.get("/v1/responses/{response_id}")
-        async def get_response(response_id: str) -> Response:
-            stored = await self.stored.get(response_id)
-            if stored is None:
-                return _error_response(response_not_found(response_id, "response_id"))
-            return _json(stored.response)
+        async def get_response(
+            response_id: str,
+            stream: bool = False,
+            starting_after: int | None = None,
+            include: Annotated[list[str] | None, Query()] = None,
+        ) -> Response:
+            asked = {"stream": stream, "starting_after": starting_after is not None}
+            for name, given in (asked | {"include": bool(include)}).items():
+                if given:  # a background response's stream, or other items: none kept here
+                    raise bad_request(f"{name}: a kept response is given whole", name)
+            return _json((await self.stored.get(response_id, "response_id")).response)
 
         @app.delete("/v1/responses/{response_id}")
         async def delete_response(response_id: str) -> Response:
-            if await self.stored.delete(response_id) is None:
-                return _error_response(response_not_found(response_id, "response_id"))
+            await self.stored.delete(response_id, "response_id")
             return _json({"id": response_id, "object": "response", "deleted": True})
 
         @app.get("/v1/responses/{response_id}/input_items")
@@ -661,13 +667,11 @@ class Frontend:
             order: Literal["asc", "desc"] = "desc",
             after: str | None = None,
         ) -> Response:
-            stored = await self.stored.get(response_id)
-            if stored is None:
-                return _error_response(response_not_found(response_id, "response_id"))
+            stored = await self.stored.get(response_id, "response_id")
             try:
                 return _json(input_page(stored.input, limit, order, after))
             except KeyError:
-                return _error_response(bad_request(f"no input item {after!r}", "after"))
+                raise bad_request(f"no input item {after!r}", "after") from None
 
         @app.post("/tokenize")
         async def tokenize(body: TokenizeRequest) -> Response:

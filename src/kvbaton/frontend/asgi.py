@@ -39,7 +39,7 @@ class RequestIdAndLimits:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self._bearer = f"Bearer {api_key}".encode() if api_key else None
-        self._key = api_key.encode() if api_key else None  # as Anthropic's clients send it
+        self._key = api_key.encode() if api_key else b""  # as Anthropic's clients send it
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -66,7 +66,6 @@ class RequestIdAndLimits:
 
         if (
             self._bearer is not None
-            and self._key is not None
             and scope["path"] not in OPEN_PATHS
             and not scope["path"].startswith(OPEN_PREFIX)
             and not hmac.compare_digest(authorization, self._bearer)
@@ -77,10 +76,11 @@ class RequestIdAndLimits:
                 "a valid API key is needed: Authorization: Bearer KEY (or x-api-key: KEY)",
                 code="invalid_api_key",
             )
-            return await _reject(send_with_id, error, [(b"www-authenticate", b"Bearer")])
+            headers = [(b"www-authenticate", b"Bearer")]
+            return await _reject(send_with_id, error, scope["path"], headers)
         if content_length is not None:
             if not content_length.isdigit() or int(content_length) > self.max_body_bytes:
-                return await self._too_large(send_with_id)
+                return await self._too_large(send_with_id, scope["path"])
         elif scope["method"] in ("POST", "PUT", "PATCH"):  # chunked: read it all, bounded
             body = bytearray()
             more = True
@@ -91,23 +91,24 @@ class RequestIdAndLimits:
                 body += message.get("body", b"")
                 more = message.get("more_body", False)
                 if len(body) > self.max_body_bytes:
-                    return await self._too_large(send_with_id)
+                    return await self._too_large(send_with_id, scope["path"])
             receive = replay(bytes(body), receive)
         return await self.app(scope, receive, send_with_id)
 
-    async def _too_large(self, send: Send) -> None:
+    async def _too_large(self, send: Send, path: str) -> None:
         error = OpenAIError(
             413,
             f"the request body is over the limit of {self.max_body_bytes} bytes",
             code="request_too_large",
         )
-        await _reject(send, error)
+        await _reject(send, error, path)
 
 
 async def _reject(
-    send: Send, error: OpenAIError, headers: list[tuple[bytes, bytes]] | None = None
+    send: Send, error: OpenAIError, path: str, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    """Answer with `error` without reading the request's body (so the connection closes)."""
+    """Answer with `error` (in the shape of `path`'s API) without reading the request's body
+    (so the connection closes)."""
     await send(
         {
             "type": "http.response.start",
@@ -119,7 +120,7 @@ async def _reject(
             ],
         }
     )
-    await send({"type": "http.response.body", "body": error.json()})
+    await send({"type": "http.response.body", "body": error.json_for(path)})
 
 
 class EndCutRequests:
@@ -167,7 +168,7 @@ class EndCutRequests:
             )
             log.warning("request %s cut: the server stopped", scope["path"])
             if not started:
-                await _reject(send, error)
+                await _reject(send, error, scope["path"])
             else:
                 chunk = b"data: " + error.json() + b"\n\n"
                 await send({"type": "http.response.body", "body": chunk, "more_body": False})

@@ -52,6 +52,30 @@ class OpenAIError(Exception):
     def json(self) -> bytes:
         return msgspec.json.encode(self.body())
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error in the shape of Anthropic's API (its routes: `messages_api.py`)."""
+        kind = _ANTHROPIC_TYPES.get(
+            self.status, "invalid_request_error" if self.status < 500 else "api_error"
+        )
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def json_for(self, path: str) -> bytes:
+        """The error's body for a request to `path`: in Anthropic's shape on its routes."""
+        anthropic = path.startswith(ANTHROPIC_PREFIX)
+        return msgspec.json.encode(self.anthropic_body()) if anthropic else self.json()
+
+
+ANTHROPIC_PREFIX = "/v1/messages"  # the routes of Anthropic's API
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="invalid_value" if param else None)

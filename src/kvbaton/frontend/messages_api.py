@@ -14,8 +14,9 @@ to run on kvbaton's models.
   any: some call, tool: that one, none; `disable_parallel_tool_use`), `stop_sequences`,
   `temperature`, `top_p`, `top_k`, `max_tokens` (past the model's context: cut to the room the
   prompt leaves, the answer then stopping with "model_context_window_exceeded"); `thinking`
-  enabled or adaptive (the template's `enable_thinking` true; `budget_tokens` is not enforced
-  apart from `max_tokens`) or disabled (false); `output_config.effort` (the template's
+  enabled or adaptive (the template's `enable_thinking` true; `display` "omitted" leaves the
+  thinking's text out of the answer; `budget_tokens` is not enforced apart from `max_tokens`)
+  or disabled (false); `output_config.effort` (the template's
   `reasoning_effort`) and `output_config.format` (a JSON schema, enforced).
 - Fields that name the caller or steer Anthropic's caching and routing are taken and change
   nothing (`_HARMLESS`; `cache_control` on blocks and tools); any other is a 400 naming it.
@@ -128,6 +129,13 @@ class Message(_Body):
         )
 
 
+# The blocks each role's turns cannot hold (Anthropic's API refuses them too).
+_NOT_IN: dict[str, tuple[type[Block], ...]] = {
+    "user": (ToolUseBlock, ThinkingBlock, RedactedThinkingBlock),
+    "assistant": (ToolResultBlock,),
+}
+
+
 class Tool(_Body):
     name: FunctionName
     description: str | None = None
@@ -233,6 +241,8 @@ class _Conversation(_NullIsDefault):
             if not choice.name:
                 raise FieldError("tool_choice", "tool_choice of type tool needs a name")
             body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        elif choice.name is not None:
+            raise FieldError("tool_choice", f"tool_choice of type {choice.type} takes no name")
         else:
             body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
         if choice.disable_parallel_tool_use:
@@ -248,7 +258,14 @@ class _Conversation(_NullIsDefault):
         messages: list[dict[str, Any]] = []
         if self.system:
             messages.append({"role": "system", "content": joined_text(self.system)})
-        for message in self.messages:
+        for i, message in enumerate(self.messages):
+            misplaced = _NOT_IN[message.role]
+            for block in message.content if isinstance(message.content, list) else []:
+                if isinstance(block, misplaced):
+                    raise FieldError(
+                        "messages",
+                        f"message {i}: a {block.type} block cannot be in a {message.role} turn",
+                    )
             if message.role == "user":
                 for result in message.blocks(ToolResultBlock):
                     messages.append(

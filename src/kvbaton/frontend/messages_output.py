@@ -4,18 +4,20 @@ the API's stream events, or whole at the end (`MessageStream.whole`): one path, 
 message is the whole one.
 
 - Content blocks, in order: `thinking` (with a reasoning parser, when there is some; its
-  `signature` empty: kvbaton signs nothing), `text`, then a `tool_use` block per call (`input`
-  the call's arguments, parsed).
+  `signature` empty: kvbaton signs nothing; its text left out with `display` "omitted"),
+  `text`, then a `tool_use` block per call (`input` the call's arguments, parsed; arguments
+  that are no JSON object are kept as `{"arguments": ...}`).
 - `stop_reason`: "max_tokens" at the limit, "model_context_window_exceeded" at the context's
   end before it (the limit cut to the context: `messages_api.py`), "tool_use" after calls,
   "stop_sequence" (with `stop_sequence`, the one that matched), else "end_turn".
 - `usage`: `input_tokens` are the prompt's tokens that the prefix cache did not hold, and
   `cache_read_input_tokens` those it held (Anthropic's split); `output_tokens` the answer's.
 - A stream: `message_start`, each block's `content_block_start`, deltas (`text_delta`,
-  `thinking_delta`, then a `signature_delta`, `input_json_delta`) and `content_block_stop`, then
+  `thinking_delta`, then a `signature_delta`; a call's input whole in one `input_json_delta`,
+  as the whole message has it) and `content_block_stop`, then
   `message_delta` (the stop reason, the usage) and `message_stop`. An error after the start is
   an `error` event, the stream's last.
-- Errors are in Anthropic's shape (`anthropic_error`), for its clients to raise on.
+- Errors are in Anthropic's shape (`OpenAIError.anthropic_body`), for its clients to raise on.
 """
 
 from __future__ import annotations
@@ -27,27 +29,10 @@ from typing import Any
 import msgspec
 
 from kvbaton.frontend.errors import OpenAIError
+from kvbaton.frontend.messages_api import MessagesRequest
 from kvbaton.frontend.postprocess import ChoiceState, Delta
 
 _encode = msgspec.json.Encoder().encode
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-
-
-def anthropic_error(error: OpenAIError) -> dict[str, Any]:
-    """`error` in the shape of Anthropic's API."""
-    kind = _ERROR_TYPES.get(
-        error.status, "invalid_request_error" if error.status < 500 else "api_error"
-    )
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 class _Block:
@@ -89,11 +74,13 @@ class MessageStream:
     - At most one block is open at a time: a new block closes the one before.
     - `emits` False: no event is encoded (each call gives b""), for a message given whole."""
 
-    def __init__(self, rid: str, model: str, max_tokens: int, emits: bool = True) -> None:
-        """`rid`: the HTTP request's id (for the log); `max_tokens`: the request's."""
+    def __init__(self, rid: str, request: MessagesRequest, emits: bool = True) -> None:
+        """`rid`: the HTTP request's id (for the log)."""
         self.rid = rid
-        self.model = model
-        self.max_tokens = max_tokens
+        self.model = request.model
+        self.max_tokens = request.max_tokens
+        thinking = request.thinking
+        self.shows_thinking = thinking is None or thinking.display != "omitted"
         self.id = f"msg_{uuid.uuid4().hex}"
         self.emits = emits
         self._blocks: list[_Block] = []
@@ -118,11 +105,8 @@ class MessageStream:
                 block = self._opened("tool_use", call.id, call.name or "")
                 self._calls[call.index] = block
                 events += self._started(block)
-            if call.arguments:
-                block = self._calls[call.index]
-                block.text += call.arguments
-                delta_body = {"type": "input_json_delta", "partial_json": call.arguments}
-                events.append(self._delta(block, delta_body))
+            if call.arguments:  # given whole as the block closes
+                self._calls[call.index].text += call.arguments
         return events
 
     def finish(self, state: ChoiceState) -> list[bytes]:
@@ -152,9 +136,7 @@ class MessageStream:
 
     def failed(self, error: OpenAIError) -> bytes:
         """The stream's last event, for a failure after it started."""
-        return self._event(
-            "error", **{k: v for k, v in anthropic_error(error).items() if k != "type"}
-        )
+        return self._event("error", error=error.anthropic_body()["error"])
 
     def _end(self) -> list[bytes]:
         events = self._close()
@@ -206,6 +188,8 @@ class MessageStream:
             events += self._close()
             block = self._opened(kind)
             events += self._started(block)
+        if kind == "thinking" and not self.shows_thinking:
+            text = ""  # display "omitted"
         block.text += text
         if text:
             key = "thinking" if kind == "thinking" else "text"
@@ -231,6 +215,9 @@ class MessageStream:
         events = []
         if block.kind == "thinking":
             events.append(self._delta(block, {"type": "signature_delta", "signature": ""}))
+        if block.kind == "tool_use":  # the input as the whole message has it, always an object
+            partial = json.dumps(_arguments(block.text))
+            events.append(self._delta(block, {"type": "input_json_delta", "partial_json": partial}))
         events.append(self._event("content_block_stop", index=block.index))
         return events
 

@@ -2,27 +2,33 @@
 OpenAI's API): what `previous_response_id`, `GET` and `DELETE /v1/responses/{id}` and
 `GET /v1/responses/{id}/input_items` read.
 
-- Each frontend keeps the responses it answered, in memory: at most `max_bytes` of them (their
-  JSON), the least recently used forgotten first. A restart forgets them all.
+- Each frontend keeps the responses it answered, in memory, as JSON: at most `max_bytes` of
+  it, the least recently used forgotten first (one larger than that is not kept). A restart
+  forgets them all.
+- A response keeps its whole conversation (earlier turns' items too): a turn reads one
+  response, never a chain, and any response can be forgotten without breaking later ones.
 - A response's id names the frontend that keeps it (`resp_{frontend instance:x}_{random}`):
   another frontend of the namespace (a replica on the same port, say) asks that one for it, on
   its `{namespace}.frontend.responses` endpoint, within `LOOKUP_TIMEOUT_S`.
 - An id not kept (forgotten, deleted, its frontend gone, or not an id of this form) is not
-  found: the caller's 404.
+  found: the caller's 404. Its frontend there but not answering in time is a 503
+  (`OpenAIError`), which a client may retry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from collections import OrderedDict
 from typing import Any
 
 import msgspec
 
+from kvbaton.frontend.errors import OpenAIError, response_not_found
 from kvbaton.protocols.stored_responses import StoredAnswer, StoredLookup, StoredResponse
-from kvbaton.runtime import Client, Context, DistributedRuntime
+from kvbaton.runtime import Client, Context, DistributedRuntime, NoInstancesError
 
 log = logging.getLogger(__name__)
 
@@ -36,46 +42,48 @@ class ResponseStore:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._kept: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
+        self._kept: OrderedDict[str, bytes] = OrderedDict()  # as JSON: its size is its cost
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(self, response_id: str, stored: StoredResponse) -> None:
-        size = len(msgspec.json.encode(stored))
+    def put(self, response_id: str, stored: StoredResponse) -> bool:
+        """Keep `stored` (False: larger than the store, not kept)."""
+        kept = _encode(stored)
         self.delete(response_id)
-        if size > self.max_bytes:
-            return  # kept nothing: a response larger than the store
-        self._kept[response_id] = (stored, size)
-        self.bytes += size
+        if len(kept) > self.max_bytes:
+            return False
+        self._kept[response_id] = kept
+        self.bytes += len(kept)
         while self.bytes > self.max_bytes:
-            _, (_, forgotten) = self._kept.popitem(last=False)
-            self.bytes -= forgotten
+            _, forgotten = self._kept.popitem(last=False)
+            self.bytes -= len(forgotten)
+        return True
 
     def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._kept.get(response_id)
-        if entry is None:
+        kept = self._kept.get(response_id)
+        if kept is None:
             return None
         self._kept.move_to_end(response_id)
-        return entry[0]
+        return _decode(kept)
 
     def delete(self, response_id: str) -> StoredResponse | None:
-        entry = self._kept.pop(response_id, None)
-        if entry is None:
+        kept = self._kept.pop(response_id, None)
+        if kept is None:
             return None
-        self.bytes -= entry[1]
-        return entry[0]
+        self.bytes -= len(kept)
+        return _decode(kept)
+
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder(StoredResponse).decode
+_ID = re.compile(r"^resp_([0-9a-f]{1,16})_[0-9a-f]+$")
 
 
 def keeper(response_id: str) -> int | None:
     """The frontend instance an id names (None: not an id of this form)."""
-    parts = response_id.split("_")
-    if len(parts) != 3 or parts[0] != "resp":
-        return None
-    try:
-        return int(parts[1], 16)
-    except ValueError:
-        return None
+    match = _ID.match(response_id)
+    return int(match.group(1), 16) if match else None
 
 
 class StoredResponses:
@@ -102,13 +110,22 @@ class StoredResponses:
         return f"resp_{self._me:x}_{uuid.uuid4().hex}"
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
-        self.local.put(response_id, stored)
+        if not self.local.put(response_id, stored):
+            log.info("response %s not kept: larger than the store", response_id)
 
-    async def get(self, response_id: str) -> StoredResponse | None:
-        return await self._find(StoredLookup(id=response_id))
+    async def get(self, response_id: str, param: str) -> StoredResponse:
+        """The kept response (an OpenAIError naming `param`, 404 if not kept)."""
+        return await self._found(StoredLookup(id=response_id), param)
 
-    async def delete(self, response_id: str) -> StoredResponse | None:
-        return await self._find(StoredLookup(id=response_id, delete=True))
+    async def delete(self, response_id: str, param: str) -> StoredResponse:
+        """The same, forgotten."""
+        return await self._found(StoredLookup(id=response_id, delete=True), param)
+
+    async def _found(self, lookup: StoredLookup, param: str) -> StoredResponse:
+        found = await self._find(lookup)
+        if found is None:
+            raise response_not_found(lookup.id, param)
+        return found
 
     async def _find(self, lookup: StoredLookup) -> StoredResponse | None:
         found = self._answer(lookup).stored
@@ -119,8 +136,16 @@ class StoredResponses:
             async with asyncio.timeout(LOOKUP_TIMEOUT_S):
                 async for answer in self._client.direct(lookup, owner):
                     return answer.stored  # type: ignore[no-any-return]
-        except Exception as exc:  # its frontend is gone, or did not answer in time
-            log.info("response %s: frontend %x did not answer: %r", lookup.id, owner, exc)
+        except NoInstancesError:  # its frontend is gone, and its responses with it
+            return None
+        except Exception as exc:
+            log.warning("response %s: frontend %x did not answer: %r", lookup.id, owner, exc)
+            raise OpenAIError(
+                503,
+                f"the frontend that keeps response {lookup.id} did not answer; try again",
+                code="keeper_unavailable",
+                headers={"retry-after": "1"},
+            ) from None
         return None
 
     def _answer(self, lookup: StoredLookup) -> StoredAnswer:

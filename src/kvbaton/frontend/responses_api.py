@@ -198,7 +198,7 @@ class ResponsesRequest(_NullIsDefault):
         }
         for name, given in stateful.items():
             if given:
-                raise FieldError(name, f"{name}: this server keeps no responses")
+                raise FieldError(name, f"{name}: not supported by this server yet")
         for name, given in unsupported.items():
             if given:
                 raise FieldError(name, f"{name}: not supported by this server yet")
@@ -239,13 +239,17 @@ class ResponsesRequest(_NullIsDefault):
         return list(self.input)
 
     def kept_input(self) -> list[dict[str, Any]]:
-        """The input items as kept with the response: each with an id (given one if it had
-        none)."""
+        """The input items as kept with the response, in the API's item shape: each with an id
+        (given one if it had none) and a status; a message's text as a list of parts."""
         kept = []
         for item in self.items():
             body = item.model_dump(exclude_none=True)
+            if isinstance(item, MessageItem) and isinstance(item.content, str):
+                kind = "output_text" if item.role == "assistant" else "input_text"
+                body["content"] = [{"type": kind, "text": item.content}]
             body.setdefault("type", "message")
             body.setdefault("id", f"{_ID_PREFIX[body['type']]}_{uuid.uuid4().hex}")
+            body.setdefault("status", "completed")
             kept.append(body)
         return kept
 

@@ -37,8 +37,8 @@ _encode = msgspec.json.Encoder().encode
 class ResponseOutput:
     """One response's body: its request's settings around the items `ResponseStream` builds.
 
-    - Its items' ids are its own id's, numbered (unique as it is: not the HTTP request's id,
-      which a client may give twice)."""
+    - Its reasoning and message items' ids are its own id's, numbered (unique as it is: not
+      the HTTP request's id, which a client may give twice); a call's is its call id's."""
 
     def __init__(self, rid: str, request: ResponsesRequest, response_id: str) -> None:
         """`rid`: the HTTP request's id (for the log); `response_id`: the response's."""
