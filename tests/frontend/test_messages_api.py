@@ -264,6 +264,15 @@ def test_what_a_message_cannot_do_is_an_error_in_anthropic_shape(
     assert error["error"]["message"]
 
 
+def test_both_clients_list_the_models(served: Deployment) -> None:
+    claude, chat_client = clients(served)
+    listed = claude.models.list()
+    assert [m.id for m in listed.data] == [served.model] and not listed.has_more
+    model = claude.models.retrieve(served.model)
+    assert (model.type, model.display_name) == ("model", served.model)
+    assert [m.id for m in chat_client.models.list()] == [served.model]
+
+
 def test_the_client_raises_typed_errors(served: Deployment) -> None:
     claude, _ = clients(served)
     with pytest.raises(anthropic.NotFoundError):

@@ -234,6 +234,8 @@ def test_hints_and_identifiers_are_taken(client: openai.OpenAI, served: Deployme
         text={"verbosity": "medium"},
     )
     assert hinted.output_text == plain.output_text
+    streamed = events_of(client, **ask, stream_options={"include_obfuscation": False})
+    assert streamed[-1].response.output_text == plain.output_text
 
 
 def test_the_message_logprobs_are_the_chat_answer_s(

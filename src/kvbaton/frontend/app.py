@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -685,7 +686,11 @@ class Frontend:
 
         @app.get("/v1/models")
         async def list_models() -> Response:
-            return _json({"object": "list", "data": [_model_entry(m) for m in self._sorted()]})
+            """OpenAI's list, with the fields Anthropic's clients page by (all on one page)."""
+            data = [_model_entry(m) for m in self._sorted()]
+            ids = [m["id"] for m in data] or [None]
+            page = {"has_more": False, "first_id": ids[0], "last_id": ids[-1]}
+            return _json({"object": "list", "data": data} | page)
 
         @app.get("/v1/models/{model_id:path}")
         async def get_model(model_id: str) -> Response:
@@ -764,12 +769,18 @@ def _asset(name: str) -> Response:
 
 
 def _model_entry(served: ServedModel) -> dict[str, Any]:
+    """A model in OpenAI's shape, with the fields of Anthropic's beside (`type` on)."""
+    created = served.card.created
     return {
         "id": served.name,
         "object": "model",
-        "created": served.card.created,
+        "created": created,
         "owned_by": "kvbaton",
         "max_model_len": served.card.context_length,
+        "type": "model",
+        "display_name": served.name,
+        "created_at": datetime.datetime.fromtimestamp(created, datetime.UTC).isoformat(),
+        "max_input_tokens": served.card.context_length,
     }
 
 

@@ -133,6 +133,12 @@ class TextConfig(_NullIsDefault):
     verbosity: Verbosity | None = None
 
 
+class StreamOptions(_NullIsDefault):
+    """Taken, changing nothing: OpenAI pads its delta events against size side channels."""
+
+    include_obfuscation: bool = True
+
+
 class ReasoningConfig(_NullIsDefault):
     effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -158,11 +164,11 @@ class ResponsesRequest(_NullIsDefault):
     store: bool = True
     metadata: dict[str, str] | None = None  # given back with the response
     previous_response_id: str | None = None
+    stream_options: StreamOptions | None = None
     # Recognised, not supported: refused when given a value that would need them.
     conversation: Any = None
     background: bool | None = None
     max_tool_calls: int | None = None
-    stream_options: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
