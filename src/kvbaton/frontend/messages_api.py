@@ -16,8 +16,9 @@ to run on kvbaton's models.
   prompt leaves, the answer then stopping with "model_context_window_exceeded"); `thinking`
   enabled or adaptive (the template's `enable_thinking` true; `display` "omitted" leaves the
   thinking's text out of the answer; `budget_tokens` is not enforced apart from `max_tokens`)
-  or disabled (false); `output_config.effort` (the template's
-  `reasoning_effort`) and `output_config.format` (a JSON schema, enforced).
+  or disabled (false); `output_config.effort` (the template's `reasoning_effort`) and
+  `output_config.format` (a JSON schema, enforced). A tool's `strict` is chat's: its schema
+  is enforced when the call is forced, either way.
 - Fields that name the caller or steer Anthropic's caching and routing are taken and change
   nothing (`_HARMLESS`; `cache_control` on blocks and tools); any other is a 400 naming it.
 """
@@ -213,6 +214,7 @@ class _Conversation(_NullIsDefault):
                         "name": t.name,
                         "parameters": t.input_schema,
                         **({"description": t.description} if t.description else {}),
+                        **({"strict": t.strict} if t.strict is not None else {}),
                     },
                 }
                 for t in self.tools
