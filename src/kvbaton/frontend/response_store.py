@@ -99,7 +99,7 @@ class StoredResponses:
         self.runtime = runtime
         self.endpoint = f"{namespace}.frontend.responses"
         self.local = ResponseStore(max_bytes)
-        self._me = 0  # this frontend's instance id, once `run` knows it
+        self._me = 0  # this frontend's instance id, once `start` knows it
         self._client: Client | None = None
 
     @property
