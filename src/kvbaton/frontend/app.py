@@ -769,7 +769,7 @@ def _asset(name: str) -> Response:
 
 
 def _model_entry(served: ServedModel) -> dict[str, Any]:
-    """A model in OpenAI's shape, with the fields of Anthropic's beside (`type` on)."""
+    """A model in OpenAI's shape, and Anthropic's fields beside (`type` and those after it)."""
     created = served.card.created
     return {
         "id": served.name,
