@@ -516,12 +516,15 @@ def test_a_killed_worker_leaves_no_vllm_process_or_socket(
     vllm_serve: Deployment, ipc_base: Path
 ) -> None:
     """Killed serving, then killed again while serve's restart of it loads vLLM's model (the
-    reaper notes vLLM's processes as they start). Last in the module."""
+    reaper notes vLLM's processes as they start): no process, socket or temporary file of vLLM
+    is left (each in the engine's directory, removed). Last in the module."""
     both_ready(vllm_serve)
     pid = serve_slot(vllm_serve, "worker-0")["pid"]
     assert "VLLM::EngineCore" in named(pid), "vLLM's engine runs in a child process"
     (ipc,) = ipc_base.glob(f"kvbaton-vllm-{pid}-*")
     assert any(path.is_socket() for path in ipc.iterdir()), "vLLM's sockets are in it"
+    rendezvous = [path for path in ipc.iterdir() if path.name.startswith("vllm_dist_")]
+    assert rendezvous, "and its processes' temporary files (its rendezvous file)"
     kill_and_check(pid, ipc_base)
     wait_until_sync(
         lambda: (

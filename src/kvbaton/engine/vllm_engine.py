@@ -43,10 +43,11 @@ workers in the prefill-first order, vLLM's NIXL connector moving the KV.
   `clear_kv_blocks` resets vLLM's prefix cache: the blocks the mirror held went.
 - vLLM's EngineCore runs in child processes: a reaper (`vllm_reaper.py`) ends them if this
   process dies without shutting the engine down.
-- vLLM's ZMQ ipc sockets (between its processes, and the KV events') are made in a directory of
-  the engine's own (`ipc_directory`), which the reaper removes however the engine ends: vLLM
-  leaves its sockets behind even when it shuts down normally (seven per engine, in the
-  temporary directory by default).
+- vLLM's ZMQ ipc sockets (between its processes, and the KV events') and its processes'
+  temporary files are made in a directory of the engine's own (`ipc_directory`), which the
+  reaper removes however the engine ends: vLLM leaves its sockets behind even when it shuts
+  down normally (seven per engine), and a `vllm_dist_*` file (its rendezvous) per start, in the
+  temporary directory by default. Inductor's cache stays where it was (kept across starts).
 - vLLM is imported in `create`, never at import: without it, `create` raises ValueError naming
   the extra to install.
 """
@@ -242,18 +243,26 @@ def ipc_directory() -> Path:
 
 
 @contextlib.contextmanager
-def sockets_in(directory: Path) -> Iterator[None]:
-    """vLLM makes its ipc sockets in `directory` while in the block, and so do the processes it
-    starts there (they inherit the setting); the setting before is restored after."""
-    before = os.environ.get(RPC_BASE_PATH)
-    os.environ[RPC_BASE_PATH] = str(directory)
+def files_in(directory: Path) -> Iterator[None]:
+    """vLLM makes its ipc sockets in `directory` while in the block, and the processes it starts
+    there (they inherit the settings) their temporary files too; Inductor's cache is pinned
+    where it was. The settings before are restored after."""
+    tempfile.gettempdir()  # this process's, cached before the block: it outlives `directory`
+    settings = {RPC_BASE_PATH: str(directory), "TMPDIR": str(directory)}
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        settings["TORCHINDUCTOR_CACHE_DIR"] = default_cache_dir()
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ[RPC_BASE_PATH]
-        else:
-            os.environ[RPC_BASE_PATH] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 class VllmEngine:
@@ -313,7 +322,7 @@ class VllmEngine:
             if disaggregated is not None:
                 args.kv_transfer_config = disaggregated.config()
                 os.environ.update(disaggregated.environment())  # its processes inherit them
-            with sockets_in(ipc):
+            with files_in(ipc):
                 return AsyncLLM.from_engine_args(args, stat_loggers=[_stat_logger(load)])
 
         # Before vLLM's processes: a kill while they start ends them.
