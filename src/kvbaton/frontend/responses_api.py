@@ -297,9 +297,7 @@ class ResponsesRequest(_NullIsDefault):
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
-        for item in self.input:
+        for item in self.items():
             if isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
