@@ -131,9 +131,13 @@ def _message_logprobs(state: ChoiceState, delta: Delta) -> list[dict[str, Any]]:
     return logprobs["content"] if logprobs is not None else []
 
 
-def _error_response(error: OpenAIError) -> Response:
+def _error_response(error: OpenAIError, path: str = "") -> Response:
+    """`error` in the shape of the API `path` belongs to (OpenAI's but on Anthropic's routes)."""
     return Response(
-        error.json(), status_code=error.status, media_type="application/json", headers=error.headers
+        error.json_for(path),
+        status_code=error.status,
+        media_type="application/json",
+        headers=error.headers,
     )
 
 
@@ -162,7 +166,7 @@ class OtherApi:
 
 
 def anthropic_error_response(error: OpenAIError) -> Response:
-    return _json(error.anthropic_body(), error.status, error.headers)
+    return _error_response(error, ANTHROPIC_PREFIX)
 
 
 class RequestRecord:
@@ -606,18 +610,13 @@ class Frontend:
     def _build(self) -> FastAPI:
         app = FastAPI(title="kvbaton", summary="OpenAI-compatible LLM serving")
 
-        def shaped(request: Request) -> Callable[[OpenAIError], Response]:
-            """Anthropic's error shape on its routes, OpenAI's elsewhere."""
-            anthropic = request.url.path.startswith(ANTHROPIC_PREFIX)
-            return anthropic_error_response if anthropic else _error_response
-
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, exc: HTTPException) -> Response:
-            return shaped(request)(OpenAIError(exc.status_code, str(exc.detail)))
+            return _error_response(OpenAIError(exc.status_code, str(exc.detail)), request.url.path)
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, exc: RequestValidationError) -> Response:
-            return shaped(request)(from_validation_errors(exc.errors()))
+            return _error_response(from_validation_errors(exc.errors()), request.url.path)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -641,7 +640,7 @@ class Frontend:
 
         @app.exception_handler(OpenAIError)
         async def openai_error(request: Request, exc: OpenAIError) -> Response:
-            return shaped(request)(exc)
+            return _error_response(exc, request.url.path)
 
         @app.get("/v1/responses/{response_id}")
         async def get_response(
