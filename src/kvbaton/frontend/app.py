@@ -315,6 +315,11 @@ class Frontend:
             return await asyncio.to_thread(prompt_token_ids, served.tokenizer, body, tools)
         return prompt_token_ids(served.tokenizer, body, tools)
 
+    def _chat_tools(self, served: ServedModel, body: ChatCompletionRequest) -> ChatTools:
+        """The format `served` writes tool calls in, and `body`'s use of its tools."""
+        fmt = self._tool_format(served)
+        return fmt, tool_use(body, fmt)
+
     def _tool_format(self, served: ServedModel) -> ToolCallFormat:
         """How the model writes tool calls: `--tool-call-parser`'s, else its template's."""
         if self.tool_format is not None:
@@ -337,10 +342,9 @@ class Frontend:
             served = self._served(body.model)
             record = RequestRecord(self.metrics, body.model, route)  # arrived: TTFT runs
             chat = isinstance(body, ChatCompletionRequest)
-            tools: ChatTools | None = None
-            if isinstance(body, ChatCompletionRequest):
-                fmt = self._tool_format(served)
-                tools = (fmt, tool_use(body, fmt))
+            tools = (
+                self._chat_tools(served, body) if isinstance(body, ChatCompletionRequest) else None
+            )
             prompts = await self._prompts(served, body, request, tools)
             prompt_tokens = sum(len(p) for p in prompts)
             use = tools[1] if tools else None
@@ -578,14 +582,11 @@ class Frontend:
         )
         return await self._handle(request, chat, "messages", api)
 
-    async def _count_tokens(self, body: CountTokensRequest) -> Response:
+    async def _count_tokens(self, request: Request, body: CountTokensRequest) -> Response:
         try:
             chat = body.to_chat()
             served = self._served(body.model)
-            fmt = self._tool_format(served)
-            (ids,) = await asyncio.to_thread(
-                prompt_token_ids, served.tokenizer, chat, (fmt, tool_use(chat, fmt))
-            )
+            (ids,) = await self._prompts(served, chat, request, self._chat_tools(served, chat))
         except FieldError as exc:
             return anthropic_error_response(bad_request(str(exc), exc.param))
         except Exception as exc:
@@ -635,8 +636,8 @@ class Frontend:
             return await self._messages(request, body)
 
         @app.post("/v1/messages/count_tokens")
-        async def count_tokens(body: CountTokensRequest) -> Response:
-            return await self._count_tokens(body)
+        async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
+            return await self._count_tokens(request, body)
 
         @app.exception_handler(OpenAIError)
         async def openai_error(request: Request, exc: OpenAIError) -> Response:
