@@ -162,7 +162,7 @@ class OtherApi:
 
     builder: Callable[[bool], Builder]  # its answer's builder (True: one that emits events)
     error: Callable[[OpenAIError], Response] = dataclasses.field(default=_error_response)
-    done: Callable[[dict[str, Any]], None] = lambda response: None  # given the whole answer
+    done: Callable[[dict[str, Any]], None] | None = None  # given the whole answer
 
 
 def anthropic_error_response(error: OpenAIError) -> Response:
@@ -461,7 +461,8 @@ class Frontend:
         finally:
             await events.aclose()
         whole = stream.whole(state)
-        api.done(whole)
+        if api.done is not None:
+            api.done(whole)
         return whole
 
     def _kept(self, output: ResponseOutput, response: dict[str, Any]) -> None:
@@ -536,7 +537,8 @@ class Frontend:
                     yield chunk
                 event = await anext(events, None)
             end = b"".join(stream.finish(state))
-            api.done(stream.response(state))  # before a next turn can ask for it
+            if api.done is not None:  # before a next turn can ask for it
+                api.done(stream.response(state))
             yield end
             status = 200
         except Exception as exc:
