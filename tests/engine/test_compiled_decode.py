@@ -1,6 +1,7 @@
-"""The compiled single-decode step (`--compile single-decode`): greedy tokens equal HF
+"""The compiled single-decode step (`--compile single-decode` and `auto`): greedy tokens equal HF
 transformers' in float32 for every architecture, whether a step runs compiled (one decode alone)
-or eagerly (a batch, a prefill, a context of one block), and one compile serves every length."""
+or eagerly (a batch, a prefill, a context of one block); a package is built once per model and
+loaded by the next engine; `auto` serves eagerly while its package builds in the background."""
 
 from __future__ import annotations
 
@@ -9,39 +10,98 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbaton.engine import EngineConfig
+from kvbaton.engine import EngineConfig, LLMEngine
 from kvbaton.engine.compiled_decode import CompiledDecode
+from kvbaton.engine.model_runner import ModelRunner
 from tests.engine.reference import engine, hf_greedy, prompts, run
+from tests.helpers import wait_until_sync
 
-pytestmark = [pytest.mark.unit, pytest.mark.slow]  # a compile per model: seconds each
+BUILD_TIMEOUT_S = 600.0  # a tiny model's package: under a minute alone on 2 cores
+pytestmark = [pytest.mark.unit, pytest.mark.slow, pytest.mark.timeout(2 * BUILD_TIMEOUT_S)]
+
+
+@pytest.fixture
+def packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's packages directory (empty: every package is built here)."""
+    monkeypatch.setenv("KVBATON_COMPILED_DIR", str(tmp_path))
+    return tmp_path
+
+
+def model_runner(eng: LLMEngine) -> ModelRunner:
+    assert isinstance(eng.runner, ModelRunner)
+    return eng.runner
 
 
 @pytest.mark.parametrize("arch", ["llama-tied", "llama3-rope-untied", "qwen2-bias"])
-def test_compiled_steps_give_hfs_tokens(tiny_models: dict[str, Path], arch: str) -> None:
+def test_compiled_steps_give_hfs_tokens(
+    tiny_models: dict[str, Path], packages: Path, arch: str
+) -> None:
     model_dir = tiny_models[arch]
     expected = [hf_greedy(model_dir, tuple(p)) for p in prompts()]
-    eng = engine(model_dir, compile="single-decode", device="cpu")
-    compiled = eng.runner.compiled
-    assert isinstance(compiled, CompiledDecode) and compiled.steps == 1  # the warm-up
-    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = model_runner(engine(model_dir, compile="single-decode", device="cpu")).compiled
+    assert isinstance(compiled, CompiledDecode)
+    (package,) = packages.glob("*.pt2")
+    built_at = package.stat().st_mtime_ns
+    eng = engine(
+        model_dir, compile="single-decode", device="cpu"
+    )  # loads the package: no second build
+    compiled = model_runner(eng).compiled
+    assert isinstance(compiled, CompiledDecode) and compiled.path == package
     assert [run(eng, [p])[0] for p in prompts()] == expected
     assert compiled.steps > 40  # most decode steps of one sequence ran compiled
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles  # no new compile
     steps = compiled.steps
     assert run(eng, prompts()) == expected  # batches run eagerly
     assert compiled.steps - steps < 12  # only the last sequence's last steps, if any
+    assert list(packages.glob("*.pt2")) == [package]
+    assert package.stat().st_mtime_ns == built_at
+
+
+def test_auto_serves_eagerly_until_its_package_is_built(
+    tiny_models: dict[str, Path], packages: Path
+) -> None:
+    model_dir = tiny_models["llama-tied"]
+    expected = [hf_greedy(model_dir, tuple(p)) for p in prompts()]
+    eng = engine(model_dir, compile="auto", device="cpu")
+    runner = model_runner(eng)
+    build = runner.package_build
+    assert runner.compiled is None and build is not None
+    assert run(eng, prompts()) == expected  # eagerly, while the package builds
+    wait_until_sync(build.finished, BUILD_TIMEOUT_S, "the package's build")
+    assert runner.compiled is None  # until a step loads it
+    run(eng, prompts()[:1], new_tokens=1)
+    assert runner.compiled is not None and runner.package_build is None
+    assert [run(eng, [p])[0] for p in prompts()] == expected
+    assert runner.compiled.steps > 40
+    again = model_runner(
+        engine(model_dir, compile="auto", device="cpu")
+    )  # the next engine starts compiled
+    assert again.package_build is None and isinstance(again.compiled, CompiledDecode)
+
+
+def test_closing_stops_a_build_and_leaves_no_package(
+    tiny_models: dict[str, Path], packages: Path
+) -> None:
+    runner = model_runner(engine(tiny_models["llama-tied"], compile="auto", device="cpu"))
+    build = runner.package_build
+    assert build is not None and not build.finished()
+    runner.close()
+    assert build.finished() and runner.package_build is None
+    assert [p.name for p in packages.iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_compile_is_refused_off_the_cpu() -> None:
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(compile="single-decode", device="cuda")
+    EngineConfig(compile="auto", device="cuda")  # auto: eager off the CPU
     with pytest.raises(ValueError, match="compile must be one of"):
         EngineConfig(compile="everything")
 
 
-def test_compile_is_refused_without_a_cpp_compiler(
-    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+def test_a_build_is_refused_without_a_cpp_compiler(
+    tiny_models: dict[str, Path], packages: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("kvbaton-no-such-compiler",))
     with pytest.raises(ValueError, match="needs a C\\+\\+ compiler"):
         engine(tiny_models["llama-tied"], compile="single-decode", device="cpu")
+    runner = model_runner(engine(tiny_models["llama-tied"], compile="auto", device="cpu"))
+    assert runner.compiled is None and runner.package_build is None  # eager, no build

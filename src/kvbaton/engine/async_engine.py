@@ -244,6 +244,8 @@ class AsyncEngine:
         await self._stepping_stopped()
         if self._loads is not None:
             self._loads.shutdown(wait=False, cancel_futures=True)
+        if self.engine.model_runner is not None:
+            await asyncio.to_thread(self.engine.model_runner.close)
         if self.engine.tier is not None:
             await asyncio.to_thread(self.engine.tier.close)
 

@@ -1,14 +1,16 @@
-"""A step that decodes one sequence alone, compiled whole by torch.compile (`EngineConfig.compile`
-"single-decode"): one call instead of about 45 operator calls a layer, the norms, RoPE and the
-decode attention fused by Inductor, the projections on its own GEMM kernels (autotuned once
-against ATen's; the weights frozen into the compiled graph). Every other step runs eagerly
-(`LlamaModel.forward`).
+"""A step that decodes one sequence alone, compiled whole ahead of time (`EngineConfig.compile`):
+one call instead of about 45 operator calls a layer, the norms, RoPE and the decode attention
+fused by Inductor, the projections on its own GEMM kernels (autotuned once against ATen's; the
+weights frozen into the compiled graph). Every other step runs eagerly (`LlamaModel.forward`).
 
+- `export_package` builds the graph into an AOTInductor package (a shared library and its
+  constants in one file: minutes on a few cores); `CompiledDecode` loads one in a second.
+  decode_package.py decides where packages live and builds them in a process of their own.
 - The eager forward's inputs and outputs: logits [1, vocab] in float32 for the one decode; the
   step's K and V are in the cache when the step returns. The logits are close to the eager
   ones, not equal bit for bit (other kernels sum in another order).
-- The context's length is a dynamic dimension: one compile serves every length; the cache's
-  shape is fixed, so a cache of another shape compiles again.
+- The context's length and the cache's block count are dynamic dimensions: one package serves
+  every length and every cache of the model's block shape.
 - The graph only reads the cache: it returns the token's K and V of every layer, written after
   it in one `index_copy_` (written inside, functionalization copies the whole cache every step;
   an opaque custom op per layer cost 19 us a call in Python dispatch). Each layer's attention
@@ -17,15 +19,12 @@ against ATen's; the weights frozen into the compiled graph). Every other step ru
   positions past the length. It is written as products and sums, not matmuls: Inductor fuses
   the gather, the float32 conversion, both reductions and the softmax into its own loops (a
   layer at 128 tokens: 12 us, where two batched matmuls on float32 copies took 52).
-- Compiling takes minutes on a few cores (a `warm_up` before serving); Inductor's on-disk caches
-  make a restart faster. Inductor builds its kernels with a C++ compiler: without one, the
-  engine is refused when it is made, not at its first step.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +33,12 @@ from kvbaton.engine.model import LlamaModel, StepBatch, rms_norm, rope
 
 log = logging.getLogger(__name__)
 
-COMPILE_OPTIONS = {
+INDUCTOR_OPTIONS = {
     "freezing": True,  # the weights are constants of the graph (packed once for its GEMMs)
     "max_autotune": True,  # its GEMM templates, timed against ATen's at compile time
     "max_autotune_gemm_backends": "CPP,ATEN",
 }
+EXAMPLE_BLOCKS = 4  # the cache's block count the graph is exported with (dynamic)
 
 
 class _DecodeGraph(torch.nn.Module):
@@ -50,7 +50,7 @@ class _DecodeGraph(torch.nn.Module):
         self.model = model  # for its config and scale only: no tensor is read through it
 
         def param(t: torch.Tensor | None) -> torch.nn.Parameter:
-            assert t is not None  # a projection's weight is kept for this (`keep_weights`)
+            assert t is not None  # a projection of the "native" kernel keeps its weight
             return torch.nn.Parameter(t, requires_grad=False)
 
         self.weights = torch.nn.ParameterList()
@@ -108,30 +108,48 @@ class _DecodeGraph(torch.nn.Module):
         return logits, torch.stack(written)
 
 
+def export_package(model: LlamaModel, block_size: int, path: Path) -> None:
+    """Build `model`'s single-decode graph for caches of `block_size` into an AOTInductor package
+    at `path` (minutes on a few cores).
+
+    - `model` runs the "native" kernel (its projections keep their weights) on the CPU, with RoPE
+      tables for the model's every position.
+    """
+    c = model.config
+    cache = model.allocate_cache(EXAMPLE_BLOCKS, block_size)
+    example = (
+        torch.zeros(1, dtype=torch.long),
+        torch.tensor([block_size]),
+        torch.tensor([[0, 1]]),
+        torch.tensor(block_size + 1),
+        cache,
+    )
+    context_blocks = torch.export.Dim("context_blocks", min=2, max=c.max_len // block_size + 2)
+    cache_blocks = torch.export.Dim("cache_blocks", min=2)
+    with torch.inference_mode():
+        program = torch.export.export(
+            _DecodeGraph(model).eval(),
+            example,
+            dynamic_shapes=(None, None, {1: context_blocks}, None, {0: cache_blocks}),
+        )
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=str(path), inductor_configs=INDUCTOR_OPTIONS
+    )
+
+
 class CompiledDecode:
-    """`model`'s forward pass of a single-decode step, compiled (see the module's docstring)."""
+    """A package of `export_package`, loaded: runs the steps it `takes` for `model`."""
 
-    def __init__(self, model: LlamaModel) -> None:
-        if model.device.type != "cpu":
-            raise ValueError("compile 'single-decode' runs on a CPU only")
-        # imported here: an engine that compiles nothing starts without torch's compiler
-        from torch._inductor import cpp_builder
-        from torch._inductor.exc import InvalidCxxCompiler
-
-        try:
-            cpp_builder.get_cpp_compiler()
-        except InvalidCxxCompiler:
-            raise ValueError(
-                "compile 'single-decode' needs a C++ compiler (g++, or the one $CXX names)"
-            ) from None
+    def __init__(self, model: LlamaModel, path: Path) -> None:
         self.model = model
-        self.steps = 0  # steps run compiled (the warm-up's included)
-        self._graph = torch.compile(_DecodeGraph(model).eval())
+        self.path = path
+        self.steps = 0  # steps run compiled
+        self._graph = torch._inductor.aoti_load_package(str(path))
 
     @staticmethod
     def takes(batch: StepBatch) -> bool:
         """Whether `batch` is a step this runs: one decode, nothing else, its context over one
-        block (a dynamic dimension of size 1 would be specialised: compiled again)."""
+        block (the graph's context is at least two blocks)."""
         blocks = batch.decode_blocks
         return (
             batch.num_decodes == 1
@@ -143,39 +161,12 @@ class CompiledDecode:
     @torch.inference_mode()
     def __call__(self, batch: StepBatch, cache: torch.Tensor) -> torch.Tensor:
         assert batch.decode_blocks is not None
-        torch._dynamo.mark_dynamic(batch.decode_blocks, 1)
         length = torch.tensor(batch.decode_len)
-        # Patched around each call, as a compile may come with any (torch.compile's `options`
-        # leave freezing off, measured: the graph then ran 2.4x slower).
-        with torch._inductor.config.patch(COMPILE_OPTIONS):
-            logits: torch.Tensor
-            written: torch.Tensor
-            logits, written = self._graph(
-                batch.token_ids, batch.positions, batch.decode_blocks, length, cache
-            )
+        logits, written = self._graph(
+            batch.token_ids, batch.positions, batch.decode_blocks, length, cache
+        )
         c = self.model.config
         rows = cache.view(-1, c.num_kv_heads, c.head_dim)
         rows.index_copy_(0, self.model.write_rows(batch, cache).flatten(), written.flatten(0, 1))
         self.steps += 1
-        return logits
-
-    def warm_up(self, cache: torch.Tensor) -> None:
-        """Compile now, on a decode of two blocks' context in the cache's first blocks (rows no
-        sequence reads before it writes them)."""
-        log.info("compiling the single-decode step (torch.compile: minutes on a few cores)")
-        start = time.monotonic()
-        block_size = cache.shape[3]
-        block_1 = self.model.config.num_layers * 2 * block_size  # its first row: layer 0's K
-        batch = StepBatch(
-            token_ids=torch.zeros(1, dtype=torch.long),
-            positions=torch.tensor([block_size]),
-            write_rows=torch.tensor([block_1]),
-            num_decodes=1,
-            decode_blocks=torch.tensor([[0, 1]]),
-            decode_len=block_size + 1,
-            decode_mask=None,
-            prefills=[],
-            logits_index=torch.zeros(1, dtype=torch.long),
-        )
-        self(batch, cache)
-        log.info("compiled the single-decode step in %.0f s", time.monotonic() - start)
+        return logits  # type: ignore[no-any-return]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 MATMULS = ("auto", "native", "fbgemm-fp16", "onednn-bf16", "fbgemm-fp16+onednn-bf16")
-COMPILES = ("none", "single-decode")
+COMPILES = ("none", "single-decode", "auto")
 # The mocker's engine settings where they differ from EngineConfig's: Dynamo's mocker's, so that
 # results compare with it (here, not in the mocker, so that the CLI reads them without torch).
 MOCKER_DEFAULTS = {
@@ -36,7 +36,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads on CPU; None: torch's default
     seed: int = 0  # for requests without their own seed
     matmul: str = "auto"  # projections' kernel: "auto" or one of model.KERNELS (see model.py)
-    compile: str = "none"  # "single-decode": see compiled_decode.py
+    # single decodes compiled: "single-decode", "auto" (built in the background where it can
+    # be) or "none" (ModelRunner.compile_decode)
+    compile: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,7 +54,7 @@ class EngineConfig:
             raise ValueError(f"matmul must be one of {MATMULS}, not {self.matmul!r}")
         if self.compile not in COMPILES:
             raise ValueError(f"compile must be one of {COMPILES}, not {self.compile!r}")
-        if self.compile != "none" and not self.device.startswith("cpu"):
+        if self.compile == "single-decode" and not self.device.startswith("cpu"):
             raise ValueError(f"compile {self.compile!r} runs on a CPU only")
         if self.kv_cache_gib <= 0:
             raise ValueError("kv_cache_gib must be positive")

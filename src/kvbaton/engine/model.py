@@ -55,14 +55,13 @@ class Projection:
     """A linear layer: weight [out, in] and optional bias in the model dtype, run by `kernel`
     (see the module's docstring). Output in x's dtype.
 
-    - `weight` is kept beside a packing only with `keep_weight` (compiled_decode.py reads it)."""
+    - `weight` is None where a packing replaces it."""
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         kernel: str,
-        keep_weight: bool = False,
     ) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
@@ -78,7 +77,7 @@ class Projection:
             )
         if "onednn-bf16" in kernels:
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, ONEDNN_BATCH_HINT)
-        if (self.fp16 is not None or self.onednn is not None) and not keep_weight:
+        if self.fp16 is not None or self.onednn is not None:
             self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,11 +212,9 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device,
     kernel: str,
-    keep_weights: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Projection, list[LayerWeights]]:
     """(embedding, final norm, lm_head, layers) from the directory's safetensors files, in
-    `dtype`; projections run by `kernel` (one of `KERNELS`), their weights kept beside their
-    packings with `keep_weights`."""
+    `dtype`; projections run by `kernel` (one of `KERNELS`)."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
@@ -239,7 +236,7 @@ def load_weights(
         return take(name) if name in raw else None
 
     def proj(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
-        return Projection(weight, bias, kernel, keep_weights)
+        return Projection(weight, bias, kernel)
 
     embed = take("model.embed_tokens.weight")
     layers = []
@@ -294,15 +291,12 @@ class LlamaModel:
         device: torch.device,
         max_len: int,
         kernel: str = "native",
-        keep_weights: bool = False,
     ) -> None:
-        """`keep_weights`: the projections keep their weights beside their packings (see
-        `Projection`)."""
         self.config = config
         self.dtype = dtype
         self.device = device
         self.embed, self.norm, self.lm_head, self.layers = load_weights(
-            model_dir, self.config, dtype, device, kernel, keep_weights
+            model_dir, self.config, dtype, device, kernel
         )
         cos, sin = rope_tables(self.config, max_len, device)
         sin[:, : self.config.head_dim // 2].neg_()  # the sign rotate_half gives; see `rope`

@@ -3,6 +3,7 @@ forward pass, samples. Owns the model, the KV cache and the sampler."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +12,12 @@ import torch
 from kvbaton.engine.compiled_decode import CompiledDecode
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.connector import KvSink, PromptChunk
+from kvbaton.engine.decode_package import (
+    BuildFailed,
+    PackageBuild,
+    cxx_compiler_missing,
+    package_path,
+)
 from kvbaton.engine.guided import GuidedDecoding
 from kvbaton.engine.host_allocator import retain_freed_memory
 from kvbaton.engine.model import (
@@ -24,6 +31,8 @@ from kvbaton.engine.model import (
 )
 from kvbaton.engine.sampler import PromptRows, Sampler
 from kvbaton.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KERNEL_NEEDS = {"fbgemm-fp16": "FBGEMM (x86)", "onednn-bf16": "oneDNN's bfloat16 GEMMs (AVX-512)"}
@@ -58,10 +67,8 @@ class ModelRunner:
         max_model_len: int | None,
         seed: int,
         matmul: str = "auto",
-        compile_mode: str = "none",
     ) -> None:
-        """`compile_mode`: an `EngineConfig.compile` ("single-decode": such steps run compiled, see
-        compiled_decode.py; `warm_up` compiles them before serving)."""
+        self.model_dir = model_dir
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         config = ModelConfig(model_dir)
@@ -77,9 +84,9 @@ class ModelRunner:
             self.device,
             self.max_model_len,
             projection_kernel(matmul, self.dtype, self.device),
-            keep_weights=compile_mode != "none",
         )
-        self.compiled = CompiledDecode(self.model) if compile_mode == "single-decode" else None
+        self.compiled: CompiledDecode | None = None  # see `compile_decode`
+        self.package_build: PackageBuild | None = None  # a build under way (`compile_decode`)
         self.vocab_size = config.vocab_size
         self.eos_token_ids = config.eos_token_ids
         self.guided = None
@@ -111,21 +118,53 @@ class ModelRunner:
             config.max_model_len,
             config.seed,
             config.matmul,
-            config.compile,
         )
         per_block = runner.model.kv_bytes_per_block(config.block_size)
         num_blocks = config.num_kv_blocks or int(config.kv_cache_gib * 2**30 // per_block)
         if num_blocks < 1:
             raise ValueError("kv_cache_gib is too small for one block")
         runner.allocate_cache(num_blocks, config.block_size, cache_buffer, host_mirror)
-        runner.warm_up()
+        runner.compile_decode(config.compile, config.dtype, config.block_size)
         return runner
 
-    def warm_up(self) -> None:
-        """Compile what runs compiled (nothing unless `compile_mode` asked), on the cache."""
-        if self.compiled is not None:
-            assert self.cache is not None, "allocate_cache first"
-            self.compiled.warm_up(self.cache)
+    def compile_decode(self, mode: str, dtype: str, block_size: int) -> None:
+        """Run single decodes compiled (`EngineConfig.compile`, compiled_decode.py) from this
+        machine's package of the model (decode_package.py).
+        - "single-decode": the package is built first where there is none (minutes).
+        - "auto": on a CPU with a C++ compiler; where there is no package, steps run eagerly
+          while it builds in the background, and compiled from the first step after it is built.
+        """
+        if mode == "none" or (mode == "auto" and self.device.type != "cpu"):
+            return
+        path = package_path(self.model_dir, dtype, block_size)
+        if path.is_file():
+            self.compiled = CompiledDecode(self.model, path)
+            return
+        if missing := cxx_compiler_missing():
+            if mode == "single-decode":
+                raise ValueError(missing)
+            log.info("single decodes run eagerly: %s", missing)
+            return
+        self.package_build = PackageBuild(self.model_dir, dtype, block_size, path)
+        if mode == "single-decode":
+            self.compiled = CompiledDecode(self.model, self.package_build.wait())
+            self.package_build = None
+
+    def _load_built_package(self) -> None:
+        """Load the package of a build that has finished (a failed one leaves steps eager)."""
+        assert self.package_build is not None
+        try:
+            self.compiled = CompiledDecode(self.model, self.package_build.result())
+            log.info("single decodes run compiled from now on (%s)", self.package_build.path.name)
+        except BuildFailed as e:
+            log.warning("single decodes stay eager: %s", e)
+        self.package_build = None
+
+    def close(self) -> None:
+        """Stop a package's build under way."""
+        if self.package_build is not None:
+            self.package_build.stop()
+            self.package_build = None
 
     def allocate_cache(
         self,
@@ -329,6 +368,8 @@ class ModelRunner:
         assert self.cache is not None, "allocate_cache first"
         if not output.scheduled:
             return {}
+        if self.package_build is not None and self.package_build.finished():
+            self._load_built_package()
         batch, sampling, prompt_rows = self.build(output.scheduled)
         on_layer = self._layer_calls(output.scheduled)
         if self.compiled is not None and on_layer is None and self.compiled.takes(batch):

@@ -83,7 +83,7 @@ def pull(name: str = DEFAULT_MODEL, *, force: bool = False, progress: Progress =
         progress(f"{name} is already pulled")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _one_pull_at_a_time(target, progress):
+    with one_at_a_time(target, "pulling", PULL_WAIT_S, progress):
         if pulled() and not force:  # by the pull this one waited for
             progress(f"{name} is already pulled")
             return target
@@ -93,13 +93,13 @@ def pull(name: str = DEFAULT_MODEL, *, force: bool = False, progress: Progress =
 
 
 @contextlib.contextmanager
-def _one_pull_at_a_time(target: Path, progress: Progress) -> Iterator[None]:
-    """The one pull of `target` under way on this machine.
-    - An exclusive lock on `.NAME.lock` beside it: a second pull (another `kvbaton pull`, a test
-      process) waits up to `PULL_WAIT_S`, then finds the model pulled.
-    - The kernel lets the lock go with its process: a killed pull holds nothing."""
+def one_at_a_time(target: Path, doing: str, wait_s: float, progress: Progress) -> Iterator[None]:
+    """The one process on this machine `doing` what makes `target` (a pull, a build).
+    - An exclusive lock on `.NAME.lock` beside it: a second process waits up to `wait_s`, then
+      finds `target` made.
+    - The kernel lets the lock go with its process: a killed maker holds nothing."""
     with open(target.with_name(f".{target.name}.lock"), "w") as lock:
-        deadline = time.monotonic() + PULL_WAIT_S
+        deadline = time.monotonic() + wait_s
         waiting = False
         while True:
             try:
@@ -107,12 +107,12 @@ def _one_pull_at_a_time(target: Path, progress: Progress) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if not waiting:
-                    progress(f"another process is pulling {target.name}: waiting for it")
+                    progress(f"another process is {doing} {target.name}: waiting for it")
                     waiting = True
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"another process has been pulling {target.name} for over "
-                        f"{PULL_WAIT_S:.0f} s (it holds {lock.name})"
+                        f"another process has been {doing} {target.name} for over "
+                        f"{wait_s:.0f} s (it holds {lock.name})"
                     ) from None
                 time.sleep(0.5)
         yield
