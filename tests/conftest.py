@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import clean_env
 from tests.servers import EtcdServer, KubeStandIn, NatsServer, running
+
+# The suite's engines run eagerly, as `clean_env` makes them in processes it starts (a compiled
+# decode's package takes minutes to build; the tests of compiled decoding ask for one).
+os.environ["KVBATON_COMPILE"] = "none"
 
 WorkerFactory = Callable[..., subprocess.Popen[bytes]]
 _SERVING = re.compile(r"serving \S+ as instance ([0-9a-f]+) ")
@@ -97,7 +102,7 @@ def spawn_worker(tmp_path: Path, discovery_url: str) -> Iterator[WorkerFactory]:
         *extra: str, lease_ttl: float = 2.0, namespace: str = "t", engine: str = "echo"
     ) -> subprocess.Popen[bytes]:
         log = open(worker_log(tmp_path, len(procs)), "wb")  # noqa: SIM115 (closed below)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
+        env = clean_env()
         proc = subprocess.Popen(
             [
                 sys.executable,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,6 +23,15 @@ NEEDS_VLLM = pytest.mark.skipif(
     not VLLM_INSTALLED,
     reason="vLLM is not installed here: build .venv-vllm with scripts/vllm_env.sh",
 )
+
+
+def clean_env() -> dict[str, str]:
+    """The environment of a process a test starts: none of the caller's `KVBATON_*` settings,
+    and engines that run eagerly (`KVBATON_COMPILE=none`: a compiled decode's package takes
+    minutes to build; the tests of compiled decoding ask for one)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
+    env["KVBATON_COMPILE"] = "none"
+    return env
 
 
 async def wait_until(

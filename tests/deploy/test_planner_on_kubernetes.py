@@ -18,7 +18,8 @@ import pytest
 
 from kvbaton.deploy.kubernetes import KubernetesOptions, manifests
 from kvbaton.planner.types import Profile, ProfilePoint
-from tests.frontend.conftest import clean_env, start_frontend, stop_cleanly
+from tests.frontend.conftest import start_frontend, stop_cleanly
+from tests.helpers import clean_env
 from tests.servers import KubeStandIn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

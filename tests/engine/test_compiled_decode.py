@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvbaton.cli.worker import default_compile
 from kvbaton.engine import EngineConfig, LLMEngine
 from kvbaton.engine.compiled_decode import CompiledDecode
 from kvbaton.engine.model_runner import ModelRunner
@@ -87,6 +88,14 @@ def test_closing_stops_a_build_and_leaves_no_package(
     runner.close()
     assert build.finished() and runner.package_build is None
     assert [p.name for p in packages.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_workers_compile_in_the_background_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVBATON_COMPILE")  # the suite's own setting (tests/conftest.py)
+    assert default_compile("agg") == default_compile("decode") == "auto"
+    assert default_compile("prefill") == "none"  # it decodes no sequence alone
+    monkeypatch.setenv("KVBATON_COMPILE", "single-decode")
+    assert default_compile("agg") == "single-decode"
 
 
 def test_compile_is_refused_off_the_cpu() -> None:

@@ -21,6 +21,7 @@ import pytest
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
 from kvbaton.runtime.serve_state import read_states
+from tests.helpers import clean_env
 from tests.tiny_models import build_chat_model
 
 # The workers' torch device: the CPU unless KVBATON_TEST_DEVICE names another ("cuda").
@@ -52,10 +53,6 @@ class Deployment:
         if self.reader is not None and self.proc.poll() is not None:
             self.reader.join(10)
         return "\n".join(self.lines)
-
-
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
 
 
 def start_serve(model_dir: Path, discovery_dir: Path | None, *extra: str) -> Deployment:

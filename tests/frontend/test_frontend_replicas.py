@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from kvbaton.runtime.http_embed import bound
-from tests.frontend.conftest import clean_env, serve_slot, start_serve, stop_cleanly
-from tests.helpers import wait_until
+from tests.frontend.conftest import serve_slot, start_serve, stop_cleanly
+from tests.helpers import clean_env, wait_until
 
 pytestmark = pytest.mark.integration
 

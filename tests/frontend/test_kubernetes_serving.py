@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from kvbaton.runtime.discovery import kube_objects as ko
-from tests.frontend.conftest import Deployment, clean_env, start_frontend, stop_cleanly
+from tests.frontend.conftest import Deployment, start_frontend, stop_cleanly
+from tests.helpers import clean_env
 from tests.servers import KubeStandIn, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -28,12 +28,11 @@ from kvbaton.runtime import DistributedRuntime
 from kvbaton.runtime.serve_state import read_states, state_path
 from tests.frontend.conftest import (
     Deployment,
-    clean_env,
     serve_slot,
     start_serve,
     stop_cleanly,
 )
-from tests.helpers import wait_until
+from tests.helpers import clean_env, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

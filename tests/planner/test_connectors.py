@@ -30,7 +30,7 @@ from kvbaton.planner.predictors import make_predictor
 from kvbaton.planner.replicas import ReplicaPlanner, ReplicaPolicy
 from kvbaton.planner.types import Decision, Observation, Profile, ProfilePoint, Targets
 from kvbaton.runtime import DistributedRuntime
-from tests.helpers import collect, wait_until
+from tests.helpers import clean_env, collect, wait_until
 
 STARTUP_S = 30.0  # a cold Python start on a loaded 2-core machine
 NS = "serving"
@@ -39,10 +39,6 @@ DEPLOYMENTS = "apps/v1/deployments"
 
 
 # -- local
-
-
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
 
 
 def _echo_args(discovery_url: str, role: str = "decode", lease_ttl: float = 30) -> list[str]:
@@ -68,7 +64,7 @@ async def test_local_scales_0_2_1_0_and_a_stopped_worker_drains_its_stream(
 ) -> None:
     connector = LocalConnector(
         {"decode": _echo_args(discovery_url)},
-        env=_clean_env(),
+        env=clean_env(),
         log_dir=tmp_path / "logs",
         stop_grace_s=20.0,
     )
@@ -162,7 +158,7 @@ async def test_the_planner_replaces_a_killed_local_worker_at_its_next_interval(
     worker, which registers, while the killed one's lease expires (short TTL)."""
     connector = LocalConnector(
         {"decode": _echo_args(discovery_url, lease_ttl=3)},
-        env=_clean_env(),
+        env=clean_env(),
         log_dir=tmp_path / "logs",
         stop_grace_s=10.0,
     )
@@ -269,7 +265,7 @@ async def test_local_close_right_after_starting_leaves_no_process(
             "prefill": _echo_args(discovery_url, "prefill"),
             "decode": _echo_args(discovery_url, "decode"),
         },
-        env=_clean_env(),
+        env=clean_env(),
         log_dir=tmp_path / "logs",
         stop_grace_s=10.0,
     )
@@ -663,7 +659,7 @@ async def test_a_mocker_worker_stopped_mid_request_finishes_it_first(
         "--role", "decode", "--engine", "mocker", "--model", str(mocker_model_dir),
         "--max-model-len", "4096", "--namespace", "t", f"--discovery={discovery}",
     ]  # fmt: skip
-    connector = LocalConnector({"decode": args}, env=_clean_env(), log_dir=tmp_path / "logs")
+    connector = LocalConnector({"decode": args}, env=clean_env(), log_dir=tmp_path / "logs")
     async with DistributedRuntime(discovery) as runtime:
         generate = await runtime.endpoint("t.backend.generate").client(response_type=EngineOutput)
         try:

@@ -18,7 +18,8 @@ import openai
 import pytest
 
 from kvbaton.planner.types import Profile, ProfilePoint
-from tests.frontend.conftest import Deployment, clean_env, start_frontend, stop_cleanly
+from tests.frontend.conftest import Deployment, start_frontend, stop_cleanly
+from tests.helpers import clean_env
 from tests.tiny_models import build_chat_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]

@@ -19,6 +19,7 @@ from kvbaton.cli.main import main
 from kvbaton.mocker import MockerTiming
 from kvbaton.planner.types import Profile
 from tests.conftest import WorkerFactory
+from tests.helpers import clean_env
 from tests.tiny_models import build_chat_model
 
 pytestmark = pytest.mark.integration
@@ -35,7 +36,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def profile(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
+    env = clean_env()
     return subprocess.run(
         [sys.executable, "-m", "kvbaton", "profile", *args],
         capture_output=True,

@@ -28,7 +28,7 @@ from tests.frontend.vllm_helpers import (
     offline_texts,
     prompt_ids,
 )
-from tests.helpers import wait_until
+from tests.helpers import clean_env, wait_until
 
 pytestmark = VLLM_MARKS
 
@@ -41,7 +41,7 @@ async def test_the_local_connector_scales_a_vllm_worker_up_and_down(
         *("--role", "agg", "--engine", "vllm", "--model", str(MODEL_DIR), *ENGINE_FLAGS),
         *("--discovery", discovery_url, "--namespace", "t"),
     ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
+    env = clean_env()
     slot = str(max(os.sched_getaffinity(0)))  # vLLM's own binding leaves the last core out
     connector = LocalConnector(
         {"decode": args}, env=env, log_dir=tmp_path / "logs", core_slots=[slot]

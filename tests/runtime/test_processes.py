@@ -6,7 +6,6 @@ own wire (garbage on a TCP port) run on that plane."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
 import socket
@@ -32,7 +31,7 @@ from kvbaton.runtime import (
 )
 from kvbaton.runtime.request_plane.framing import HEADER, encode_frame, encode_payload
 from tests.conftest import WorkerFactory
-from tests.helpers import collect, wait_until
+from tests.helpers import clean_env, collect, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -308,12 +307,8 @@ def _kvbaton(*args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=60,
-        env=_clean_env(),
+        env=clean_env(),
     )
-
-
-def _clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
 
 
 @every_deployment

@@ -106,6 +106,7 @@ async def _engine(
         return engine, publisher
     from kvbaton.engine import AsyncEngine, EngineConfig
 
+    values.setdefault("compile", default_compile(args.role))
     config = EngineConfig(**values)
     tiers = tier_settings(args)
     # Off the CPU the blocks peers move (and tiers copy) are a host mirror of the cache: only
@@ -202,6 +203,12 @@ def check_engine_flags(args: argparse.Namespace) -> None:
             raise ValueError(missing)
 
 
+def default_compile(role: str) -> str:
+    """The kvbaton engine's `--compile` where none is given: `$KVBATON_COMPILE`, else "auto"; a
+    prefill worker's "none" (it decodes no sequence alone)."""
+    return "none" if role == "prefill" else os.environ.get("KVBATON_COMPILE", "auto")
+
+
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     """Engine flags, shared by `worker` and `serve` (which passes them on to its workers)."""
     group = parser.add_argument_group("engine")
@@ -246,9 +253,11 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--compile",
         choices=COMPILES,
-        help="single-decode: a step that decodes one sequence alone runs compiled by "
-        "torch.compile (CPU only; compiling at start-up takes minutes on a few cores; default "
-        "none)",
+        help="a step that decodes one sequence alone runs compiled, from a package built once "
+        "per model and machine (minutes on a few cores; docs/architecture.md). auto (the "
+        "default, or $KVBATON_COMPILE): on a CPU with a C++ compiler, steps run eagerly while "
+        "the package builds in the background; single-decode: the package is built before "
+        "serving; none: eagerly. A prefill worker's default is none",
     )
     group.add_argument("--fixed-tokens", default="1,2,3", help="the fixed engine's token ids")
     disagg = parser.add_argument_group("disaggregation")
