@@ -45,7 +45,7 @@ import torch
 from headline import at_least, report
 from kvbaton.engine import EngineConfig, LLMEngine, SamplingParams
 from kvbaton.engine.connector import EngineRequest
-from kvbaton.engine.decode_package import package_path
+from kvbaton.engine.decode_package import PackageSpec
 from kvbaton.engine.model import LlamaModel, Projection
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.mocker.tiers import MODELED_DTYPE_BYTES, modeled_block_bytes
@@ -362,7 +362,8 @@ def main() -> None:
         config = EngineConfig(
             model=str(model_dir), dtype=args.dtype, device="cpu", compile="single-decode"
         )
-        built = package_path(model_dir, config.dtype, config.block_size).is_file()
+        spec = PackageSpec(model_dir, config.dtype, config.block_size, torch.get_num_threads())
+        built = spec.path.is_file()
         start = time.monotonic()
         engine = LLMEngine(config)
         how = "its package loaded" if built else "its package built first"

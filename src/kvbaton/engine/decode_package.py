@@ -1,9 +1,10 @@
 """Compiled single-decode packages (compiled_decode.py) kept on disk: built once per model, block
 size, machine and torch, then loaded in a second by every engine that runs the model.
 
-- Packages live in `packages_dir()`. A package's name hashes what its build depends on: the
-  model's files (path, sizes, modification times), the dtype, the block size, torch's version,
-  the CPU and compiled_decode.py's source. A stale package is never loaded, only left behind.
+- Packages live in `packages_dir()`. A package's name hashes what its build depends on
+  (`PackageSpec`): the model's files (path, sizes, modification times), the dtype, the block
+  size, the engine's torch threads, torch's version, the CPU, and the graph's source. A stale
+  package is never loaded, only left behind.
 - A build runs in a process of its own (`python -m kvbaton.engine.decode_package`), at a lower
   CPU priority: the engine serves eagerly meanwhile (`compile="auto"`), and the compiler's
   memory goes with the process. It says how long it has taken every half minute, and ends
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -60,18 +62,29 @@ def cxx_compiler_missing() -> str | None:
     return None
 
 
-def package_path(model_dir: Path, dtype: str, block_size: int) -> Path:
-    """Where the package of this model, dtype and block size lives on this machine."""
-    model_dir = model_dir.resolve()
-    digest = hashlib.sha256()
-    for part in (str(model_dir), dtype, str(block_size), torch.__version__, _cpu()):
-        digest.update(part.encode() + b"\0")
-    for file in sorted(model_dir.iterdir()):
-        stat = file.stat()
-        digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}\0".encode())
-    digest.update(Path(__file__).with_name("compiled_decode.py").read_bytes())
-    digest.update(Path(__file__).with_name("model.py").read_bytes())
-    return packages_dir() / f"{model_dir.name}-{dtype}-b{block_size}-{digest.hexdigest()[:16]}.pt2"
+@dataclass(frozen=True)
+class PackageSpec:
+    """What a package is built for; `path` is where it lives on this machine."""
+
+    model_dir: Path
+    dtype: str
+    block_size: int
+    threads: int  # the engine's torch threads: Inductor splits its GEMMs for that many
+
+    @property
+    def path(self) -> Path:
+        model_dir = self.model_dir.resolve()
+        digest = hashlib.sha256()
+        parts = (model_dir, self.dtype, self.block_size, self.threads, torch.__version__, _cpu())
+        for part in parts:
+            digest.update(f"{part}\0".encode())
+        for file in sorted(model_dir.iterdir()):
+            stat = file.stat()
+            digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}\0".encode())
+        for source in ("compiled_decode.py", "model.py"):
+            digest.update(Path(__file__).with_name(source).read_bytes())
+        name = f"{model_dir.name}-{self.dtype}-b{self.block_size}-t{self.threads}"
+        return packages_dir() / f"{name}-{digest.hexdigest()[:16]}.pt2"
 
 
 def _cpu() -> str:
@@ -85,12 +98,13 @@ def _cpu() -> str:
     return f"{name.strip()} {torch.backends.cpu.get_cpu_capability()}"
 
 
-def build(model_dir: Path, dtype: str, block_size: int, path: Path) -> None:
-    """Build the package at `path` unless it is there (waiting for another process's build)."""
+def build(spec: PackageSpec) -> None:
+    """Build the package at `spec.path` unless it is there (waiting for another's build)."""
     from kvbaton.engine.compiled_decode import export_package
     from kvbaton.engine.model import LlamaModel, ModelConfig
     from kvbaton.engine.model_runner import DTYPES
 
+    path = spec.path
     path.parent.mkdir(parents=True, exist_ok=True)
     with one_at_a_time(path, "building", BUILD_WAIT_S, log.info):
         if path.is_file():
@@ -98,16 +112,22 @@ def build(model_dir: Path, dtype: str, block_size: int, path: Path) -> None:
         start = time.monotonic()
         log.info(
             "building the compiled single-decode step of %s (minutes on a few cores) into %s",
-            model_dir.name,
+            spec.model_dir.name,
             path,
         )
-        config = ModelConfig(model_dir)
+        torch.set_num_threads(spec.threads)
+        config = ModelConfig(spec.model_dir)
         model = LlamaModel(
-            model_dir, config, DTYPES[dtype], torch.device("cpu"), config.max_len, "native"
+            spec.model_dir,
+            config,
+            DTYPES[spec.dtype],
+            torch.device("cpu"),
+            config.max_len,
+            "native",
         )
         partial = path.with_name(f".{path.stem}.{os.getpid()}.partial.pt2")
         try:
-            export_package(model, block_size, partial)
+            export_package(model, spec.block_size, partial)
             partial.replace(path)
         finally:
             partial.unlink(missing_ok=True)
@@ -117,10 +137,10 @@ def build(model_dir: Path, dtype: str, block_size: int, path: Path) -> None:
 class PackageBuild:
     """`build` of one package in a process of its own (see the module's docstring)."""
 
-    def __init__(self, model_dir: Path, dtype: str, block_size: int, path: Path) -> None:
-        self.path = path
-        args = [str(model_dir), dtype, str(block_size), str(path), str(os.getpid())]
-        self._process = subprocess.Popen([sys.executable, "-m", __name__, *args])
+    def __init__(self, spec: PackageSpec) -> None:
+        self.path = spec.path
+        args = [spec.model_dir, spec.dtype, spec.block_size, spec.threads, os.getpid()]
+        self._process = subprocess.Popen([sys.executable, "-m", __name__, *map(str, args)])
 
     def finished(self) -> bool:
         """Whether the package is built (its process may still be ending) or the build ended."""
@@ -175,13 +195,14 @@ def main() -> None:
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("dtype")
     parser.add_argument("block_size", type=int)
-    parser.add_argument("path", type=Path)
+    parser.add_argument("threads", type=int)
     parser.add_argument("parent", type=int)
     args = parser.parse_args()
-    _watch(args.parent, args.path)
+    spec = PackageSpec(args.model_dir, args.dtype, args.block_size, args.threads)
+    _watch(args.parent, spec.path)
     os.nice(BUILD_NICENESS)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    build(args.model_dir, args.dtype, args.block_size, args.path)
+    build(spec)
 
 
 if __name__ == "__main__":

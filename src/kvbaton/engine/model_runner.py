@@ -15,8 +15,8 @@ from kvbaton.engine.connector import KvSink, PromptChunk
 from kvbaton.engine.decode_package import (
     BuildFailed,
     PackageBuild,
+    PackageSpec,
     cxx_compiler_missing,
-    package_path,
 )
 from kvbaton.engine.guided import GuidedDecoding
 from kvbaton.engine.host_allocator import retain_freed_memory
@@ -136,16 +136,16 @@ class ModelRunner:
         """
         if mode == "none" or (mode == "auto" and self.device.type != "cpu"):
             return
-        path = package_path(self.model_dir, dtype, block_size)
-        if path.is_file():
-            self.compiled = CompiledDecode(self.model, path)
+        spec = PackageSpec(self.model_dir, dtype, block_size, torch.get_num_threads())
+        if spec.path.is_file():
+            self.compiled = CompiledDecode(self.model, spec.path)
             return
         if missing := cxx_compiler_missing():
             if mode == "single-decode":
                 raise ValueError(missing)
             log.info("single decodes run eagerly: %s", missing)
             return
-        self.package_build = PackageBuild(self.model_dir, dtype, block_size, path)
+        self.package_build = PackageBuild(spec)
         if mode == "single-decode":
             self.compiled = CompiledDecode(self.model, self.package_build.wait())
             self.package_build = None
