@@ -13,6 +13,7 @@ import torch
 from kvbaton.cli.worker import default_compile
 from kvbaton.engine import EngineConfig, LLMEngine
 from kvbaton.engine.compiled_decode import CompiledDecode
+from kvbaton.engine.decode_package import BuildFailed
 from kvbaton.engine.model_runner import ModelRunner
 from tests.engine.reference import engine, hf_greedy, prompts, run
 from tests.helpers import wait_until_sync
@@ -64,29 +65,39 @@ def test_auto_serves_eagerly_until_its_package_is_built(
     expected = [hf_greedy(model_dir, tuple(p)) for p in prompts()]
     eng = engine(model_dir, compile="auto", device="cpu")
     runner = model_runner(eng)
-    build = runner.package_build
-    assert runner.compiled is None and build is not None
+    assert runner.package_build is not None and not runner.package_build.finished()
     assert run(eng, prompts()) == expected  # eagerly, while the package builds
-    wait_until_sync(build.finished, BUILD_TIMEOUT_S, "the package's build")
-    assert runner.compiled is None  # until a step loads it
-    run(eng, prompts()[:1], new_tokens=1)
-    assert runner.compiled is not None and runner.package_build is None
+    assert runner.compiled is None
+    wait_until_compiled(eng)
+    assert runner.package_build is None and runner.compiling is None
     assert [run(eng, [p])[0] for p in prompts()] == expected
-    assert runner.compiled.steps > 40
-    again = model_runner(
-        engine(model_dir, compile="auto", device="cpu")
-    )  # the next engine starts compiled
-    assert again.package_build is None and isinstance(again.compiled, CompiledDecode)
+    assert runner.compiled is not None and runner.compiled.steps > 40
+    # The next engine loads the package in the background: no build.
+    again = engine(model_dir, compile="auto", device="cpu")
+    assert model_runner(again).package_build is None
+    wait_until_compiled(again)
+
+
+def wait_until_compiled(eng: LLMEngine) -> None:
+    """Wait for the engine's package to be loaded in the background, then take it with a step."""
+    compiling = model_runner(eng).compiling
+    assert compiling is not None
+    wait_until_sync(compiling.done, BUILD_TIMEOUT_S, "the package's build and load")
+    assert model_runner(eng).compiled is None  # until a step takes it
+    run(eng, prompts()[:1], new_tokens=1)
+    assert isinstance(model_runner(eng).compiled, CompiledDecode)
 
 
 def test_closing_stops_a_build_and_leaves_no_package(
     tiny_models: dict[str, Path], packages: Path
 ) -> None:
     runner = model_runner(engine(tiny_models["llama-tied"], compile="auto", device="cpu"))
-    build = runner.package_build
-    assert build is not None and not build.finished()
+    build, compiling = runner.package_build, runner.compiling
+    assert build is not None and compiling is not None and not build.finished()
     runner.close()
-    assert build.finished() and runner.package_build is None
+    assert build.finished()
+    with pytest.raises(BuildFailed, match="failed"):
+        compiling.result(timeout=BUILD_TIMEOUT_S)
     assert [p.name for p in packages.iterdir() if not p.name.endswith(".lock")] == []
 
 
@@ -113,4 +124,4 @@ def test_a_build_is_refused_without_a_cpp_compiler(
     with pytest.raises(ValueError, match="needs a C\\+\\+ compiler"):
         engine(tiny_models["llama-tied"], compile="single-decode", device="cpu")
     runner = model_runner(engine(tiny_models["llama-tied"], compile="auto", device="cpu"))
-    assert runner.compiled is None and runner.package_build is None  # eager, no build
+    assert runner.compiling is None and runner.package_build is None  # eager, no build

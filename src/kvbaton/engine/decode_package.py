@@ -37,6 +37,7 @@ BUILD_WAIT_S = 3600.0  # for a build: minutes on a few cores, more for a larger 
 STOP_WAIT_S = 10.0
 BUILD_NICENESS = 10  # serving comes first where both want the CPU
 PROGRESS_EVERY_S = 30.0
+POLL_S = 0.5  # for a build's end
 
 
 class BuildFailed(RuntimeError):
@@ -147,16 +148,14 @@ class PackageBuild:
         return self.path.is_file() or self._process.poll() is not None
 
     def wait(self, timeout: float = BUILD_WAIT_S) -> Path:
-        """The package, once built; `BuildFailed` if the build failed or took over `timeout`."""
-        try:
-            self._process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise BuildFailed(f"building {self.path.name} took over {timeout:.0f} s") from None
-        return self.result()
-
-    def result(self) -> Path:
-        """The package of a finished build; `BuildFailed` if there is none."""
+        """The package, once built; `BuildFailed` if the build ended without it or took over
+        `timeout` (then it is stopped)."""
+        deadline = time.monotonic() + timeout
+        while not self.finished():
+            if time.monotonic() > deadline:
+                self.stop()
+                raise BuildFailed(f"building {self.path.name} took over {timeout:.0f} s")
+            time.sleep(POLL_S)
         if not self.path.is_file():
             code = self._process.poll()
             raise BuildFailed(f"building {self.path.name} failed (exit status {code})")

@@ -3,7 +3,9 @@ forward pass, samples. Owns the model, the KV cache and the sampler."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +15,6 @@ from kvbaton.engine.compiled_decode import CompiledDecode
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.connector import KvSink, PromptChunk
 from kvbaton.engine.decode_package import (
-    BuildFailed,
     PackageBuild,
     PackageSpec,
     cxx_compiler_missing,
@@ -85,8 +86,10 @@ class ModelRunner:
             self.max_model_len,
             projection_kernel(matmul, self.dtype, self.device),
         )
-        self.compiled: CompiledDecode | None = None  # see `compile_decode`
-        self.package_build: PackageBuild | None = None  # a build under way (`compile_decode`)
+        # see `compile_decode`: the loaded package, its load and build in the background
+        self.compiled: CompiledDecode | None = None
+        self.compiling: concurrent.futures.Future[CompiledDecode] | None = None
+        self.package_build: PackageBuild | None = None
         self.vocab_size = config.vocab_size
         self.eos_token_ids = config.eos_token_ids
         self.guided = None
@@ -130,41 +133,62 @@ class ModelRunner:
     def compile_decode(self, mode: str, dtype: str, block_size: int) -> None:
         """Run single decodes compiled (`EngineConfig.compile`, compiled_decode.py) from this
         machine's package of the model (decode_package.py).
-        - "single-decode": the package is built first where there is none (minutes).
-        - "auto": on a CPU with a C++ compiler; where there is no package, steps run eagerly
-          while it builds in the background, and compiled from the first step after it is built.
+        - "single-decode": the package is loaded now, built first where there is none (minutes).
+        - "auto": on a CPU; the package is loaded in the background, built first where there is
+          none (given a C++ compiler), and steps run eagerly until the first step after that.
         """
         if mode == "none" or (mode == "auto" and self.device.type != "cpu"):
             return
         spec = PackageSpec(self.model_dir, dtype, block_size, torch.get_num_threads())
-        if spec.path.is_file():
-            self.compiled = CompiledDecode(self.model, spec.path)
-            return
-        if missing := cxx_compiler_missing():
-            if mode == "single-decode":
-                raise ValueError(missing)
-            log.info("single decodes run eagerly: %s", missing)
-            return
-        self.package_build = PackageBuild(spec)
+        if not spec.path.is_file():
+            if missing := cxx_compiler_missing():
+                if mode == "single-decode":
+                    raise ValueError(missing)
+                log.info("single decodes run eagerly: %s", missing)
+                return
+            self.package_build = PackageBuild(spec)
         if mode == "single-decode":
-            self.compiled = CompiledDecode(self.model, self.package_build.wait())
-            self.package_build = None
+            self.compiled = self._load_package(spec)
+            return
+        self.compiling = concurrent.futures.Future()
+        loading = threading.Thread(
+            target=self._load_in_background,
+            args=(spec, self.compiling),
+            name="compiled-decode",
+            daemon=True,  # a process that exits does not wait for a build
+        )
+        loading.start()
 
-    def _load_built_package(self) -> None:
-        """Load the package of a build that has finished (a failed one leaves steps eager)."""
-        assert self.package_build is not None
+    def _load_package(self, spec: PackageSpec) -> CompiledDecode:
+        """The package of `spec`, loaded once its build under way (if any) has built it."""
+        if self.package_build is not None:
+            self.package_build.wait()
+        return CompiledDecode(self.model, spec.path)
+
+    def _load_in_background(
+        self, spec: PackageSpec, done: concurrent.futures.Future[CompiledDecode]
+    ) -> None:
         try:
-            self.compiled = CompiledDecode(self.model, self.package_build.result())
-            log.info("single decodes run compiled from now on (%s)", self.package_build.path.name)
-        except BuildFailed as e:
+            done.set_result(self._load_package(spec))
+        except Exception as e:  # a build that failed or was stopped, a package that won't load
+            done.set_exception(e)
+
+    def _take_compiled_decode(self) -> None:
+        """Run single decodes compiled from now on, once the background load has ended (a failed
+        build or load leaves them eager)."""
+        assert self.compiling is not None
+        try:
+            self.compiled = self.compiling.result()
+            log.info("single decodes run compiled from now on (%s)", self.compiled.path.name)
+        except Exception as e:  # see `_load_in_background`
             log.warning("single decodes stay eager: %s", e)
+        self.compiling = None
         self.package_build = None
 
     def close(self) -> None:
         """Stop a package's build under way."""
         if self.package_build is not None:
             self.package_build.stop()
-            self.package_build = None
 
     def allocate_cache(
         self,
@@ -368,8 +392,8 @@ class ModelRunner:
         assert self.cache is not None, "allocate_cache first"
         if not output.scheduled:
             return {}
-        if self.package_build is not None and self.package_build.finished():
-            self._load_built_package()
+        if self.compiling is not None and self.compiling.done():
+            self._take_compiled_decode()
         batch, sampling, prompt_rows = self.build(output.scheduled)
         on_layer = self._layer_calls(output.scheduled)
         if self.compiled is not None and on_layer is None and self.compiled.takes(batch):
