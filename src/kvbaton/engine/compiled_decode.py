@@ -23,15 +23,12 @@ weights frozen into the compiled graph). Every other step runs eagerly (`LlamaMo
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from kvbaton.engine.model import LlamaModel, StepBatch, rms_norm, rope
-
-log = logging.getLogger(__name__)
 
 INDUCTOR_OPTIONS = {
     "freezing": True,  # the weights are constants of the graph (packed once for its GEMMs)
