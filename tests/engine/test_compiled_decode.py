@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvbaton.cli.worker import default_compile
-from kvbaton.engine import EngineConfig, LLMEngine
+from kvbaton.cli.worker import worker_compile
+from kvbaton.engine import EngineConfig, LLMEngine, decode_package
 from kvbaton.engine.compiled_decode import CompiledDecode
 from kvbaton.engine.decode_package import BuildFailed
 from kvbaton.engine.model_runner import ModelRunner
@@ -65,24 +65,25 @@ def test_auto_serves_eagerly_until_its_package_is_built(
     expected = [hf_greedy(model_dir, tuple(p)) for p in prompts()]
     eng = engine(model_dir, compile="auto", device="cpu")
     runner = model_runner(eng)
-    assert runner.package_build is not None and not runner.package_build.finished()
+    load = runner.compiling
+    assert load is not None
     assert run(eng, prompts()) == expected  # eagerly, while the package builds
-    assert runner.compiled is None
     wait_until_compiled(eng)
-    assert runner.package_build is None and runner.compiling is None
+    assert load.build is not None and runner.compiling is None  # built, then taken
     assert [run(eng, [p])[0] for p in prompts()] == expected
     assert runner.compiled is not None and runner.compiled.steps > 40
     # The next engine loads the package in the background: no build.
-    again = engine(model_dir, compile="auto", device="cpu")
-    assert model_runner(again).package_build is None
-    wait_until_compiled(again)
+    again = model_runner(engine(model_dir, compile="auto", device="cpu"))
+    assert again.compiling is not None
+    wait_until_sync(again.compiling.future.done, BUILD_TIMEOUT_S, "the package's load")
+    assert again.compiling.build is None
 
 
 def wait_until_compiled(eng: LLMEngine) -> None:
     """Wait for the engine's package to be loaded in the background, then take it with a step."""
-    compiling = model_runner(eng).compiling
-    assert compiling is not None
-    wait_until_sync(compiling.done, BUILD_TIMEOUT_S, "the package's build and load")
+    load = model_runner(eng).compiling
+    assert load is not None
+    wait_until_sync(load.future.done, BUILD_TIMEOUT_S, "the package's build and load")
     assert model_runner(eng).compiled is None  # until a step takes it
     run(eng, prompts()[:1], new_tokens=1)
     assert isinstance(model_runner(eng).compiled, CompiledDecode)
@@ -92,21 +93,25 @@ def test_closing_stops_a_build_and_leaves_no_package(
     tiny_models: dict[str, Path], packages: Path
 ) -> None:
     runner = model_runner(engine(tiny_models["llama-tied"], compile="auto", device="cpu"))
-    build, compiling = runner.package_build, runner.compiling
-    assert build is not None and compiling is not None and not build.finished()
+    load = runner.compiling
+    assert load is not None
+    wait_until_sync(lambda: load.build is not None, 60, "the build's start")
+    assert load.build is not None and not load.build.finished()
     runner.close()
-    assert build.finished()
+    assert load.build.finished()
     with pytest.raises(BuildFailed, match="failed"):
-        compiling.result(timeout=BUILD_TIMEOUT_S)
+        load.future.result(timeout=BUILD_TIMEOUT_S)
     assert [p.name for p in packages.iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_workers_compile_in_the_background_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVBATON_COMPILE")  # the suite's own setting (tests/conftest.py)
-    assert default_compile("agg") == default_compile("decode") == "auto"
-    assert default_compile("prefill") == "none"  # it decodes no sequence alone
+    assert worker_compile("agg", None) == worker_compile("decode", None) == "auto"
+    assert worker_compile("prefill", None) == worker_compile("prefill", "auto") == "none"
+    assert worker_compile("prefill", "single-decode") == "single-decode"  # asked for
     monkeypatch.setenv("KVBATON_COMPILE", "single-decode")
-    assert default_compile("agg") == "single-decode"
+    assert worker_compile("agg", None) == "single-decode"
+    assert worker_compile("agg", "none") == "none"  # the flag wins
 
 
 def test_compile_is_refused_off_the_cpu() -> None:
@@ -123,5 +128,14 @@ def test_a_build_is_refused_without_a_cpp_compiler(
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("kvbaton-no-such-compiler",))
     with pytest.raises(ValueError, match="needs a C\\+\\+ compiler"):
         engine(tiny_models["llama-tied"], compile="single-decode", device="cpu")
-    runner = model_runner(engine(tiny_models["llama-tied"], compile="auto", device="cpu"))
-    assert runner.compiling is None and runner.package_build is None  # eager, no build
+    # auto looks for the compiler on a thread, where Inductor's config reads its defaults
+    missing = "building a compiled decode needs a C++ compiler (stand-in)"
+    monkeypatch.setattr(decode_package, "cxx_compiler_missing", lambda: missing)
+    eng = engine(tiny_models["llama-tied"], compile="auto", device="cpu")
+    load = model_runner(eng).compiling
+    assert load is not None
+    with pytest.raises(BuildFailed, match="needs a C\\+\\+ compiler"):
+        load.future.result(timeout=BUILD_TIMEOUT_S)
+    assert load.build is None
+    run(eng, prompts()[:1], new_tokens=1)  # takes the failure: eager for good
+    assert model_runner(eng).compiled is None and model_runner(eng).compiling is None

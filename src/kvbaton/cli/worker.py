@@ -106,7 +106,7 @@ async def _engine(
         return engine, publisher
     from kvbaton.engine import AsyncEngine, EngineConfig
 
-    values.setdefault("compile", default_compile(args.role))
+    values["compile"] = worker_compile(args.role, args.compile)
     config = EngineConfig(**values)
     tiers = tier_settings(args)
     # Off the CPU the blocks peers move (and tiers copy) are a host mirror of the cache: only
@@ -203,10 +203,11 @@ def check_engine_flags(args: argparse.Namespace) -> None:
             raise ValueError(missing)
 
 
-def default_compile(role: str) -> str:
-    """The kvbaton engine's `--compile` where none is given: `$KVBATON_COMPILE`, else "auto"; a
-    prefill worker's "none" (it decodes no sequence alone)."""
-    return "none" if role == "prefill" else os.environ.get("KVBATON_COMPILE", "auto")
+def worker_compile(role: str, given: str | None) -> str:
+    """The kvbaton engine's compile mode: `--compile`, else `$KVBATON_COMPILE`, else "auto"; a
+    prefill worker's "auto" is "none" (it decodes no sequence alone)."""
+    mode = given or os.environ.get("KVBATON_COMPILE", "auto")
+    return "none" if role == "prefill" and mode == "auto" else mode
 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
@@ -257,7 +258,7 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
         "per model and machine (minutes on a few cores; docs/architecture.md). auto (the "
         "default, or $KVBATON_COMPILE): on a CPU with a C++ compiler, steps run eagerly while "
         "the package builds in the background; single-decode: the package is built before "
-        "serving; none: eagerly. A prefill worker's default is none",
+        "serving; none: eagerly. A prefill worker's auto is none",
     )
     group.add_argument("--fixed-tokens", default="1,2,3", help="the fixed engine's token ids")
     disagg = parser.add_argument_group("disaggregation")

@@ -1,5 +1,5 @@
 """Compiled single-decode packages (compiled_decode.py) kept on disk: built once per model, block
-size, machine and torch, then loaded in a second by every engine that runs the model.
+size, machine and torch, then loaded in a few seconds by every engine that runs the model.
 
 - Packages live in `packages_dir()`. A package's name hashes what its build depends on
   (`PackageSpec`): the model's files (path, sizes, modification times), the dtype, the block
@@ -10,28 +10,35 @@ size, machine and torch, then loaded in a second by every engine that runs the m
   memory goes with the process. It says how long it has taken every half minute, and ends
   itself once the process that started it is gone.
 - One build of a package at a time on a machine (`one_at_a_time`); written whole under a
-  temporary name, then renamed: a package on disk is complete.
+  temporary name, then renamed: a package on disk is complete. A stopped build removes its
+  temporary file; a killed one's is removed by the next build.
 - Building needs a C++ compiler (Inductor's kernels are C++); loading does not.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import functools
 import hashlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 
 from kvbaton.llm.model_files import models_dir, one_at_a_time
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvbaton.engine.decode_package")  # also when run as __main__
+T = TypeVar("T")
 
 BUILD_WAIT_S = 3600.0  # for a build: minutes on a few cores, more for a larger model
 STOP_WAIT_S = 10.0
@@ -72,7 +79,7 @@ class PackageSpec:
     block_size: int
     threads: int  # the engine's torch threads: Inductor splits its GEMMs for that many
 
-    @property
+    @functools.cached_property
     def path(self) -> Path:
         model_dir = self.model_dir.resolve()
         digest = hashlib.sha256()
@@ -82,7 +89,7 @@ class PackageSpec:
         for file in sorted(model_dir.iterdir()):
             stat = file.stat()
             digest.update(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}\0".encode())
-        for source in ("compiled_decode.py", "model.py"):
+        for source in ("compiled_decode.py", "model.py", "decode_package.py"):
             digest.update(Path(__file__).with_name(source).read_bytes())
         name = f"{model_dir.name}-{self.dtype}-b{self.block_size}-t{self.threads}"
         return packages_dir() / f"{name}-{digest.hexdigest()[:16]}.pt2"
@@ -103,13 +110,14 @@ def build(spec: PackageSpec) -> None:
     """Build the package at `spec.path` unless it is there (waiting for another's build)."""
     from kvbaton.engine.compiled_decode import export_package
     from kvbaton.engine.model import LlamaModel, ModelConfig
-    from kvbaton.engine.model_runner import DTYPES
 
     path = spec.path
     path.parent.mkdir(parents=True, exist_ok=True)
     with one_at_a_time(path, "building", BUILD_WAIT_S, log.info):
         if path.is_file():
             return
+        for stale in path.parent.glob(f".{path.stem}.*.partial.pt2"):  # of a killed build
+            stale.unlink(missing_ok=True)
         start = time.monotonic()
         log.info(
             "building the compiled single-decode step of %s (minutes on a few cores) into %s",
@@ -121,7 +129,7 @@ def build(spec: PackageSpec) -> None:
         model = LlamaModel(
             spec.model_dir,
             config,
-            DTYPES[spec.dtype],
+            getattr(torch, spec.dtype),
             torch.device("cpu"),
             config.max_len,
             "native",
@@ -140,8 +148,14 @@ class PackageBuild:
 
     def __init__(self, spec: PackageSpec) -> None:
         self.path = spec.path
-        args = [spec.model_dir, spec.dtype, spec.block_size, spec.threads, os.getpid()]
-        self._process = subprocess.Popen([sys.executable, "-m", __name__, *map(str, args)])
+        level = logging.getLevelName(log.getEffectiveLevel())
+        args = [spec.model_dir, spec.dtype, spec.block_size, spec.threads, os.getpid(), level]
+        # A session of its own: a Ctrl-C meant for the engine's process group is not its; it
+        # ends itself once the engine's process is gone (`_watch`).
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "kvbaton.engine.decode_package", *map(str, args)],
+            start_new_session=True,
+        )
 
     def finished(self) -> bool:
         """Whether the package is built (its process may still be ending) or the build ended."""
@@ -172,6 +186,59 @@ class PackageBuild:
                 self._process.wait()
 
 
+def built_package(spec: PackageSpec, started: Callable[[PackageBuild], None] | None = None) -> Path:
+    """`spec`'s package, built first (`started(build)` then) where there is none; `BuildFailed`
+    where it cannot be built."""
+    if spec.path.is_file():
+        return spec.path
+    if missing := cxx_compiler_missing():
+        raise BuildFailed(missing)
+    build = PackageBuild(spec)
+    if started is not None:
+        started(build)
+    return build.wait()
+
+
+class PackageLoad(Generic[T]):
+    """`load(path)` of `spec`'s package (`built_package`) on a thread of its own.
+
+    - `future` ends with what `load` returned, or its exception (`BuildFailed` among them).
+    - The thread holds what `load` holds, not its caller; a process that exits does not wait for
+      it (a daemon), and the build process ends itself then.
+    - `stop` ends a build under way; no load starts after it.
+    """
+
+    def __init__(self, spec: PackageSpec, load: Callable[[Path], T]) -> None:
+        self.future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self.build: PackageBuild | None = None  # the one started, if any
+        self._stopped = threading.Event()
+        args = (spec, load)
+        threading.Thread(target=self._run, args=args, daemon=True, name="package-load").start()
+
+    def _run(self, spec: PackageSpec, load: Callable[[Path], T]) -> None:
+        try:
+            path = built_package(spec, self._started)
+            if self._stopped.is_set():
+                raise BuildFailed(f"stopped before loading {path.name}")
+            try:
+                loaded = load(path)
+            except Exception as e:
+                raise RuntimeError(f"{path} did not load ({e}); remove it to build it again") from e
+            self.future.set_result(loaded)
+        except Exception as e:  # the future carries it to the engine, which logs it
+            self.future.set_exception(e)
+
+    def _started(self, build: PackageBuild) -> None:
+        self.build = build
+        if self._stopped.is_set():
+            build.stop()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self.build is not None:
+            self.build.stop()
+
+
 def _watch(parent: int, path: Path) -> None:
     """Exit this process once `parent` is gone (this process is re-parented); meanwhile, say how
     long the build has taken every `PROGRESS_EVERY_S`."""
@@ -184,7 +251,7 @@ def _watch(parent: int, path: Path) -> None:
             if time.monotonic() - said >= PROGRESS_EVERY_S:
                 said = time.monotonic()
                 log.info("building %s: %.0f s so far", path.name, said - start)
-        os._exit(1)
+        os.kill(os.getpid(), signal.SIGTERM)  # as `PackageBuild.stop` ends it
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
@@ -196,12 +263,18 @@ def main() -> None:
     parser.add_argument("block_size", type=int)
     parser.add_argument("threads", type=int)
     parser.add_argument("parent", type=int)
+    parser.add_argument("log_level")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # a stopped build removes its partial file
     spec = PackageSpec(args.model_dir, args.dtype, args.block_size, args.threads)
     _watch(args.parent, spec.path)
     os.nice(BUILD_NICENESS)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     build(spec)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

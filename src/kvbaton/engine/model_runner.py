@@ -3,9 +3,8 @@ forward pass, samples. Owns the model, the KV cache and the sampler."""
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import logging
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,11 +13,7 @@ import torch
 from kvbaton.engine.compiled_decode import CompiledDecode
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.connector import KvSink, PromptChunk
-from kvbaton.engine.decode_package import (
-    PackageBuild,
-    PackageSpec,
-    cxx_compiler_missing,
-)
+from kvbaton.engine.decode_package import BuildFailed, PackageLoad, PackageSpec, built_package
 from kvbaton.engine.guided import GuidedDecoding
 from kvbaton.engine.host_allocator import retain_freed_memory
 from kvbaton.engine.model import (
@@ -86,10 +81,9 @@ class ModelRunner:
             self.max_model_len,
             projection_kernel(matmul, self.dtype, self.device),
         )
-        # see `compile_decode`: the loaded package, its load and build in the background
+        # see `compile_decode`: the loaded package, and its load in the background
         self.compiled: CompiledDecode | None = None
-        self.compiling: concurrent.futures.Future[CompiledDecode] | None = None
-        self.package_build: PackageBuild | None = None
+        self.compiling: PackageLoad[CompiledDecode] | None = None
         self.vocab_size = config.vocab_size
         self.eos_token_ids = config.eos_token_ids
         self.guided = None
@@ -133,62 +127,36 @@ class ModelRunner:
     def compile_decode(self, mode: str, dtype: str, block_size: int) -> None:
         """Run single decodes compiled (`EngineConfig.compile`, compiled_decode.py) from this
         machine's package of the model (decode_package.py).
-        - "single-decode": the package is loaded now, built first where there is none (minutes).
-        - "auto": on a CPU; the package is loaded in the background, built first where there is
-          none (given a C++ compiler), and steps run eagerly until the first step after that.
+        - "single-decode": the package is loaded now, built first where there is none (minutes);
+          a package that cannot be built refuses the engine.
+        - "auto": on a CPU; found or built, then loaded, on a thread (`compiling`); steps run
+          eagerly until the first step after that, and for good if it fails (a warning says why).
         """
         if mode == "none" or (mode == "auto" and self.device.type != "cpu"):
             return
         spec = PackageSpec(self.model_dir, dtype, block_size, torch.get_num_threads())
-        if not spec.path.is_file():
-            if missing := cxx_compiler_missing():
-                if mode == "single-decode":
-                    raise ValueError(missing)
-                log.info("single decodes run eagerly: %s", missing)
-                return
-            self.package_build = PackageBuild(spec)
-        if mode == "single-decode":
-            self.compiled = self._load_package(spec)
+        if mode == "auto":
+            self.compiling = PackageLoad(spec, functools.partial(CompiledDecode, self.model))
             return
-        self.compiling = concurrent.futures.Future()
-        loading = threading.Thread(
-            target=self._load_in_background,
-            args=(spec, self.compiling),
-            name="compiled-decode",
-            daemon=True,  # a process that exits does not wait for a build
-        )
-        loading.start()
-
-    def _load_package(self, spec: PackageSpec) -> CompiledDecode:
-        """The package of `spec`, loaded once its build under way (if any) has built it."""
-        if self.package_build is not None:
-            self.package_build.wait()
-        return CompiledDecode(self.model, spec.path)
-
-    def _load_in_background(
-        self, spec: PackageSpec, done: concurrent.futures.Future[CompiledDecode]
-    ) -> None:
         try:
-            done.set_result(self._load_package(spec))
-        except Exception as e:  # a build that failed or was stopped, a package that won't load
-            done.set_exception(e)
+            self.compiled = CompiledDecode(self.model, built_package(spec))
+        except BuildFailed as e:
+            raise ValueError(str(e)) from None
 
     def _take_compiled_decode(self) -> None:
-        """Run single decodes compiled from now on, once the background load has ended (a failed
-        build or load leaves them eager)."""
+        """Run single decodes compiled from now on, once the background load has ended."""
         assert self.compiling is not None
         try:
-            self.compiled = self.compiling.result()
-            log.info("single decodes run compiled from now on (%s)", self.compiled.path.name)
-        except Exception as e:  # see `_load_in_background`
+            self.compiled = self.compiling.future.result()
+            log.info("single decodes run compiled from now on (%s)", self.compiled.path)
+        except Exception as e:  # see `PackageLoad`
             log.warning("single decodes stay eager: %s", e)
         self.compiling = None
-        self.package_build = None
 
     def close(self) -> None:
-        """Stop a package's build under way."""
-        if self.package_build is not None:
-            self.package_build.stop()
+        """Stop a package's build or load under way."""
+        if self.compiling is not None:
+            self.compiling.stop()
 
     def allocate_cache(
         self,
@@ -392,7 +360,7 @@ class ModelRunner:
         assert self.cache is not None, "allocate_cache first"
         if not output.scheduled:
             return {}
-        if self.compiling is not None and self.compiling.done():
+        if self.compiling is not None and self.compiling.future.done():
             self._take_compiled_decode()
         batch, sampling, prompt_rows = self.build(output.scheduled)
         on_layer = self._layer_calls(output.scheduled)
