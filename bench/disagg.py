@@ -67,7 +67,7 @@ from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model, served_na
 from kvbaton.mocker.timing import MockerTiming
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
-from serving import descendants, log, pct, sse_chunks, stop
+from serving import clean_env, descendants, log, pct, sse_chunks, stop
 
 MODES = ("agg", "disagg")
 STARTUP_S = 180.0
@@ -197,7 +197,7 @@ MODE_FLAGS = {
 
 
 def start_serve(args: argparse.Namespace, mode: str, discovery: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
+    env = clean_env()
     command = ["serve", "--engine", args.engine, "--model", args.model, "--http-port", "0"]
     command += ["--discovery", discovery]
     if args.max_model_len is not None:

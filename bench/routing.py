@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import random
 import re
 import shutil
@@ -61,7 +60,7 @@ from kvbaton.llm.model_files import KNOWN_MODELS, pull, resolve_model, served_na
 from kvbaton.llm.tokenizer import Tokenizer
 from kvbaton.router import KvRouter
 from kvbaton.router.indexer import KvIndexer
-from serving import log, pct, sse_chunks, stop
+from serving import clean_env, log, pct, sse_chunks, stop
 
 MODES = {
     "round-robin": ["--router-mode", "round-robin"],
@@ -231,7 +230,7 @@ def start_serve(
     args: argparse.Namespace, mode: str, disk: Path | None
 ) -> tuple[subprocess.Popen[str], str]:
     """`disk`: the workers' shared disk tier (None: none)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
+    env = clean_env()
     command = ["serve", "--engine", "mocker", "--model", args.model, "--http-port", "0"]
     command += ["--workers", str(args.workers), "--speedup-ratio", str(args.speedup_ratio)]
     command += ["--max-model-len", str(args.max_model_len)]

@@ -11,7 +11,7 @@ token ids, new ones for each repeat and concurrency), every request making exact
 - offline: `kvbaton.engine.LLM` in this process (its engine stepped directly, to time each
   token), torch's default threads unless `--offline-threads`;
 - serve: `kvbaton serve` started fresh for each repeat with its defaults (its single decodes
-  eager, as the offline engine's: `KVBATON_COMPILE=none`) plus one `--serve-args` variant,
+  eager, as the offline engine's: serving.py's `clean_env`) plus one `--serve-args` variant,
   streamed `/v1/completions` from this process (httpx). A variant is shell words: leading
   `NAME=VALUE` words go into serve's environment (so into every child's), `@frontend=CPUS` /
   `@worker=CPUS` (CPUS as taskset's list: `0`, `0-1`, `0,1`) pin every thread of that child
@@ -239,14 +239,9 @@ def offline_run(llm: LLM, batch: list[list[int]], concurrency: int, tokens: int)
 
 
 # -- a deployment ------------------------------------------------------------------------------
-# The offline engine's steps (kvbaton serve's default compiles single decodes once their package
-# is built: here both run eagerly, so that what differs is the serving stack).
-EAGER = {"KVBATON_COMPILE": "none"}
-
-
 def start_variant(args: argparse.Namespace, variant: Variant, discovery: str) -> Frontend:
     flags = ["--model", args.model, "--log-level", "WARNING", *variant.flags]
-    return start_serve(discovery, *flags, env={**EAGER, **variant.env})
+    return start_serve(discovery, *flags, env=variant.env)
 
 
 # -- the run -----------------------------------------------------------------------------------
