@@ -44,9 +44,8 @@ def test_compiled_steps_give_hfs_tokens(
     assert isinstance(compiled, CompiledDecode)
     (package,) = packages.glob("*.pt2")
     built_at = package.stat().st_mtime_ns
-    eng = engine(
-        model_dir, compile="single-decode", device="cpu"
-    )  # loads the package: no second build
+    # The next engine loads the package: no second build.
+    eng = engine(model_dir, compile="single-decode", device="cpu")
     compiled = model_runner(eng).compiled
     assert isinstance(compiled, CompiledDecode) and compiled.path == package
     assert [run(eng, [p])[0] for p in prompts()] == expected
