@@ -362,8 +362,7 @@ def main() -> None:
         config = EngineConfig(
             model=str(model_dir), dtype=args.dtype, device="cpu", compile="single-decode"
         )
-        spec = PackageSpec(model_dir, config.dtype, config.block_size, torch.get_num_threads())
-        built = spec.path.is_file()
+        built = PackageSpec.of_engine(model_dir, config).path.is_file()
         start = time.monotonic()
         engine = LLMEngine(config)
         how = "its package loaded" if built else "its package built first"

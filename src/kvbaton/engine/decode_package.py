@@ -35,6 +35,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from kvbaton.engine.config import EngineConfig
 from kvbaton.llm.model_files import models_dir, one_at_a_time
 
 log = logging.getLogger("kvbaton.engine.decode_package")  # also when run as __main__
@@ -78,6 +79,11 @@ class PackageSpec:
     dtype: str
     block_size: int
     threads: int  # the engine's torch threads: Inductor splits its GEMMs for that many
+
+    @classmethod
+    def of_engine(cls, model_dir: Path, config: EngineConfig) -> PackageSpec:
+        """The package an engine of `config` on `model_dir` runs in this process."""
+        return cls(model_dir, config.dtype, config.block_size, torch.get_num_threads())
 
     @functools.cached_property
     def path(self) -> Path:

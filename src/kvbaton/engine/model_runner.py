@@ -121,10 +121,10 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError("kv_cache_gib is too small for one block")
         runner.allocate_cache(num_blocks, config.block_size, cache_buffer, host_mirror)
-        runner.compile_decode(config.compile, config.dtype, config.block_size)
+        runner.compile_decode(config)
         return runner
 
-    def compile_decode(self, mode: str, dtype: str, block_size: int) -> None:
+    def compile_decode(self, config: EngineConfig) -> None:
         """Run single decodes compiled (`EngineConfig.compile`, compiled_decode.py) from this
         machine's package of the model (decode_package.py).
         - "single-decode": the package is loaded now, built first where there is none (minutes);
@@ -132,9 +132,10 @@ class ModelRunner:
         - "auto": on a CPU; found or built, then loaded, on a thread (`compiling`); steps run
           eagerly until the first step after that, and for good if it fails (a warning says why).
         """
+        mode = config.compile
         if mode == "none" or (mode == "auto" and self.device.type != "cpu"):
             return
-        spec = PackageSpec(self.model_dir, dtype, block_size, torch.get_num_threads())
+        spec = PackageSpec.of_engine(self.model_dir, config)
         if mode == "auto":
             self.compiling = PackageLoad(spec, functools.partial(CompiledDecode, self.model))
             return
