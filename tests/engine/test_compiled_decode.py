@@ -71,6 +71,7 @@ def test_auto_serves_eagerly_until_its_package_is_built(
     assert load.build is not None and runner.compiling is None  # built, then taken
     assert [run(eng, [p])[0] for p in prompts()] == expected
     assert runner.compiled is not None and runner.compiled.steps > 40
+    assert eng.stats().compiled_decode_steps == runner.compiled.steps
     # The next engine loads the package in the background: no build.
     again = model_runner(engine(model_dir, compile="auto", device="cpu"))
     assert again.compiling is not None
