@@ -37,8 +37,6 @@ from typing import Any
 import httpx
 
 from headline import report
-from kvbaton.protocols.llm import WorkerLoad
-from kvbaton.runtime import DistributedRuntime
 from serving import (
     STARTUP_S,
     log,
@@ -48,6 +46,7 @@ from serving import (
     start_serve,
     stop,
     wait_for_workers,
+    worker_load,
 )
 
 CONFIGS = ("off", "disk-warm", "disk-cold")
@@ -123,18 +122,6 @@ async def ttft(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
             if chunk["choices"] and chunk["choices"][0].get("text") and not first:
                 first = now
     return first - sent
-
-
-async def worker_load(discovery: str) -> WorkerLoad:
-    async with DistributedRuntime(discovery) as runtime:
-        client = await runtime.endpoint("kvbaton.backend.load_metrics").client(
-            response_type=WorkerLoad
-        )
-        try:
-            await client.wait_for_instances(STARTUP_S)
-            return await anext(client.round_robin(None))  # type: ignore[no-any-return]
-        finally:
-            await client.close()
 
 
 async def run_config(

@@ -26,6 +26,8 @@ from typing import Any
 import httpx
 
 from kvbaton.llm.model_files import KNOWN_MODELS, pull
+from kvbaton.protocols.llm import WorkerLoad
+from kvbaton.runtime import DistributedRuntime
 
 STARTUP_S = 180.0  # a frontend's start, or its workers' registration, at most
 _LISTENING = re.compile(r"OpenAI API at (http://\S+)/v1")
@@ -153,6 +155,19 @@ async def wait_for_workers(url: str, prefill: int, decode: int, timeout: float) 
             if time.monotonic() > deadline:
                 raise RuntimeError(f"workers did not register within {timeout:.0f}s")
             await asyncio.sleep(0.3)
+
+
+async def worker_load(discovery: str) -> WorkerLoad:
+    """The `load_metrics` answer of a worker of `kvbaton serve` (its `backend` component)."""
+    async with DistributedRuntime(discovery) as runtime:
+        client = await runtime.endpoint("kvbaton.backend.load_metrics").client(
+            response_type=WorkerLoad
+        )
+        try:
+            await client.wait_for_instances(STARTUP_S)
+            return await anext(client.round_robin(None))  # type: ignore[no-any-return]
+        finally:
+            await client.close()
 
 
 def run_benchmark(run: Callable[[Any], Coroutine[Any, Any, int]], args: Any) -> None:
