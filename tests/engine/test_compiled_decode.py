@@ -5,6 +5,9 @@ loaded by the next engine; `auto` serves eagerly while its package builds in the
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +19,23 @@ from kvbaton.engine.compiled_decode import CompiledDecode
 from kvbaton.engine.decode_package import BuildFailed
 from kvbaton.engine.model_runner import ModelRunner
 from tests.engine.reference import engine, hf_greedy, prompts, run
-from tests.helpers import wait_until_sync
+from tests.helpers import clean_env, wait_until_sync
 
 BUILD_TIMEOUT_S = 600.0  # a tiny model's package: under a minute alone on 2 cores
+LOAD_TIMEOUT_S = 120.0
+# An engine that loads the package (argv: model, torch threads, a file to write once loaded),
+# then waits to be killed.
+LOADING_ENGINE = """
+import sys, time, torch
+from kvbaton.engine import EngineConfig, LLMEngine
+model, threads, loaded = sys.argv[1:]
+torch.set_num_threads(int(threads))
+config = dict(dtype="float32", device="cpu", block_size=8, num_kv_blocks=128)
+engine = LLMEngine(EngineConfig(model=model, compile="single-decode", **config))
+assert engine.model_runner is not None and engine.model_runner.compiled is not None
+open(loaded, "w").close()
+time.sleep(600)
+"""
 pytestmark = [pytest.mark.unit, pytest.mark.slow, pytest.mark.timeout(2 * BUILD_TIMEOUT_S)]
 
 
@@ -42,7 +59,7 @@ def test_compiled_steps_give_hfs_tokens(
     expected = [hf_greedy(model_dir, tuple(p)) for p in prompts()]
     compiled = model_runner(engine(model_dir, compile="single-decode", device="cpu")).compiled
     assert isinstance(compiled, CompiledDecode)
-    (package,) = packages.glob("*.pt2")
+    (package,) = packages.glob("*.so")
     built_at = package.stat().st_mtime_ns
     # The next engine loads the package: no second build.
     eng = engine(model_dir, compile="single-decode", device="cpu")
@@ -53,8 +70,29 @@ def test_compiled_steps_give_hfs_tokens(
     steps = compiled.steps
     assert run(eng, prompts()) == expected  # batches run eagerly
     assert compiled.steps - steps < 12  # only the last sequence's last steps, if any
-    assert list(packages.glob("*.pt2")) == [package]
+    assert list(packages.glob("*.so")) == [package]
     assert package.stat().st_mtime_ns == built_at
+
+
+def test_a_killed_engine_leaves_no_copy_of_its_package(
+    tiny_models: dict[str, Path], packages: Path, tmp_path: Path
+) -> None:
+    model_dir = tiny_models["llama-tied"]
+    engine(model_dir, compile="single-decode", device="cpu")  # builds the package
+    (package,) = packages.glob("*.so")
+    temp, loaded = tmp_path / "tmp", tmp_path / "loaded"
+    temp.mkdir()
+    env = clean_env() | {"KVBATON_COMPILED_DIR": str(packages), "TMPDIR": str(temp)}
+    args = [str(model_dir), str(torch.get_num_threads()), str(loaded)]
+    child = subprocess.Popen([sys.executable, "-c", LOADING_ENGINE, *args], env=env)
+    try:
+        wait_until_sync(lambda: loaded.exists() or child.poll() is not None, LOAD_TIMEOUT_S)
+        assert loaded.exists(), f"the engine exited with {child.returncode} before loading"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert list(packages.glob("*.so")) == [package]  # loaded, not built again
+    assert list(temp.iterdir()) == []  # nothing of it left in the temporary directory
 
 
 def test_auto_serves_eagerly_until_its_package_is_built(

@@ -3,8 +3,10 @@ one call instead of about 45 operator calls a layer, the norms, RoPE and the dec
 fused by Inductor, the projections on its own GEMM kernels (autotuned once against ATen's; the
 weights frozen into the compiled graph). Every other step runs eagerly (`LlamaModel.forward`).
 
-- `export_package` builds the graph into an AOTInductor package (a shared library and its
-  constants in one file: minutes on a few cores); `CompiledDecode` loads one in a second.
+- `export_package` builds the graph with AOTInductor into a package: the shared library of its
+  archive (its kernels and constants in one file; minutes on a few cores). `CompiledDecode`
+  loads it in place in a second: no copy of it per process (AOTInductor's archive loader
+  extracts its library to a temporary directory that a killed process leaves behind).
   decode_package.py decides where packages live and builds them in a process of their own.
 - The eager forward's inputs and outputs: logits [1, vocab] in float32 for the one decode; the
   step's K and V are in the cache when the step returns. The logits are close to the eager
@@ -23,6 +25,8 @@ weights frozen into the compiled graph). Every other step runs eagerly (`LlamaMo
 
 from __future__ import annotations
 
+import shutil
+import zipfile
 from pathlib import Path
 
 import torch
@@ -106,8 +110,8 @@ class _DecodeGraph(torch.nn.Module):
 
 
 def export_package(model: LlamaModel, block_size: int, path: Path) -> None:
-    """Build `model`'s single-decode graph for caches of `block_size` into an AOTInductor package
-    at `path` (minutes on a few cores).
+    """Build `model`'s single-decode graph for caches of `block_size` into a package at `path`
+    (minutes on a few cores; its archive beside it meanwhile, `path` with the suffix ".pt2").
 
     - `model` runs the "native" kernel (its projections keep their weights) on the CPU, with RoPE
       tables for the model's every position.
@@ -129,9 +133,17 @@ def export_package(model: LlamaModel, block_size: int, path: Path) -> None:
             example,
             dynamic_shapes=(None, None, {1: context_blocks}, None, {0: cache_blocks}),
         )
-    torch._inductor.aoti_compile_and_package(
-        program, package_path=str(path), inductor_configs=INDUCTOR_OPTIONS
-    )
+    archive = path.with_suffix(".pt2")
+    try:
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(archive), inductor_configs=INDUCTOR_OPTIONS
+        )
+        with zipfile.ZipFile(archive) as members:
+            (library,) = (m for m in members.namelist() if m.endswith(".so"))
+            with members.open(library) as source, path.open("wb") as target:
+                shutil.copyfileobj(source, target)
+    finally:
+        archive.unlink(missing_ok=True)
 
 
 class CompiledDecode:
@@ -141,7 +153,7 @@ class CompiledDecode:
         self.model = model
         self.path = path
         self.steps = 0  # steps run compiled
-        self._graph = torch._inductor.aoti_load_package(str(path))
+        self._graph = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
 
     @staticmethod
     def takes(batch: StepBatch) -> bool:
@@ -159,11 +171,10 @@ class CompiledDecode:
     def __call__(self, batch: StepBatch, cache: torch.Tensor) -> torch.Tensor:
         assert batch.decode_blocks is not None
         length = torch.tensor(batch.decode_len)
-        logits, written = self._graph(
-            batch.token_ids, batch.positions, batch.decode_blocks, length, cache
-        )
+        inputs = [batch.token_ids, batch.positions, batch.decode_blocks, length, cache]
+        logits, written = self._graph.run(inputs)
         c = self.model.config
         rows = cache.view(-1, c.num_kv_heads, c.head_dim)
         rows.index_copy_(0, self.model.write_rows(batch, cache).flatten(), written.flatten(0, 1))
         self.steps += 1
-        return logits  # type: ignore[no-any-return]
+        return logits

@@ -98,7 +98,7 @@ class PackageSpec:
         for source in ("compiled_decode.py", "model.py", "decode_package.py"):
             digest.update(Path(__file__).with_name(source).read_bytes())
         name = f"{model_dir.name}-{self.dtype}-b{self.block_size}-t{self.threads}"
-        return packages_dir() / f"{name}-{digest.hexdigest()[:16]}.pt2"
+        return packages_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
 
 
 def _cpu() -> str:
@@ -122,7 +122,7 @@ def build(spec: PackageSpec) -> None:
     with one_at_a_time(path, "building", BUILD_WAIT_S, log.info):
         if path.is_file():
             return
-        for stale in path.parent.glob(f".{path.stem}.*.partial.pt2"):  # of a killed build
+        for stale in path.parent.glob(f".{path.stem}.*.partial.*"):  # of a killed build
             stale.unlink(missing_ok=True)
         start = time.monotonic()
         log.info(
@@ -140,7 +140,7 @@ def build(spec: PackageSpec) -> None:
             config.max_len,
             "native",
         )
-        partial = path.with_name(f".{path.stem}.{os.getpid()}.partial.pt2")
+        partial = path.with_name(f".{path.stem}.{os.getpid()}.partial{path.suffix}")
         try:
             export_package(model, spec.block_size, partial)
             partial.replace(path)
