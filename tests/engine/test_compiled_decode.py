@@ -95,6 +95,27 @@ def test_a_killed_engine_leaves_no_copy_of_its_package(
     assert list(temp.iterdir()) == []  # nothing of it left in the temporary directory
 
 
+def test_a_package_is_loaded_only_where_it_fits_in_memory(
+    tiny_models: dict[str, Path], packages: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir = tiny_models["llama-tied"]
+    available = decode_package.available_memory()
+    assert available is not None and available > 0  # /proc/meminfo, or the cgroup's limit
+    engine(model_dir, compile="single-decode", device="cpu")  # builds the package: it fits
+    (package,) = packages.glob("*.so")
+    short = decode_package.LOAD_MARGIN_BYTES + package.stat().st_size - 1
+    monkeypatch.setattr(decode_package, "available_memory", lambda: short)
+    with pytest.raises(ValueError, match="GiB is available"):
+        engine(model_dir, compile="single-decode", device="cpu")
+    eng = engine(model_dir, compile="auto", device="cpu")
+    load = model_runner(eng).compiling
+    assert load is not None
+    wait_until_sync(load.future.done, BUILD_TIMEOUT_S, "the package's load")
+    assert isinstance(load.future.exception(), decode_package.TooLargeToLoad)
+    assert run(eng, prompts()) == [hf_greedy(model_dir, tuple(p)) for p in prompts()]
+    assert model_runner(eng).compiled is None and model_runner(eng).compiling is None  # eager
+
+
 def test_auto_serves_eagerly_until_its_package_is_built(
     tiny_models: dict[str, Path], packages: Path
 ) -> None:

@@ -13,12 +13,15 @@ size, machine and torch, then loaded in a few seconds by every engine that runs 
   temporary name, then renamed: a package on disk is complete. A stopped build removes its
   temporary file; a killed one's is removed by the next build.
 - Building needs a C++ compiler (Inductor's kernels are C++); loading does not.
+- A package is loaded only where it fits (`check_fits`): its constants are copied into the
+  process (about its size), and the machine, or the container, keeps `LOAD_MARGIN_BYTES`.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import logging
@@ -46,10 +49,15 @@ STOP_WAIT_S = 10.0
 BUILD_NICENESS = 10  # serving comes first where both want the CPU
 PROGRESS_EVERY_S = 30.0
 POLL_S = 0.5  # for a build's end
+LOAD_MARGIN_BYTES = 1 << 30  # of the available memory, left once a package is loaded
 
 
 class BuildFailed(RuntimeError):
     """A package's build ended without the package."""
+
+
+class TooLargeToLoad(RuntimeError):
+    """Loading a package would leave too little of the available memory."""
 
 
 def packages_dir() -> Path:
@@ -69,6 +77,33 @@ def cxx_compiler_missing() -> str | None:
     except InvalidCxxCompiler:
         return "building a compiled decode needs a C++ compiler (g++, or the one $CXX names)"
     return None
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still take: the machine's available memory, or less where its
+    cgroup (a container's) limits it; None where neither is known."""
+    limits = []
+    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as f:
+        line = next(line for line in f if line.startswith("MemAvailable:"))
+        limits.append(int(line.split()[1]) * 1024)
+    cgroup = Path("/sys/fs/cgroup")
+    with contextlib.suppress(OSError, ValueError):
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            limits.append(int(limit) - int((cgroup / "memory.current").read_text()))
+    return min(limits, default=None)
+
+
+def check_fits(path: Path) -> None:
+    """`TooLargeToLoad` where loading the package at `path` would leave less than
+    `LOAD_MARGIN_BYTES` of the available memory."""
+    available, size = available_memory(), path.stat().st_size
+    if available is not None and size + LOAD_MARGIN_BYTES > available:
+        raise TooLargeToLoad(
+            f"loading {path.name} takes {size / 2**30:.1f} GiB of memory and "
+            f"{available / 2**30:.1f} GiB is available (at least "
+            f"{LOAD_MARGIN_BYTES / 2**30:.0f} GiB is left to the rest)"
+        )
 
 
 @dataclass(frozen=True)
@@ -208,7 +243,8 @@ def built_package(spec: PackageSpec, started: Callable[[PackageBuild], None] | N
 class PackageLoad(Generic[T]):
     """`load(path)` of `spec`'s package (`built_package`) on a thread of its own.
 
-    - `future` ends with what `load` returned, or its exception (`BuildFailed` among them).
+    - `future` ends with what `load` returned, or its exception (`BuildFailed` and
+      `TooLargeToLoad` among them).
     - The thread holds what `load` holds, not its caller; a process that exits does not wait for
       it (a daemon), and the build process ends itself then.
     - `stop` ends a build under way; no load starts after it.
@@ -226,6 +262,7 @@ class PackageLoad(Generic[T]):
             path = built_package(spec, self._started)
             if self._stopped.is_set():
                 raise BuildFailed(f"stopped before loading {path.name}")
+            check_fits(path)
             try:
                 loaded = load(path)
             except Exception as e:

@@ -13,7 +13,14 @@ import torch
 from kvbaton.engine.compiled_decode import CompiledDecode
 from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.connector import KvSink, PromptChunk
-from kvbaton.engine.decode_package import BuildFailed, PackageLoad, PackageSpec, built_package
+from kvbaton.engine.decode_package import (
+    BuildFailed,
+    PackageLoad,
+    PackageSpec,
+    TooLargeToLoad,
+    built_package,
+    check_fits,
+)
 from kvbaton.engine.guided import GuidedDecoding
 from kvbaton.engine.host_allocator import retain_freed_memory
 from kvbaton.engine.model import (
@@ -128,7 +135,7 @@ class ModelRunner:
         """Run single decodes compiled (`EngineConfig.compile`, compiled_decode.py) from this
         machine's package of the model (decode_package.py).
         - "single-decode": the package is loaded now, built first where there is none (minutes);
-          a package that cannot be built refuses the engine.
+          a package that cannot be built, or that does not fit in memory, refuses the engine.
         - "auto": on a CPU; found or built, then loaded, on a thread (`compiling`); steps run
           eagerly until the first step after that, and for good if it fails (a warning says why).
         """
@@ -140,9 +147,11 @@ class ModelRunner:
             self.compiling = PackageLoad(spec, functools.partial(CompiledDecode, self.model))
             return
         try:
-            self.compiled = CompiledDecode(self.model, built_package(spec))
-        except BuildFailed as e:
+            path = built_package(spec)
+            check_fits(path)
+        except (BuildFailed, TooLargeToLoad) as e:
             raise ValueError(str(e)) from None
+        self.compiled = CompiledDecode(self.model, path)
 
     def _take_compiled_decode(self) -> None:
         """Run single decodes compiled from now on, once the background load has ended."""
