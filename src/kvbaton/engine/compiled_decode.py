@@ -5,8 +5,9 @@ weights frozen into the compiled graph). Every other step runs eagerly (`LlamaMo
 
 - `export_package` builds the graph with AOTInductor into a package: the shared library of its
   archive (its kernels and constants in one file; minutes on a few cores). `CompiledDecode`
-  loads it in place in a second: no copy of it per process (AOTInductor's archive loader
-  extracts its library to a temporary directory that a killed process leaves behind).
+  loads it where it lies in a second, its constants copied into the process: no copy of the
+  library on disk per process (AOTInductor's archive loader extracts it to a temporary
+  directory, which a killed process leaves behind).
   decode_package.py decides where packages live and builds them in a process of their own.
 - The eager forward's inputs and outputs: logits [1, vocab] in float32 for the one decode; the
   step's K and V are in the cache when the step returns. The logits are close to the eager
@@ -139,11 +140,24 @@ def export_package(model: LlamaModel, block_size: int, path: Path) -> None:
             program, package_path=str(archive), inductor_configs=INDUCTOR_OPTIONS
         )
         with zipfile.ZipFile(archive) as members:
-            (library,) = (m for m in members.namelist() if m.endswith(".so"))
+            library = _library_alone(members.namelist())
             with members.open(library) as source, path.open("wb") as target:
                 shutil.copyfileobj(source, target)
     finally:
         archive.unlink(missing_ok=True)
+
+
+def _library_alone(members: list[str]) -> str:
+    """The archive's shared library, where the graph needs nothing else of the archive to run:
+    its other files are the generated sources and their metadata (an op that needs AOTInductor's
+    proxy executor, or weights kept outside the library, would add files it reads)."""
+    files = [m for m in members if "/data/" in f"/{m}"]  # (under the archive's own folder)
+    libraries = [m for m in files if m.endswith(".so")]
+    needed = [m for m in files if not m.endswith((".so", ".cpp", "_metadata.json"))]
+    if len(libraries) != 1 or needed:
+        runs_on = ", ".join(libraries + needed)
+        raise RuntimeError(f"the compiled graph runs on more than one library ({runs_on})")
+    return libraries[0]
 
 
 class CompiledDecode:

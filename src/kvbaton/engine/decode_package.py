@@ -11,7 +11,7 @@ size, machine and torch, then loaded in a few seconds by every engine that runs 
   itself once the process that started it is gone.
 - One build of a package at a time on a machine (`one_at_a_time`); written whole under a
   temporary name, then renamed: a package on disk is complete. A stopped build removes its
-  temporary file; a killed one's is removed by the next build.
+  temporary files; a killed one's are removed by the next build.
 - Building needs a C++ compiler (Inductor's kernels are C++); loading does not.
 - A package is loaded only where it fits (`check_fits`): its constants are copied into the
   process (about its size), and the machine, or the container, keeps `LOAD_MARGIN_BYTES`.
