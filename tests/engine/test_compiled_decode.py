@@ -27,15 +27,16 @@ LOAD_TIMEOUT_S = 120.0
 # then waits to be killed.
 LOADING_ENGINE = """
 import sys, time, torch
-from kvbaton.engine import EngineConfig, LLMEngine
+from pathlib import Path
+from tests.engine.reference import engine
 model, threads, loaded = sys.argv[1:]
 torch.set_num_threads(int(threads))
-config = dict(dtype="float32", device="cpu", block_size=8, num_kv_blocks=128)
-engine = LLMEngine(EngineConfig(model=model, compile="single-decode", **config))
-assert engine.model_runner is not None and engine.model_runner.compiled is not None
+eng = engine(Path(model), compile="single-decode", device="cpu")
+assert eng.stats().compiled_decode == "on"
 open(loaded, "w").close()
 time.sleep(600)
 """
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.unit, pytest.mark.slow, pytest.mark.timeout(2 * BUILD_TIMEOUT_S)]
 
 
@@ -75,16 +76,16 @@ def test_compiled_steps_give_hfs_tokens(
 
 
 def test_a_killed_engine_leaves_no_copy_of_its_package(
-    tiny_models: dict[str, Path], packages: Path, tmp_path: Path
+    tiny_models: dict[str, Path], packages: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     model_dir = tiny_models["llama-tied"]
     engine(model_dir, compile="single-decode", device="cpu")  # builds the package
     (package,) = packages.glob("*.so")
-    temp, loaded = tmp_path / "tmp", tmp_path / "loaded"
-    temp.mkdir()
+    temp = tmp_path_factory.mktemp("tmp")  # the engine's temporary directory
+    loaded = tmp_path_factory.mktemp("signals") / "loaded"
     env = clean_env() | {"KVBATON_COMPILED_DIR": str(packages), "TMPDIR": str(temp)}
     args = [str(model_dir), str(torch.get_num_threads()), str(loaded)]
-    child = subprocess.Popen([sys.executable, "-c", LOADING_ENGINE, *args], env=env)
+    child = subprocess.Popen([sys.executable, "-c", LOADING_ENGINE, *args], env=env, cwd=REPO)
     try:
         wait_until_sync(lambda: loaded.exists() or child.poll() is not None, LOAD_TIMEOUT_S)
         assert loaded.exists(), f"the engine exited with {child.returncode} before loading"
@@ -113,7 +114,7 @@ def test_a_package_is_loaded_only_where_it_fits_in_memory(
     wait_until_sync(load.future.done, BUILD_TIMEOUT_S, "the package's load")
     assert isinstance(load.future.exception(), decode_package.TooLargeToLoad)
     assert run(eng, prompts()) == [hf_greedy(model_dir, tuple(p)) for p in prompts()]
-    assert model_runner(eng).compiled is None and model_runner(eng).compiling is None  # eager
+    assert model_runner(eng).compiled is None and eng.stats().compiled_decode == "failed"
 
 
 def test_auto_serves_eagerly_until_its_package_is_built(
@@ -124,13 +125,14 @@ def test_auto_serves_eagerly_until_its_package_is_built(
     eng = engine(model_dir, compile="auto", device="cpu")
     runner = model_runner(eng)
     load = runner.compiling
-    assert load is not None
+    assert load is not None and eng.stats().compiled_decode == "loading"
     assert run(eng, prompts()) == expected  # eagerly, while the package builds
     wait_until_compiled(eng)
     assert load.build is not None and runner.compiling is None  # built, then taken
     assert [run(eng, [p])[0] for p in prompts()] == expected
     assert runner.compiled is not None and runner.compiled.steps > 40
-    assert eng.stats().compiled_decode_steps == runner.compiled.steps
+    stats = eng.stats()
+    assert stats.compiled_decode == "on" and stats.compiled_decode_steps == runner.compiled.steps
     # The next engine loads the package in the background: no build.
     again = model_runner(engine(model_dir, compile="auto", device="cpu"))
     assert again.compiling is not None

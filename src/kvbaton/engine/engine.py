@@ -44,8 +44,9 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_tiers: KvTierStats | None = None
-    # Steps that decoded one sequence alone on the compiled package (`EngineConfig.compile`),
-    # so far: none until its package is loaded.
+    # Single decodes on the compiled package (`EngineConfig.compile`): "on", "loading",
+    # "failed" or "off" (`ModelRunner.compiled_decode`), and the steps run on it so far.
+    compiled_decode: str = "off"
     compiled_decode_steps: int = 0
 
 
@@ -342,7 +343,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Call from the thread that steps the engine (it reads the queues)."""
         b = self.blocks.stats()
-        compiled = self.model_runner.compiled if self.model_runner is not None else None
+        runner = self.model_runner
+        compiled = runner.compiled if runner is not None else None
         prefill = 0
         for queue in (self.scheduler.waiting, self.scheduler.running):
             for seq in queue:
@@ -362,5 +364,6 @@ class LLMEngine:
             prefix_cache_queries=self.blocks.prefix_queries,
             prefix_cache_hits=self.blocks.prefix_hits,
             kv_tiers=self.tier.stats() if self.tier is not None else None,
+            compiled_decode=runner.compiled_decode if runner is not None else "off",
             compiled_decode_steps=compiled.steps if compiled is not None else 0,
         )

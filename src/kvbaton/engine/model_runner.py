@@ -88,9 +88,10 @@ class ModelRunner:
             self.max_model_len,
             projection_kernel(matmul, self.dtype, self.device),
         )
-        # see `compile_decode`: the loaded package, and its load in the background
+        # see `compile_decode`: the loaded package, its load in the background, whether it failed
         self.compiled: CompiledDecode | None = None
         self.compiling: PackageLoad[CompiledDecode] | None = None
+        self.compile_failed = False
         self.vocab_size = config.vocab_size
         self.eos_token_ids = config.eos_token_ids
         self.guided = None
@@ -161,7 +162,19 @@ class ModelRunner:
             log.info("single decodes run compiled from now on (%s)", self.compiled.path)
         except Exception as e:  # see `PackageLoad`
             log.warning("single decodes stay eager: %s", e)
+            self.compile_failed = True
         self.compiling = None
+
+    @property
+    def compiled_decode(self) -> str:
+        """Where single decodes stand (`compile_decode`): "on" (compiled), "loading" (their
+        package is built or loaded in the background; taken at the next step), "failed" (they
+        stay eager: the log says why) or "off"."""
+        if self.compiled is not None:
+            return "on"
+        if self.compiling is not None:
+            return "loading"
+        return "failed" if self.compile_failed else "off"
 
     def close(self) -> None:
         """Stop a package's build or load under way."""

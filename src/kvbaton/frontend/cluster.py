@@ -99,6 +99,7 @@ def _load(loads: LoadMonitor | None, worker: int) -> dict[str, Any] | None:
         "kv_transfer_bytes": load.kv_transfer_bytes,
         "kv_transfer_seconds": load.kv_transfer_seconds,
         "kv_handoff_wait_seconds": load.kv_handoff_wait_seconds,
+        "compiled_decode": load.compiled_decode,
     }
 
 

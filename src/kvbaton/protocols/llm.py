@@ -325,4 +325,6 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     # "abort"), "handed off" (a prefill worker's: its KV went on to a decode worker), "error",
     # or "cancelled" (the caller left before the end).
     requests_ended: dict[str, int] = msgspec.field(default_factory=dict)
-    compiled_decode_steps: int = 0  # single decodes run compiled (`--compile`), so far
+    # Single decodes compiled (`--compile`): "on", "loading", "failed" or "off"; steps so far.
+    compiled_decode: str = "off"
+    compiled_decode_steps: int = 0
