@@ -79,19 +79,42 @@ def cxx_compiler_missing() -> str | None:
     return None
 
 
-def available_memory() -> int | None:
-    """Bytes this process may still take: the machine's available memory, or less where its
-    cgroup (a container's) limits it; None where neither is known."""
-    limits = []
-    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as f:
+def available_memory(
+    proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """Bytes this process may still take: the machine's available memory, or less where a
+    cgroup v2 limit (a container's) leaves less; None where neither is known.
+
+    - A cgroup's room is its `memory.max` less what it uses but the page cache it may drop
+      (`inactive_file`), for its own cgroup and every one above it.
+    - `proc` and `cgroups`: where procfs and the cgroup v2 tree are.
+    """
+    rooms = []
+    with contextlib.suppress(OSError, ValueError, StopIteration), open(proc / "meminfo") as f:
         line = next(line for line in f if line.startswith("MemAvailable:"))
-        limits.append(int(line.split()[1]) * 1024)
-    cgroup = Path("/sys/fs/cgroup")
-    with contextlib.suppress(OSError, ValueError):
+        rooms.append(int(line.split()[1]) * 1024)
+    with contextlib.suppress(OSError, ValueError, StopIteration), open(proc / "self/cgroup") as f:
+        own = next(line for line in f if line.startswith("0::")).strip()[3:]
+        group = cgroups / own.lstrip("/")
+        for cgroup in [group, *group.parents]:
+            if not cgroup.is_relative_to(cgroups):
+                break
+            if (room := _cgroup_room(cgroup)) is not None:
+                rooms.append(room)
+    return min(rooms, default=None)
+
+
+def _cgroup_room(cgroup: Path) -> int | None:
+    """What a cgroup's memory limit leaves (see `available_memory`); None where it has none."""
+    try:
         limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            limits.append(int(limit) - int((cgroup / "memory.current").read_text()))
-    return min(limits, default=None)
+        if limit == "max":
+            return None
+        used = int((cgroup / "memory.current").read_text())
+        stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+        return int(limit) - used + int(stat.get("inactive_file", 0))
+    except (OSError, ValueError):
+        return None
 
 
 def check_fits(path: Path) -> None:
