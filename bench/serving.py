@@ -78,7 +78,8 @@ def clean_env() -> dict[str, str]:
     """This environment without KVBATON_* variables (the benchmark sets what it needs), and with
     engines that run every step eagerly: a worker's default builds its compiled decode in the
     background the first time (minutes of CPU beside the measurement), and a benchmark's figures
-    should not depend on whether that happened. bench/engine.py measures the compiled decode."""
+    should not depend on whether that happened. bench/engine.py measures the compiled decode,
+    and bench/vs_vllm.py serve's default once it runs compiled."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBATON_")}
     env["KVBATON_COMPILE"] = "none"
     return env

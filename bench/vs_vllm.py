@@ -20,54 +20,65 @@ defaults, the same model and streamed workload at concurrency 1 and 16, in one r
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import time
 from pathlib import Path
 
-from kvbaton.engine.decode_package import BUILD_WAIT_S, cxx_compiler_missing
+from kvbaton.engine.decode_package import BUILD_WAIT_S
 from serving import (
     STARTUP_S,
+    Frontend,
     log,
     run_benchmark,
     scratch_dir,
     serve_run,
     start_serve,
+    stop,
     wait_for_workers,
     worker_load,
 )
 from vllm_front import Comparison, System, arguments, kv_cache_flags, prompts, run
 
 PROGRESS_S = 30.0
+PROBE_S = 2.0  # between the requests that wait for the compiled decode (a build needs the CPU)
 
 
 async def start_kvbaton(args: argparse.Namespace, model_dir: Path) -> System:
     """`kvbaton serve` with its defaults (but for where it registers: a directory of its own),
     once its single decodes run compiled."""
-    if missing := cxx_compiler_missing():
-        raise RuntimeError(f"kvbaton serve's default would decode eagerly here: {missing}")
     discovery = f"file://{scratch_dir('kvbaton-bench-')}"
     # serve's default; bench/serving.py's environment sets "none" for the other benchmarks
     serve = start_serve(discovery, "--model", str(model_dir), env={"KVBATON_COMPILE": "auto"})
-    model = await wait_for_workers(serve.url, 0, 1, STARTUP_S)
-    await wait_until_compiled(serve.url, model, discovery)
+    try:
+        model = await wait_for_workers(serve.url, 0, 1, STARTUP_S)
+        await wait_until_compiled(serve, model, discovery, args.prompt_tokens)
+    except BaseException:
+        stop(serve.proc)  # type: ignore[arg-type]
+        raise
     return System(serve.proc, serve.url, model)
 
 
-async def wait_until_compiled(url: str, model: str, discovery: str) -> None:
-    """Send short requests, one at a time, until the worker has run a single decode compiled
-    (its package loaded: seconds after the start, or minutes where it builds it first)."""
+async def wait_until_compiled(
+    serve: Frontend, model: str, discovery: str, prompt_tokens: int
+) -> None:
+    """Send a short request every `PROBE_S` until the worker's single decodes run compiled
+    (their package loaded: seconds after the start, or minutes where the worker builds it
+    first); raises where they failed or took over `BUILD_WAIT_S`."""
     rng = random.Random(0)
     start = said = time.monotonic()
-    while (await worker_load(discovery)).compiled_decode_steps == 0:
+    while (state := (await worker_load(discovery)).compiled_decode) != "on":
         waited = time.monotonic() - start
-        if waited > BUILD_WAIT_S:
+        if state != "loading" or waited > BUILD_WAIT_S:
+            last = "\n".join(serve.lines[-10:])
             raise RuntimeError(
-                f"kvbaton's single decodes did not run compiled within {BUILD_WAIT_S:.0f} s"
+                f"kvbaton's single decodes are {state} after {waited:.0f} s; serve said:\n{last}"
             )
         if time.monotonic() - said >= PROGRESS_S:
             log(f"waiting {waited:.0f} s for kvbaton's compiled single decode (a first build)")
             said = time.monotonic()
-        await serve_run(url, model, prompts(rng, 1, 16), 1, 4)
+        await serve_run(serve.url, model, prompts(rng, 1, prompt_tokens), 1, 4)
+        await asyncio.sleep(PROBE_S)
 
 
 VS_VLLM = Comparison("vs_vllm", "serve, its own engine", 1.0, 1.0, start_kvbaton, kv_cache_flags)
