@@ -50,6 +50,9 @@ class KvTransferAgent:
         self._lock = threading.Lock()
         self._moving = threading.local()  # `started`: this thread's last transfer moved bytes
         self.bytes_moved = 0  # by this agent's reads and writes, since it started
+        self.bytes_by_backend: dict[str, int] = {}  # of `bytes_moved`
+        self.layered_moves = 0  # reads and writes of some layers of blocks (`layers` given)
+        self.whole_blocks = 0  # blocks read or written with all their layers at once
         self.seconds = 0.0
 
     def start(self, host: str, name: str = "") -> None:
@@ -198,9 +201,15 @@ class KvTransferAgent:
             self._tcp.read(peer.tcp_address, peer.layout, src, blocks, dst, span, moving)
         else:
             self._tcp.write(peer.tcp_address, peer.layout, src, blocks, dst, span, moving)
+        moved = len(src) * length
         with self._lock:  # transfers run on several threads
             self.seconds += time.perf_counter() - started
-            self.bytes_moved += len(src) * length
+            self.bytes_moved += moved
+            self.bytes_by_backend[backend] = self.bytes_by_backend.get(backend, 0) + moved
+            if layers is None:
+                self.whole_blocks += len(src)
+            else:
+                self.layered_moves += 1
         return backend
 
     def _peer_blocks(self, peer: KvPoolInfo) -> np.ndarray:

@@ -315,6 +315,12 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     prefix_cache_hits: int = 0  # of which found
     kv_transfer_bytes: int = 0  # KV this worker read or wrote for disaggregation, so far
     kv_transfer_seconds: float = 0.0
+    # Of those bytes, by backend ("shm", "tcp", "nixl"); of its transfers, those of some layers
+    # of a prompt's blocks as it was computed (decode-first, `--kv-push layers`), and the blocks
+    # moved with all their layers at once.
+    kv_transfer_bytes_by_backend: dict[str, int] = msgspec.field(default_factory=dict)
+    kv_layered_transfers: int = 0
+    kv_whole_blocks: int = 0
     # Prompts whose KV this worker moved to or from a peer, and the time they waited on it
     # after the prompt was computed (a decode worker's read; decode-first, a prefill worker's
     # writes still running once the forward pass had ended, and those of cached blocks).
