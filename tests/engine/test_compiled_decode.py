@@ -1,7 +1,8 @@
 """The compiled single-decode step (`--compile single-decode` and `auto`): greedy tokens equal HF
 transformers' in float32 for every architecture, whether a step runs compiled (one decode alone)
 or eagerly (a batch, a prefill, a context of one block); a package is built once per model and
-loaded by the next engine; `auto` serves eagerly while its package builds in the background."""
+loaded by the next engine, where it lies (a killed engine leaves no copy of it) and only where
+it fits in memory; `auto` serves eagerly while its package builds in the background."""
 
 from __future__ import annotations
 
