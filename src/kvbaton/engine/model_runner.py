@@ -167,13 +167,16 @@ class ModelRunner:
 
     @property
     def compiled_decode(self) -> str:
-        """Where single decodes stand (`compile_decode`): "on" (compiled), "loading" (their
-        package is built or loaded in the background; taken at the next step), "failed" (they
-        stay eager: the log says why) or "off"."""
+        """Where single decodes stand (`compile_decode`; any thread may ask): "on" (the next one
+        runs compiled), "loading" (their package is built or loaded in the background),
+        "failed" (they stay eager: the log says why) or "off"."""
         if self.compiled is not None:
             return "on"
         if self.compiling is not None:
-            return "loading"
+            future = self.compiling.future
+            if not future.done():
+                return "loading"
+            return "failed" if future.exception() is not None else "on"  # the next step takes it
         return "failed" if self.compile_failed else "off"
 
     def close(self) -> None:
