@@ -3,6 +3,8 @@
 
 By default it starts one `kvbaton worker --role agg` with the engine flags given, on a private
 file discovery directory, and stops it (by PID) at the end, on errors and on SIGINT/SIGTERM.
+It measures once the worker's compiled single decode is no longer loading (`--compile auto`,
+the default on a CPU: its package may build first, minutes), so that no curve is partly eager.
 With `--endpoint ns.component.generate` it measures a worker already running (found through
 `--discovery`) instead. If `--output` already holds a profile of the same engine and model, the
 other role's curve in it is kept, so both roles can be profiled into one file."""
@@ -16,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
@@ -23,14 +26,18 @@ from typing import TypeVar
 import msgspec
 
 from kvbaton.cli.worker import WORKER_FLAGS, add_worker_flags, check_engine_flags
+from kvbaton.engine.config import BUILD_WAIT_S
 from kvbaton.planner.profiler import ProfilePlan, format_table, measure, merge, open_probe
 from kvbaton.planner.types import Profile
+from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime, RuntimeServiceError, RuntimeSettings
 
 T = TypeVar("T")
 NAMESPACE = "profile"  # of the worker it starts, alone in its discovery directory
 STOP_TIMEOUT_S = 15.0
 RUNTIME_FLAGS = ("request_plane", "event_plane", "nats_url", "host")  # passed on to the worker
+POLL_S = 1.0  # of the worker's load, while its compiled decode loads
+PROGRESS_S = 30.0
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -121,6 +128,7 @@ def profile_command(args: argparse.Namespace, settings: RuntimeSettings) -> int:
         try:
             probe = await open_probe(runtime, endpoint, args.start_timeout, alive)
             try:
+                await _settled(runtime, endpoint, args.start_timeout, alive, progress)
                 return await measure(probe, plan, args.engine, progress)
             finally:
                 await probe.client.close()
@@ -157,6 +165,53 @@ def profile_command(args: argparse.Namespace, settings: RuntimeSettings) -> int:
         print(format_table(profile.decode, "batch", "ITL ms"))
     print(args.output)  # the last line is the file
     return 0
+
+
+async def _settled(
+    runtime: DistributedRuntime,
+    endpoint: str,
+    timeout: float,
+    alive: Callable[[], None],
+    progress: Callable[[str], None],
+) -> None:
+    """`settle_compiled_decode` of the worker serving `endpoint`, through its `load_metrics`."""
+    component = endpoint.rsplit(".", 1)[0]
+    client = await runtime.endpoint(f"{component}.load_metrics").client(response_type=WorkerLoad)
+    try:
+        await client.wait_for_instances(timeout)
+        state = await settle_compiled_decode(
+            lambda: anext(client.round_robin(None)), alive, progress
+        )
+    finally:
+        await client.close()
+    if state == "failed":
+        progress("profile: the worker's compiled decode failed (its log says why): it runs eagerly")
+
+
+async def settle_compiled_decode(
+    load: Callable[[], Awaitable[WorkerLoad]],
+    alive: Callable[[], None],
+    progress: Callable[[str], None],
+    poll_s: float = POLL_S,
+) -> str:
+    """Wait while the worker's compiled single decode is loading (`compiled_decode` in its
+    `load()`): a curve measured partly eager and partly compiled would be neither. Returns the
+    state it settled in.
+
+    - Says how long it has waited every `PROGRESS_S`; raises after `BUILD_WAIT_S`, or as soon
+      as `alive()` does.
+    """
+    start = said = time.monotonic()
+    while (state := (await load()).compiled_decode) == "loading":
+        alive()
+        waited = time.monotonic() - start
+        if waited > BUILD_WAIT_S:
+            raise RuntimeError(f"the worker's compiled decode still loads after {waited:.0f} s")
+        if time.monotonic() - said >= PROGRESS_S:
+            progress(f"waiting {waited:.0f} s for the worker's compiled single decode to load")
+            said = time.monotonic()
+        await asyncio.sleep(poll_s)
+    return state
 
 
 def _ok() -> None:

@@ -38,13 +38,12 @@ from typing import Generic, TypeVar
 
 import torch
 
-from kvbaton.engine.config import EngineConfig
+from kvbaton.engine.config import BUILD_WAIT_S, EngineConfig
 from kvbaton.llm.model_files import models_dir, one_at_a_time
 
 log = logging.getLogger("kvbaton.engine.decode_package")  # also when run as __main__
 T = TypeVar("T")
 
-BUILD_WAIT_S = 3600.0  # for a build: minutes on a few cores, more for a larger model
 STOP_WAIT_S = 10.0
 BUILD_NICENESS = 10  # serving comes first where both want the CPU
 PROGRESS_EVERY_S = 30.0
