@@ -20,65 +20,44 @@ defaults, the same model and streamed workload at concurrency 1 and 16, in one r
 from __future__ import annotations
 
 import argparse
-import asyncio
-import random
-import time
 from pathlib import Path
 
-from kvbaton.engine.decode_package import BUILD_WAIT_S
+from kvbaton.cli.profile import settle_compiled_decode
 from serving import (
     STARTUP_S,
-    Frontend,
     log,
     run_benchmark,
     scratch_dir,
-    serve_run,
     start_serve,
     stop,
     wait_for_workers,
     worker_load,
 )
-from vllm_front import Comparison, System, arguments, kv_cache_flags, prompts, run
-
-PROGRESS_S = 30.0
-PROBE_S = 2.0  # between the requests that wait for the compiled decode (a build needs the CPU)
+from vllm_front import Comparison, System, arguments, kv_cache_flags, run
 
 
 async def start_kvbaton(args: argparse.Namespace, model_dir: Path) -> System:
     """`kvbaton serve` with its defaults (but for where it registers: a directory of its own),
-    once its single decodes run compiled."""
+    once its single decodes run compiled (their package loaded: seconds after the start, or
+    minutes where its worker builds it first)."""
     discovery = f"file://{scratch_dir('kvbaton-bench-')}"
     # serve's default; bench/serving.py's environment sets "none" for the other benchmarks
     serve = start_serve(discovery, "--model", str(model_dir), env={"KVBATON_COMPILE": "auto"})
+
+    def alive() -> None:
+        if serve.proc.poll() is not None:
+            raise RuntimeError(f"kvbaton serve exited ({serve.proc.returncode})")
+
     try:
         model = await wait_for_workers(serve.url, 0, 1, STARTUP_S)
-        await wait_until_compiled(serve, model, discovery, args.prompt_tokens)
+        state = await settle_compiled_decode(lambda: worker_load(discovery), alive, log)
+        if state != "on":
+            last = "\n".join(serve.lines[-10:])
+            raise RuntimeError(f"kvbaton's single decodes are {state}; serve said:\n{last}")
     except BaseException:
         stop(serve.proc)  # type: ignore[arg-type]
         raise
     return System(serve.proc, serve.url, model)
-
-
-async def wait_until_compiled(
-    serve: Frontend, model: str, discovery: str, prompt_tokens: int
-) -> None:
-    """Send a short request every `PROBE_S` until the worker's single decodes run compiled
-    (their package loaded: seconds after the start, or minutes where the worker builds it
-    first); raises where they failed or took over `BUILD_WAIT_S`."""
-    rng = random.Random(0)
-    start = said = time.monotonic()
-    while (state := (await worker_load(discovery)).compiled_decode) != "on":
-        waited = time.monotonic() - start
-        if state != "loading" or waited > BUILD_WAIT_S:
-            last = "\n".join(serve.lines[-10:])
-            raise RuntimeError(
-                f"kvbaton's single decodes are {state} after {waited:.0f} s; serve said:\n{last}"
-            )
-        if time.monotonic() - said >= PROGRESS_S:
-            log(f"waiting {waited:.0f} s for kvbaton's compiled single decode (a first build)")
-            said = time.monotonic()
-        await serve_run(serve.url, model, prompts(rng, 1, prompt_tokens), 1, 4)
-        await asyncio.sleep(PROBE_S)
 
 
 VS_VLLM = Comparison("vs_vllm", "serve, its own engine", 1.0, 1.0, start_kvbaton, kv_cache_flags)
