@@ -1,5 +1,5 @@
 """Small helpers for tests: bounded waits, stream collection, running a benchmark, the skip of
-tests that need vLLM."""
+tests that need vLLM, a worker's load report."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import pytest
 from prometheus_client import CollectorRegistry
+
+from kvbaton.protocols.llm import WorkerLoad
 
 T = TypeVar("T")
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
@@ -136,3 +138,17 @@ ADD_PARAMETERS: dict[str, Any] = {  # a tool's: a short call
     "required": ["a", "b"],
     "additionalProperties": False,
 }
+
+
+def idle_load(**fields: Any) -> WorkerLoad:
+    """The load report of an idle worker of 8 KV blocks, but for `fields`."""
+    idle: dict[str, Any] = {
+        "instance_id": 1,
+        "waiting": 0,
+        "running": 0,
+        "kv_blocks_total": 8,
+        "kv_blocks_used": 0,
+        "kv_blocks_free": 8,
+        "prefix_cache_hit_rate": 0.0,
+    }
+    return WorkerLoad(**(idle | fields))

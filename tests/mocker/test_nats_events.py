@@ -17,14 +17,13 @@ import pytest
 from kvbaton.mocker import MockerTiming, create_mocker_engine
 from kvbaton.mocker.runner import mocker_config
 from kvbaton.protocols.kv import BlockRemoved, BlockStored, KvDump, KvEventBatch
-from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.router.indexer import KvIndexer
 from kvbaton.router.kv_events import KvEventSubscriber
 from kvbaton.runtime import ConnectError, DistributedRuntime
 from kvbaton.runtime.event_plane import EventPlane, event_pattern, event_subject, instance_of
 from kvbaton.workers.kv_publisher import KvEventPublisher
 from kvbaton.workers.llm_worker import LLMWorker
-from tests.helpers import collect, wait_until
+from tests.helpers import collect, idle_load, wait_until
 from tests.mocker.kv_setup import Setup, kv_setup
 from tests.servers import NatsServer, free_port, running
 
@@ -94,15 +93,7 @@ async def test_published_batches_keep_their_order_fit_the_plane_and_carry_the_lo
         sizes.append(len(data))
         sent.append(msgspec.msgpack.decode(data, type=KvEventBatch))
 
-    load = WorkerLoad(
-        instance_id=1,
-        waiting=0,
-        running=0,
-        kv_blocks_total=8,
-        kv_blocks_used=0,
-        kv_blocks_free=8,
-        prefix_cache_hit_rate=0.0,
-    )
+    load = idle_load()
     publisher.start(lambda: load)
     # A plane that takes a load report and its last event id and little more.
     report = KvEventBatch(load=load, last_event_id=59)

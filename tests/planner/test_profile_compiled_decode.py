@@ -11,6 +11,7 @@ import pytest
 from kvbaton.cli.profile import settle_compiled_decode
 from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import RuntimeServiceError
+from tests.helpers import idle_load
 
 pytestmark = pytest.mark.unit
 
@@ -25,16 +26,7 @@ def loads(*states: str) -> tuple[list[str], Callable[[], Awaitable[WorkerLoad]]]
         nonlocal last
         last = next(given, last)
         asked.append(last)
-        return WorkerLoad(
-            instance_id=1,
-            waiting=0,
-            running=0,
-            kv_blocks_total=8,
-            kv_blocks_used=0,
-            kv_blocks_free=8,
-            prefix_cache_hit_rate=0.0,
-            compiled_decode=last,
-        )
+        return idle_load(compiled_decode=last)
 
     return asked, load
 
