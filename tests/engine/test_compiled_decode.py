@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from kvbaton.cli.worker import worker_compile
-from kvbaton.engine import EngineConfig, LLMEngine, decode_package
+from kvbaton.engine import AsyncEngine, EngineConfig, LLMEngine, decode_package
 from kvbaton.engine.compiled_decode import CompiledDecode
 from kvbaton.engine.decode_package import BuildFailed
 from kvbaton.engine.model_runner import ModelRunner
 from tests.engine.reference import engine, hf_greedy, prompts, run
-from tests.helpers import clean_env, wait_until_sync
+from tests.helpers import clean_env, wait_until, wait_until_sync
 
 BUILD_TIMEOUT_S = 600.0  # a tiny model's package: under a minute alone on 2 cores
 LOAD_TIMEOUT_S = 120.0
@@ -139,6 +139,28 @@ def test_auto_serves_eagerly_until_its_package_is_built(
     assert again.compiling is not None
     wait_until_sync(again.compiling.future.done, BUILD_TIMEOUT_S, "the package's load")
     assert again.compiling.build is None
+
+
+async def test_an_idle_engine_reports_its_package_loaded(
+    tiny_models: dict[str, Path], packages: Path
+) -> None:
+    """Nothing runs a step: the end of the background load alone renews the stats reported."""
+    config = EngineConfig(
+        model=str(tiny_models["llama-tied"]),
+        dtype="float32",
+        device="cpu",
+        block_size=8,
+        num_kv_blocks=128,
+        compile="auto",
+    )
+    eng = await AsyncEngine.create(config)
+    try:
+        assert eng.stats().compiled_decode == "loading"
+        await wait_until(
+            lambda: eng.stats().compiled_decode == "on", BUILD_TIMEOUT_S, "the package's load"
+        )
+    finally:
+        await eng.shutdown()
 
 
 def wait_until_compiled(eng: LLMEngine) -> None:

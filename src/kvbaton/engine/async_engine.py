@@ -76,6 +76,11 @@ class _Call:
 
 
 @dataclass
+class _Wake:
+    """Nothing to apply: the loop renews the stats it reports (a background load ended)."""
+
+
+@dataclass
 class _Abort:
     request_id: str
     outputs: object = None  # the stream that asked; None: whatever runs under the id
@@ -83,7 +88,7 @@ class _Abort:
 
 # The step loop's messages, and what a request's stream is handed: the seams a subclass with
 # a step loop of its own (the mocker's) overrides `_post` and `_deliver_all` with.
-Message = EngineRequest | _Abort | _Call | _Loaded | _Release | _Reclaim
+Message = EngineRequest | _Abort | _Call | _Loaded | _Release | _Reclaim | _Wake
 StreamItem = EngineOutput | BaseException
 _Outputs = asyncio.Queue[StreamItem]  # a request's stream, read on its caller's loop
 SHUT_DOWN = "the engine is shut down"
@@ -101,6 +106,9 @@ class AsyncEngine:
         engine.on_kv_loads = self._start_loads
         self._stopped: str | None = None  # why requests are refused: shut down, or broken
         self._failed: concurrent.futures.Future[str] = concurrent.futures.Future()  # why broken
+        runner = engine.model_runner
+        if runner is not None and runner.compiling is not None:  # the stats change at its end
+            runner.compiling.future.add_done_callback(lambda _: self._post(_Wake()))
         self._start()
 
     def _start(self) -> None:
@@ -296,6 +304,8 @@ class AsyncEngine:
             return
         if isinstance(message, _Reclaim):
             self.engine.reclaim_kv_blocks()
+            return
+        if isinstance(message, _Wake):
             return
         if isinstance(message, _Call):
             if message.future.set_running_or_notify_cancel():  # else the caller gave up

@@ -170,13 +170,13 @@ class ModelRunner:
         """Where single decodes stand (`compile_decode`; any thread may ask): "on" (the next one
         runs compiled), "loading" (their package is built or loaded in the background),
         "failed" (they stay eager: the log says why) or "off"."""
+        compiling = self.compiling  # (read once: the step thread clears it once taken)
+        if compiling is not None and not compiling.future.done():
+            return "loading"
         if self.compiled is not None:
             return "on"
-        if self.compiling is not None:
-            future = self.compiling.future
-            if not future.done():
-                return "loading"
-            return "failed" if future.exception() is not None else "on"  # the next step takes it
+        if compiling is not None:  # done: the next step takes it
+            return "failed" if compiling.future.exception() is not None else "on"
         return "failed" if self.compile_failed else "off"
 
     def close(self) -> None:
