@@ -174,14 +174,20 @@ async def _settled(
     alive: Callable[[], None],
     progress: Callable[[str], None],
 ) -> None:
-    """`settle_compiled_decode` of the worker serving `endpoint`, through its `load_metrics`."""
+    """`settle_compiled_decode` of the workers serving `endpoint`, through their `load_metrics`
+    (a worker still loading, while any is)."""
     component = endpoint.rsplit(".", 1)[0]
     client = await runtime.endpoint(f"{component}.load_metrics").client(response_type=WorkerLoad)
+
+    async def slowest() -> WorkerLoad:
+        ids = client.instance_ids() or await client.wait_for_instances(timeout)
+        loads: list[WorkerLoad] = [
+            await anext(client.direct(None, i, timeout=timeout)) for i in ids
+        ]
+        return next((load for load in loads if load.compiled_decode == "loading"), loads[0])
+
     try:
-        await client.wait_for_instances(timeout)
-        state = await settle_compiled_decode(
-            lambda: anext(client.round_robin(None)), alive, progress
-        )
+        state = await settle_compiled_decode(slowest, alive, progress)
     finally:
         await client.close()
     if state == "failed":
