@@ -109,11 +109,14 @@ def _cgroup_room(cgroup: Path) -> int | None:
         limit = (cgroup / "memory.max").read_text().strip()
         if limit == "max":
             return None
-        used = int((cgroup / "memory.current").read_text())
-        stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
-        return int(limit) - used + int(stat.get("inactive_file", 0))
+        room = int(limit) - int((cgroup / "memory.current").read_text())
     except (OSError, ValueError):
         return None
+    with contextlib.suppress(OSError, ValueError):
+        for line in (cgroup / "memory.stat").read_text().splitlines():
+            if line.startswith("inactive_file "):
+                room += int(line.split()[1])
+    return room
 
 
 def check_fits(path: Path) -> None:
