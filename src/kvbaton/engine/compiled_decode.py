@@ -155,8 +155,8 @@ def _library_alone(members: list[str]) -> str:
     libraries = [m for m in files if m.endswith(".so")]
     needed = [m for m in files if not m.endswith((".so", ".cpp", "_metadata.json"))]
     if len(libraries) != 1 or needed:
-        runs_on = ", ".join(libraries + needed)
-        raise RuntimeError(f"the compiled graph runs on more than one library ({runs_on})")
+        found = ", ".join(libraries + needed) or "no library"
+        raise RuntimeError(f"the compiled graph needs more of its archive than a library: {found}")
     return libraries[0]
 
 
