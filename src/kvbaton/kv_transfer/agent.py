@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,17 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "nixl", "shm", "tcp")
 DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class TransferCounts:
+    """An agent's reads and writes since it started (`KvTransferAgent.counts`)."""
+
+    bytes_moved: int = 0
+    seconds: float = 0.0
+    bytes_by_backend: dict[str, int] = field(default_factory=dict)  # of `bytes_moved`
+    layered_moves: int = 0  # of some layers of blocks (`layers` given)
+    whole_blocks: int = 0  # blocks moved with all their layers at once
 
 
 class KvTransferAgent:
@@ -54,6 +66,17 @@ class KvTransferAgent:
         self.layered_moves = 0  # reads and writes of some layers of blocks (`layers` given)
         self.whole_blocks = 0  # blocks read or written with all their layers at once
         self.seconds = 0.0
+
+    def counts(self) -> TransferCounts:
+        """Its counters, read together (transfers run on several threads)."""
+        with self._lock:
+            return TransferCounts(
+                self.bytes_moved,
+                self.seconds,
+                dict(self.bytes_by_backend),
+                self.layered_moves,
+                self.whole_blocks,
+            )
 
     def start(self, host: str, name: str = "") -> None:
         """Serve the pool over TCP on `host` (a pool with bytes, unless another backend is

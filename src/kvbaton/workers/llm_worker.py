@@ -31,6 +31,7 @@ from kvbaton.disagg.engine_prefill import EnginePrefillSide
 from kvbaton.disagg.prefill_side import PrefillSide
 from kvbaton.engine.connector import ConnectedEngine, EngineRequest, outputs_of
 from kvbaton.engine.engine import EngineStats
+from kvbaton.kv_transfer.agent import TransferCounts
 from kvbaton.llm.model_cards import model_card_key
 from kvbaton.protocols.kv import KvDump
 from kvbaton.protocols.llm import EngineOutput, ModelCard, PreprocessedRequest, WorkerLoad
@@ -185,13 +186,14 @@ class LLMWorker:
         stats = dataclasses.asdict(self.engine.stats())
         side = self.side
         agent = side.agent if side else None
+        moved = agent.counts() if agent else TransferCounts()
         return WorkerLoad(
             instance_id=self.runtime.instance_id or 0,
-            kv_transfer_bytes=agent.bytes_moved if agent else 0,
-            kv_transfer_seconds=agent.seconds if agent else 0.0,
-            kv_transfer_bytes_by_backend=dict(agent.bytes_by_backend) if agent else {},
-            kv_layered_transfers=agent.layered_moves if agent else 0,
-            kv_whole_blocks=agent.whole_blocks if agent else 0,
+            kv_transfer_bytes=moved.bytes_moved,
+            kv_transfer_seconds=moved.seconds,
+            kv_transfer_bytes_by_backend=moved.bytes_by_backend,
+            kv_layered_transfers=moved.layered_moves,
+            kv_whole_blocks=moved.whole_blocks,
             kv_handoffs=side.handoffs if side else 0,
             kv_handoff_wait_seconds=side.handoff_wait_s if side else 0.0,
             requests_ended=dict(self._ended),
