@@ -146,7 +146,7 @@ def test_nixl_reads_a_peers_blocks(peer: Peer, local: KvTransferAgent) -> None:
     expected = before.copy()
     expected[DST] = theirs[SRC]
     np.testing.assert_array_equal(blocks_of(local), expected)
-    assert local.bytes_moved == len(SRC) * BLOCK_BYTES
+    assert local.counts().bytes_moved == len(SRC) * BLOCK_BYTES
     # Again (the peer is added once and kept), and a single block.
     assert local.read(peer.info, [9], [9]) == "nixl"
     np.testing.assert_array_equal(blocks_of(local)[9], theirs[9])
@@ -173,7 +173,7 @@ def test_nixl_moves_some_layers_of_each_block(peer: Peer, local: KvTransferAgent
         expected = ours.copy()
         expected[DST, part] = theirs[SRC, part]
         np.testing.assert_array_equal(blocks_of(local), expected)
-        assert local.bytes_moved == len(SRC) * BLOCK_BYTES // 2
+        assert local.counts().bytes_moved == len(SRC) * BLOCK_BYTES // 2
 
         assert local.write(peer.info, [0, 1], [40, 9], layers=(1, 3)) == "nixl"
         expected = theirs.copy()
@@ -188,7 +188,7 @@ def test_an_empty_transfer_moves_nothing(peer: Peer, local: KvTransferAgent) -> 
     assert local.read(peer.info, [], []) == "nixl"
     assert local.write(peer.info, [], []) == "nixl"
     np.testing.assert_array_equal(blocks_of(local), before)
-    assert local.bytes_moved == 0
+    assert local.counts().bytes_moved == 0
 
 
 def test_concurrent_reads_on_one_backend(peer: Peer, local: KvTransferAgent) -> None:

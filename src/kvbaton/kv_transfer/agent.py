@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing import shared_memory
 from typing import TYPE_CHECKING
 
@@ -34,7 +34,7 @@ BACKENDS = ("auto", "nixl", "shm", "tcp")
 DEFAULT_TIMEOUT_S = 30.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class TransferCounts:
     """An agent's reads and writes since it started (`KvTransferAgent.counts`)."""
 
@@ -61,22 +61,13 @@ class KvTransferAgent:
         self._peers: dict[str, tuple[shared_memory.SharedMemory, np.ndarray]] = {}
         self._lock = threading.Lock()
         self._moving = threading.local()  # `started`: this thread's last transfer moved bytes
-        self.bytes_moved = 0  # by this agent's reads and writes, since it started
-        self.bytes_by_backend: dict[str, int] = {}  # of `bytes_moved`
-        self.layered_moves = 0  # reads and writes of some layers of blocks (`layers` given)
-        self.whole_blocks = 0  # blocks read or written with all their layers at once
-        self.seconds = 0.0
+        self._counts = TransferCounts()  # under `_lock`: transfers run on several threads
 
     def counts(self) -> TransferCounts:
-        """Its counters, read together (transfers run on several threads)."""
+        """Its counters, read together."""
         with self._lock:
-            return TransferCounts(
-                self.bytes_moved,
-                self.seconds,
-                dict(self.bytes_by_backend),
-                self.layered_moves,
-                self.whole_blocks,
-            )
+            c = self._counts
+            return replace(c, bytes_by_backend=dict(c.bytes_by_backend))
 
     def start(self, host: str, name: str = "") -> None:
         """Serve the pool over TCP on `host` (a pool with bytes, unless another backend is
@@ -225,14 +216,15 @@ class KvTransferAgent:
         else:
             self._tcp.write(peer.tcp_address, peer.layout, src, blocks, dst, span, moving)
         moved = len(src) * length
-        with self._lock:  # transfers run on several threads
-            self.seconds += time.perf_counter() - started
-            self.bytes_moved += moved
-            self.bytes_by_backend[backend] = self.bytes_by_backend.get(backend, 0) + moved
+        with self._lock:
+            c = self._counts
+            c.seconds += time.perf_counter() - started
+            c.bytes_moved += moved
+            c.bytes_by_backend[backend] = c.bytes_by_backend.get(backend, 0) + moved
             if layers is None:
-                self.whole_blocks += len(src)
+                c.whole_blocks += len(src)
             else:
-                self.layered_moves += 1
+                c.layered_moves += 1
         return backend
 
     def _peer_blocks(self, peer: KvPoolInfo) -> np.ndarray:
