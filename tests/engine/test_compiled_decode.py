@@ -6,6 +6,7 @@ it fits in memory; `auto` serves eagerly while its package builds in the backgro
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from kvbaton.cli.worker import worker_compile
 from kvbaton.engine import AsyncEngine, EngineConfig, LLMEngine, decode_package
 from kvbaton.engine.compiled_decode import CompiledDecode
 from kvbaton.engine.decode_package import BuildFailed
+from kvbaton.engine.model import LlamaModel
 from kvbaton.engine.model_runner import ModelRunner
 from tests.engine.reference import engine, hf_greedy, prompts, run
 from tests.helpers import clean_env, wait_until, wait_until_sync
@@ -63,6 +65,7 @@ def test_compiled_steps_give_hfs_tokens(
     assert isinstance(compiled, CompiledDecode)
     (package,) = packages.glob("*.so")
     built_at = package.stat().st_mtime_ns
+    assert given_weights(package) < projection_bytes(compiled.model)
     # The next engine loads the package: no second build.
     eng = engine(model_dir, compile="single-decode", device="cpu")
     compiled = model_runner(eng).compiled
@@ -74,6 +77,20 @@ def test_compiled_steps_give_hfs_tokens(
     assert compiled.steps - steps < 12  # only the last sequence's last steps, if any
     assert list(packages.glob("*.so")) == [package]
     assert package.stat().st_mtime_ns == built_at
+
+
+def given_weights(package: Path) -> int:
+    """Bytes of the package's constants kept as the graph was given them (Inductor names those
+    it makes, such as a GEMM's packed weights, "constant<n>"): the norms, the embeddings and the
+    RoPE tables, not a projection's weight beside its packed copy."""
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(package), 1)
+    constants = runner.extract_constants_map(False).items()
+    return sum(t.nbytes for name, t in constants if not re.fullmatch(r"constant\d+", name))
+
+
+def projection_bytes(model: LlamaModel) -> int:
+    projections = [p for w in model.layers for p in (w.qkv, w.o, w.gate_up, w.down)]
+    return sum(p.nbytes for p in [*projections, model.lm_head])
 
 
 def test_a_killed_engine_leaves_no_copy_of_its_package(

@@ -33,40 +33,48 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvbaton.engine.model import LlamaModel, StepBatch, rms_norm, rope
+from kvbaton.engine.model import LlamaModel, Projection, StepBatch, rms_norm, rope
 
 INDUCTOR_OPTIONS = {
     "freezing": True,  # the weights are constants of the graph (packed once for its GEMMs)
     "max_autotune": True,  # its GEMM templates, timed against ATen's at compile time
     "max_autotune_gemm_backends": "CPP,ATEN",
 }
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # a layer's, by their `LayerWeights` names
 EXAMPLE_BLOCKS = 4  # the cache's block count the graph is exported with (dynamic)
 
 
 class _DecodeGraph(torch.nn.Module):
     """The forward pass of one decode, as a module whose parameters are the model's weights
-    (freezing makes them constants)."""
+    (freezing makes them constants).
+
+    - A projection's weight is a parameter transposed ([in, out], contiguous) and named without
+      a dot: Inductor then leaves it out of the package once its GEMM has packed a copy. It keeps
+      both where the GEMM reads the weight through a view (`F.linear`'s transpose) or its
+      attribute path has a dot (a `ParameterList`): the package held the weights twice.
+    """
 
     def __init__(self, model: LlamaModel) -> None:
         super().__init__()
         self.model = model  # for its config and scale only: no tensor is read through it
 
-        def param(t: torch.Tensor | None) -> torch.nn.Parameter:
-            assert t is not None  # a projection of the "native" kernel keeps its weight
+        def param(t: torch.Tensor) -> torch.nn.Parameter:
             return torch.nn.Parameter(t, requires_grad=False)
 
-        self.weights = torch.nn.ParameterList()
-        for w in model.layers:
-            projections = (w.qkv, w.o, w.gate_up, w.down)
-            for t in (w.in_norm, w.post_norm, *(p.weight for p in projections)):
-                self.weights.append(param(t))
-        biased = model.layers[0].qkv.bias is not None
-        self.biases = torch.nn.ParameterList(
-            [param(w.qkv.bias) for w in model.layers] if biased else []
-        )
+        def weight(p: Projection) -> torch.nn.Parameter:
+            assert p.weight is not None  # a projection of the "native" kernel keeps its weight
+            return param(p.weight.t().contiguous())
+
+        for i, w in enumerate(model.layers):
+            self.register_parameter(f"in_norm_{i}", param(w.in_norm))
+            self.register_parameter(f"post_norm_{i}", param(w.post_norm))
+            for name in PROJECTIONS:
+                self.register_parameter(f"{name}_{i}", weight(getattr(w, name)))
+            if w.qkv.bias is not None:
+                self.register_parameter(f"qkv_bias_{i}", param(w.qkv.bias))
         self.embed = param(model.embed)
         self.norm = param(model.norm)
-        self.lm_head = param(model.lm_head.weight)
+        self.lm_head = weight(model.lm_head)
         self.cos = param(model.cos)
         self.sin = param(model.signed_sin)
 
@@ -89,9 +97,12 @@ class _DecodeGraph(torch.nn.Module):
         h = self.embed[token_ids]
         written = []
         for i in range(c.num_layers):
-            in_norm, post_norm, qkv, o, gate_up, down = (self.weights[6 * i + j] for j in range(6))
-            bias = self.biases[i] if len(self.biases) else None
-            heads = F.linear(rms_norm(h, in_norm, c.eps), qkv, bias)
+            in_norm, post_norm, qkv, o, gate_up, down = (
+                getattr(self, f"{name}_{i}") for name in ("in_norm", "post_norm", *PROJECTIONS)
+            )
+            heads = rms_norm(h, in_norm, c.eps) @ qkv
+            if (bias := getattr(self, f"qkv_bias_{i}", None)) is not None:
+                heads = heads + bias
             heads = heads.view(1, nh + 2 * nkv, dim)
             qk = rope(heads[:, : nh + nkv], cos, sin)
             q, k, v = qk[:, :nh], qk[:, nh:], heads[:, nh + nkv :]
@@ -103,10 +114,10 @@ class _DecodeGraph(torch.nn.Module):
             scores = (query * keys.float()).sum(-1) * self.model.scale  # [kv, group, W*block+1]
             probs = torch.softmax(scores.masked_fill(~attended, float("-inf")), dim=-1)
             attn = (probs[..., None] * values.float()).sum(2).reshape(1, -1).to(h.dtype)
-            h = h + F.linear(attn, o)
-            gate, up = F.linear(rms_norm(h, post_norm, c.eps), gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, down)
-        logits = F.linear(rms_norm(h, self.norm, c.eps), self.lm_head).float()
+            h = h + attn @ o
+            gate, up = (rms_norm(h, post_norm, c.eps) @ gate_up).chunk(2, dim=-1)
+            h = h + (F.silu(gate) * up) @ down
+        logits = (rms_norm(h, self.norm, c.eps) @ self.lm_head).float()
         return logits, torch.stack(written)
 
 
