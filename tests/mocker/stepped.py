@@ -31,6 +31,7 @@ class Mocker:
     def run(self, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
         outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
         finals: dict[str, EngineOutput] = {}
+        self.outputs: dict[str, list[EngineOutput]] = {rid: [] for rid in prompts}
         for rid, tokens in prompts.items():
             self.engine.add_request(EngineRequest(rid, tokens, params))
         while self.engine.has_unfinished():
@@ -38,6 +39,7 @@ class Mocker:
             step = self.engine.step()
             self.sleeps.append(self.runner.busy_seconds - busy)
             for out in step:
+                self.outputs[out.request_id].append(out)
                 outputs[out.request_id] += out.token_ids
                 if out.finish_reason:
                     finals[out.request_id] = out

@@ -4,6 +4,7 @@ model. The runner takes no time (it adds up the modeled time), so nothing here w
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,32 @@ def test_outputs_are_deterministic_never_special_and_run_to_max_tokens(
         assert all(0 <= t < config["vocab_size"] for t in tokens)
     seeded = Mocker(mocker_model).run({"a": prompts["a"]}, SamplingParams(max_tokens=12, seed=7))
     assert seeded["a"] != first["a"]  # the seed is part of what decides
+
+
+def test_logprobs_come_from_a_mocked_distribution(mocker_model: Path) -> None:
+    prompt = list(range(30, 40))
+    params = SamplingParams(max_tokens=6, logprobs=2, prompt_logprobs=1)
+    mocker = Mocker(mocker_model)
+    tokens = mocker.run({"a": prompt}, params)["a"]
+    outputs = mocker.outputs["a"]
+    entries = [entry for out in outputs for entry in out.logprobs or []]
+    # One entry per output token: the token, then the two likeliest (the token first).
+    assert [chosen.token_id for chosen, *_ in entries] == tokens
+    for chosen, *best in entries:
+        assert [t.token_id for t in best][:1] == [chosen.token_id]
+        assert [t.logprob for t in best] == [chosen.logprob, 2 * chosen.logprob]
+        assert chosen.logprob == pytest.approx(math.log(0.5))
+    # One per prompt token after the first, ranked first, on the request's first output.
+    prompt_entries = outputs[0].prompt_logprobs
+    assert prompt_entries is not None
+    assert [(e[0].token_id, e[0].rank, len(e)) for e in prompt_entries] == [
+        (t, 1, 2) for t in prompt[1:]
+    ]
+    assert all(out.prompt_logprobs is None for out in outputs[1:])
+    # Asked for nothing, none come.
+    plain = Mocker(mocker_model)
+    assert plain.run({"a": prompt}, SamplingParams(max_tokens=6))["a"] == tokens
+    assert all(not out.logprobs and out.prompt_logprobs is None for out in plain.outputs["a"])
 
 
 def test_step_time_follows_the_model(mocker_model: Path) -> None:

@@ -5,12 +5,17 @@ Invariants: each output token depends only on the tokens before it (prompt and o
 request's seed (deterministic across runs, batches and processes; a request migrated with its
 outputs so far appended to its prompt goes on with the tokens it would have had); they are never
 a special token of the model's tokenizer, and never EOS (like Dynamo's mocker, a request runs to
-`max_tokens` unless a stop token id of its own comes up)."""
+`max_tokens` unless a stop token id of its own comes up).
+- Logprobs, where asked for, come from a mocked distribution at each position (`_mocked`): the
+  position's token (the one picked, or the prompt's) at 1/2, the ids after it at 1/4, 1/8, ...;
+  listed as the engine lists them (the token, then the `top` likeliest), one entry per output
+  token and per prompt token after the first."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from array import array
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +33,10 @@ from kvbaton.mocker.async_engine import MockerAsyncEngine
 from kvbaton.mocker.tiers import mocker_tiers
 from kvbaton.mocker.timing import MockerTiming
 from kvbaton.protocols.kv import KvEvent
+from kvbaton.protocols.llm import TokenLogprob
 
 _MASK = (1 << 64) - 1
+_HALF = math.log(0.5)
 
 
 def _mix(x: int) -> int:
@@ -90,10 +97,30 @@ class MockerRunner:
             return {}
         seconds = self.step_seconds(output)
         self.busy_seconds += seconds
-        return {i.seq.request_id: self._token(i.seq) for i in output.scheduled if i.samples}
+        tokens = {}
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.computes_whole_prompt:  # the prompt positions this step computes
+                first = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
+                last = min(seq.num_computed_tokens + item.num_tokens, seq.num_prompt_tokens - 1)
+                top = seq.params.prompt_logprobs or 0
+                seq.prompt_logprobs += [
+                    self._mocked(seq.token_ids[i + 1], top, rank=1) for i in range(first, last)
+                ]
+            if item.samples:
+                token = tokens[seq.request_id] = self._token(seq)
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(self._mocked(token, seq.params.logprobs, rank=0))
+        return tokens
 
     def forget(self, request_id: str) -> None:
         self._hashes.pop(request_id, None)
+
+    def _mocked(self, token: int, top: int, rank: int) -> list[TokenLogprob]:
+        """`token`'s entry in its position's mocked distribution (see the module's docstring);
+        `rank` as the engine gives it: 1 for a prompt token, 0 (not known) for an output."""
+        best = [TokenLogprob((token + k) % self.vocab_size, _HALF * (k + 1)) for k in range(top)]
+        return [TokenLogprob(token, _HALF, rank), *best]
 
     def _token(self, seq: Sequence) -> int:
         """A token from the hash of the seed and every token before it. The hash is kept per
