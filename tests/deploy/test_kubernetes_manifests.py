@@ -594,6 +594,8 @@ def test_containerfile_installs_with_the_readme_s_command() -> None:
     text = (ROOT / "Containerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim$", text, re.MULTILINE)
     assert re.search(r"^USER 1000", text, re.MULTILINE)
+    # The workers' compiled decode (`--compile auto`) builds with a C++ compiler.
+    assert any(s.startswith("apt-get update") and " g++ " in s for s in steps), steps
 
 
 def test_containerfile_torch_spec_is_pyproject_s() -> None:
