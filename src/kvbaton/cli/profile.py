@@ -26,7 +26,7 @@ from typing import TypeVar
 import msgspec
 
 from kvbaton.cli.worker import WORKER_FLAGS, add_worker_flags, check_engine_flags
-from kvbaton.engine.config import BUILD_WAIT_S
+from kvbaton.engine.config import BUILD_PROGRESS_S, BUILD_WAIT_S
 from kvbaton.planner.profiler import ProfilePlan, format_table, measure, merge, open_probe
 from kvbaton.planner.types import Profile
 from kvbaton.protocols.llm import WorkerLoad
@@ -37,7 +37,6 @@ NAMESPACE = "profile"  # of the worker it starts, alone in its discovery directo
 STOP_TIMEOUT_S = 15.0
 RUNTIME_FLAGS = ("request_plane", "event_plane", "nats_url", "host")  # passed on to the worker
 POLL_S = 1.0  # of the worker's load, while its compiled decode loads
-PROGRESS_S = 30.0
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -204,7 +203,7 @@ async def settle_compiled_decode(
     `load()`): a curve measured partly eager and partly compiled would be neither. Returns the
     state it settled in.
 
-    - Says how long it has waited every `PROGRESS_S`; raises after `BUILD_WAIT_S`, or as soon
+    - Says how long it has waited every `BUILD_PROGRESS_S`; raises after `BUILD_WAIT_S`, or as soon
       as `alive()` does.
     """
     start = said = time.monotonic()
@@ -213,7 +212,7 @@ async def settle_compiled_decode(
         waited = time.monotonic() - start
         if waited > BUILD_WAIT_S:
             raise RuntimeError(f"the worker's compiled decode still loads after {waited:.0f} s")
-        if time.monotonic() - said >= PROGRESS_S:
+        if time.monotonic() - said >= BUILD_PROGRESS_S:
             progress(f"waiting {waited:.0f} s for the worker's compiled single decode to load")
             said = time.monotonic()
         await asyncio.sleep(poll_s)

@@ -8,6 +8,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 MATMULS = ("auto", "native", "fbgemm-fp16", "onednn-bf16", "fbgemm-fp16+onednn-bf16")
 COMPILES = ("none", "single-decode", "auto")
 BUILD_WAIT_S = 3600.0  # a compiled decode's build: minutes on a few cores, more for more weights
+BUILD_PROGRESS_S = 30.0  # how often a compiled decode's build, or a wait for it, is reported
 # The mocker's engine settings where they differ from EngineConfig's: Dynamo's mocker's, so that
 # results compare with it (here, not in the mocker, so that the CLI reads them without torch).
 MOCKER_DEFAULTS = {

@@ -38,7 +38,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from kvbaton.engine.config import BUILD_WAIT_S, EngineConfig
+from kvbaton.engine.config import BUILD_PROGRESS_S, BUILD_WAIT_S, EngineConfig
 from kvbaton.llm.model_files import models_dir, one_at_a_time
 
 log = logging.getLogger("kvbaton.engine.decode_package")  # also when run as __main__
@@ -46,7 +46,6 @@ T = TypeVar("T")
 
 STOP_WAIT_S = 10.0
 BUILD_NICENESS = 10  # serving comes first where both want the CPU
-PROGRESS_EVERY_S = 30.0
 POLL_S = 0.5  # for a build's end
 LOAD_MARGIN_BYTES = 1 << 30  # of the available memory, left once a package is loaded
 
@@ -309,14 +308,14 @@ class PackageLoad(Generic[T]):
 
 def _watch(parent: int, path: Path) -> None:
     """Exit this process once `parent` is gone (this process is re-parented); meanwhile, say how
-    long the build has taken every `PROGRESS_EVERY_S`."""
+    long the build has taken every `BUILD_PROGRESS_S`."""
     start = time.monotonic()
 
     def watch() -> None:
         said = start
         while os.getppid() == parent:
             time.sleep(1.0)
-            if time.monotonic() - said >= PROGRESS_EVERY_S:
+            if time.monotonic() - said >= BUILD_PROGRESS_S:
                 said = time.monotonic()
                 log.info("building %s: %.0f s so far", path.name, said - start)
         os.kill(os.getpid(), signal.SIGTERM)  # as `PackageBuild.stop` ends it
