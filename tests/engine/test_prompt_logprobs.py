@@ -81,6 +81,20 @@ def test_prompt_logprobs_match_hf(tiny_models: dict[str, Path], chunked: bool) -
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
 
 
+def test_a_one_token_chunk_of_the_prompt_gives_its_row(tiny_models: dict[str, Path]) -> None:
+    """Another prompt's prefill leaves one token of the step's budget to the prompt: that
+    position runs as a prefill row, and its logprobs are recorded like every other's."""
+    model_dir = tiny_models["llama3-rope-untied"]
+    eng = engine(model_dir, enable_chunked_prefill=True, max_num_batched_tokens=5)
+    prompt = prompts()[2]
+    eng.add_request(EngineRequest("other", [5, 6, 7, 8], SamplingParams(max_tokens=2)))
+    eng.add_request(EngineRequest("p", prompt, SamplingParams(max_tokens=2, prompt_logprobs=TOP)))
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.request_id == "p"]
+    assert_matches_hf(prompt_logprobs_of(outs), model_dir, prompt, TOP)
+
+
 def test_a_cached_prefix_is_computed_again(tiny_models: dict[str, Path]) -> None:
     """The prefix cache holds the prompt's first 40 tokens: a request for the prompt's
     logprobs computes them anyway (no cached tokens), and one without still hits."""

@@ -286,8 +286,8 @@ class ModelRunner:
     ) -> tuple[StepBatch, list[ScheduledSeq], list[PromptRows]]:
         """The step's tensors; the scheduled sequences that sample, in the order their logits
         come; then the prompt positions whose logits follow theirs (`prompt_logprobs`)."""
-        decodes = [s for s in scheduled if s.num_tokens == 1]
-        prefills = [s for s in scheduled if s.num_tokens > 1]
+        decodes = [s for s in scheduled if _runs_as_decode(s)]
+        prefills = [s for s in scheduled if not _runs_as_decode(s)]
         ordered = decodes + prefills
         token_ids: list[int] = []
         positions: list[int] = []
@@ -413,3 +413,11 @@ def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((b, 1))
     return runs
+
+
+def _runs_as_decode(s: ScheduledSeq) -> bool:
+    """Whether `s` runs in the step's decode rows: one token, whose logits no prompt logprob
+    reads (a one-token chunk of a prompt whose logprobs are asked for runs as a prefill)."""
+    seq = s.seq
+    reads_prompt = seq.computes_whole_prompt and seq.num_computed_tokens < seq.num_prompt_tokens - 1
+    return s.num_tokens == 1 and not reads_prompt
