@@ -15,6 +15,7 @@ import torch
 from kvbaton.engine import LLMEngine, SamplingParams
 from kvbaton.engine.connector import EngineRequest, KvLoad
 from kvbaton.engine.model_runner import ModelRunner
+from kvbaton.protocols.llm import EngineOutput
 from tests.engine.reference import engine, prompts, run
 
 pytestmark = pytest.mark.unit
@@ -94,6 +95,45 @@ def test_disaggregated_greedy_equals_aggregated(
     assert p_eng.blocks.prefix_hit_rate > 0 and d_eng.blocks.prefix_hit_rate > 0
     assert (p_eng.blocks.num_free_blocks, d_eng.blocks.num_free_blocks) == free
     assert not p_eng.release_kv("r0-0")  # released once only
+
+
+def test_logprobs_come_once_per_token_across_the_handoff(tiny_models: dict[str, Path]) -> None:
+    """The prefill engine's answer has the first token's logprobs; the decode engine, given
+    that token, emits an entry for each token it emits after it: together, aggregated
+    serving's."""
+    model_dir = tiny_models["llama-tied"]
+    prompt = prompts()[4]
+    params = SamplingParams(max_tokens=NEW, temperature=0, logprobs=2)
+    outputs: dict[str, list[EngineOutput]] = {"whole": [], "prefill": [], "decode": []}
+    whole, p_eng, d_eng = engine(model_dir), engine(model_dir), engine(model_dir)
+    whole.add_request(EngineRequest("r", prompt, params))
+    while whole.has_unfinished():
+        outputs["whole"] += whole.step()
+    p_eng.add_request(EngineRequest("r", prompt, params, hold_kv=True))
+    while not outputs["prefill"]:
+        outputs["prefill"] += p_eng.step()
+    (answer,) = outputs["prefill"]
+    assert answer.kv_blocks is not None
+    request = EngineRequest(
+        "r", prompt, params, kv_source=answer.kv_blocks, output_token_ids=answer.token_ids
+    )
+    d_eng.add_request(request)
+    while d_eng.has_unfinished():
+        outputs["decode"] += d_eng.step()
+        for load in d_eng.take_kv_loads():
+            copy_load(p_eng, d_eng, load)
+            d_eng.finish_kv_load(load.request_id, True)
+    entries = {}
+    for side, outs in outputs.items():
+        for out in outs:
+            assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids), side
+        entries[side] = [e for out in outs for e in out.logprobs or []]
+    handed = entries["prefill"] + entries["decode"]
+    assert [e[0].token_id for e in handed] == [e[0].token_id for e in entries["whole"]]
+    for got, expected in zip(handed, entries["whole"], strict=True):
+        assert [t.token_id for t in got] == [t.token_id for t in expected]
+        assert [t.logprob for t in got] == pytest.approx([t.logprob for t in expected], abs=1e-4)
+    p_eng.release_kv("r")
 
 
 def test_a_failed_load_prefills_on_the_decode_side(tiny_models: dict[str, Path]) -> None:

@@ -209,24 +209,57 @@ def test_a_prompt_scored_with_echo_is_computed_whole_on_the_decode_worker(
     assert len(scored.token_logprobs) == len(prompts()[-1]) + 4
     assert scored == pinned.choices[0].logprobs
     with pytest.raises(HandlerError) as refused:  # sent to the prefill worker all the same
-        asyncio.run(prefill_directly(disagg, prompts()[-1], SamplingParams(prompt_logprobs=0)))
+        asyncio.run(send_directly(disagg, prompts()[-1], SamplingParams(prompt_logprobs=0)))
     assert refused.value.error_type == "ValueError"
     asyncio.run(wait_all_blocks_free(disagg.discovery))
 
 
-async def prefill_directly(
-    disagg: Disagg, prompt: list[int], sampling: SamplingParams
+async def send_directly(
+    disagg: Disagg,
+    prompt: list[int],
+    sampling: SamplingParams,
+    component: str = "prefill",
+    bootstrap: bool = False,
 ) -> list[EngineOutput]:
-    """The prefill worker's outputs for a request sent to it over the request plane."""
+    """A worker's outputs (the prefill worker's, or "backend": the decode worker's) for a
+    request sent to it over the request plane."""
     async with DistributedRuntime(disagg.discovery) as runtime:
-        endpoint = runtime.endpoint("kvbaton.prefill.generate")
+        endpoint = runtime.endpoint(f"kvbaton.{component}.generate")
         client = await endpoint.client(response_type=EngineOutput)
         try:
             await client.wait_for_instances(30)
-            request = PreprocessedRequest(model=disagg.model, token_ids=prompt, sampling=sampling)
+            request = PreprocessedRequest(
+                model=disagg.model, token_ids=prompt, sampling=sampling, bootstrap=bootstrap
+            )
             return [out async for out in client.round_robin(request)]
         finally:
             await client.close()
+
+
+def test_logprobs_are_the_same_disaggregated(disagg: Disagg) -> None:
+    """A request for logprobs goes prefill-first in either order (the first token's come with
+    the prefill worker's answer): its tokens and logprobs are those of a single worker."""
+    health = httpx.get(f"{disagg.url}/health").json()
+    (decode,) = health["models"][disagg.model]
+    (prefill,) = health["prefill"][disagg.model]
+    client = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key="none", max_retries=0)
+    ask: dict[str, Any] = {"model": disagg.model, "prompt": prompts()[4], "max_tokens": 8}
+    ask |= {"temperature": 0, "logprobs": 2}
+    raw = client.completions.with_raw_response.create(**ask)
+    assert raw.headers["x-kvbaton-worker"].split(",") == [prefill, decode]
+    pinned = client.completions.create(**ask, extra_body={"nvext": {"backend_instance_id": decode}})
+    split, whole = raw.parse().choices[0].logprobs, pinned.choices[0].logprobs
+    assert split is not None and whole is not None and split.token_logprobs is not None
+    assert split.tokens == whole.tokens and len(split.token_logprobs) == 8
+    assert split.token_logprobs == pytest.approx(whole.token_logprobs, abs=1e-4)
+    assert [list(top) for top in split.top_logprobs or []] == [
+        list(top) for top in whole.top_logprobs or []
+    ]
+    with pytest.raises(HandlerError) as refused:  # a decode-first bootstrap all the same
+        sampling = SamplingParams(max_tokens=2, logprobs=0)
+        asyncio.run(send_directly(disagg, prompts()[4], sampling, "backend", bootstrap=True))
+    assert refused.value.error_type == "ValueError"
+    asyncio.run(wait_all_blocks_free(disagg.discovery))
 
 
 def test_streams_usage_and_cached_tokens(disagg: Disagg) -> None:

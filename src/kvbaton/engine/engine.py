@@ -186,6 +186,7 @@ class LLMEngine:
             cache_salt=request.cache_salt,
             num_prompt_tokens=len(prompt_token_ids),
             num_emitted_tokens=len(known),
+            logprobs_from=len(known),
             hold_kv=request.hold_kv,
             kv_source=request.kv_source,
             kv_sink=request.kv_sink,
@@ -290,9 +291,9 @@ class LLMEngine:
         return seq
 
     def _output(self, seq: Sequence, new: list[int]) -> EngineOutput:
-        logprobs = (
-            seq.logprobs[seq.num_emitted_tokens :] if seq.params.logprobs is not None else None
-        )
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = seq.logprobs[seq.num_emitted_tokens - seq.logprobs_from :]
         first = seq.num_emitted_tokens == 0 and seq.computes_whole_prompt
         seq.num_emitted_tokens += len(new)
         usage = None

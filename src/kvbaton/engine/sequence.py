@@ -46,7 +46,10 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    # With `params.logprobs`: entry i is output token `logprobs_from + i`'s (those before were
+    # sampled and handed to the caller elsewhere: a prefill worker's first token).
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    logprobs_from: int = 0
     # With `params.prompt_logprobs`: entry i is prompt token i + 1's (from position i's logits).
     prompt_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     num_emitted_tokens: int = 0  # output tokens already handed to the caller

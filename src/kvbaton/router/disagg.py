@@ -6,6 +6,8 @@
   falls back to a prefill on the decode worker (or raises PrefillError with `enforce`).
 - Blocks a prefill worker holds for a decode worker that never takes the request are
   released; a decode worker's room that no prefill worker will fill is ended at once.
+- A request that asks for logprobs goes prefill-first in either order: its first token's come
+  with the prefill worker's answer (a decode worker takes no bootstrap for it).
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ class Disaggregated:
         self.route.sent_kv()  # a prefill worker sends or writes it the KV
 
     def outputs(self, order: str) -> AsyncGenerator[EngineOutput, None]:
-        return self.decode_first() if order == "decode-first" else self.prefill_first()
+        if order == "decode-first" and self.request.sampling.logprobs is None:
+            return self.decode_first()
+        return self.prefill_first()
 
     async def prefill_first(self) -> AsyncGenerator[EngineOutput, None]:
         request, route = self.request, self.route

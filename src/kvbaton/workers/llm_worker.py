@@ -155,6 +155,8 @@ class LLMWorker:
         )
         if disaggregated and request.sampling.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: the prompt is computed where it decodes, whole")
+        if request.bootstrap and request.sampling.logprobs is not None:
+            raise ValueError("logprobs: disaggregated prefill-first only (the first token's)")
         if isinstance(side, PrefillSide | EnginePrefillSide):
             if request.bootstrap or params is not None:
                 raise ValueError("a prefill worker takes no bootstrap or disaggregated_params")
