@@ -48,10 +48,11 @@ class _DecodeGraph(torch.nn.Module):
     """The forward pass of one decode, as a module whose parameters are the model's weights
     (freezing makes them constants).
 
-    - A projection's weight is a parameter transposed ([in, out], contiguous) and named without
-      a dot: Inductor then leaves it out of the package once its GEMM has packed a copy. It keeps
-      both where the GEMM reads the weight through a view (`F.linear`'s transpose) or its
-      attribute path has a dot (a `ParameterList`): the package held the weights twice.
+    - Each projection's weight is in the package once: packed where Inductor's GEMM template
+      runs it, else as given. Inductor drops the given copy only where the GEMM reads the
+      constant itself (not a view: no `F.linear`) under an attribute path without a dot (no
+      `ParameterList`), hence flat parameters stored transposed ([in, out], contiguous).
+    - The model's projections give their weights up to the graph (the build holds each once).
     """
 
     def __init__(self, model: LlamaModel) -> None:
@@ -63,7 +64,8 @@ class _DecodeGraph(torch.nn.Module):
 
         def weight(p: Projection) -> torch.nn.Parameter:
             assert p.weight is not None  # a projection of the "native" kernel keeps its weight
-            return param(p.weight.t().contiguous())
+            transposed, p.weight = p.weight.t().contiguous(), None
+            return param(transposed)
 
         for i, w in enumerate(model.layers):
             self.register_parameter(f"in_norm_{i}", param(w.in_norm))
@@ -126,7 +128,8 @@ def export_package(model: LlamaModel, block_size: int, path: Path) -> None:
     (minutes on a few cores; its archive beside it meanwhile, `path` with the suffix ".pt2").
 
     - `model` runs the "native" kernel (its projections keep their weights) on the CPU, with RoPE
-      tables for the model's every position.
+      tables for the model's every position; it cannot run after (its projections' weights
+      are the graph's).
     """
     c = model.config
     cache = model.allocate_cache(EXAMPLE_BLOCKS, block_size)
