@@ -20,6 +20,7 @@ class Mocker:
 
     def __init__(self, model: Path, timing: MockerTiming | None = None, **config: object) -> None:
         self.sleeps: list[float] = []
+        self.outputs: dict[str, list[EngineOutput]] = {}  # by request, as `run` gave them
         self.events: list[KvEvent] = []
         self.runner = MockerRunner(model, timing or MockerTiming())
         options = {"num_kv_blocks": 32, "block_size": 4, **config}
@@ -31,7 +32,7 @@ class Mocker:
     def run(self, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
         outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
         finals: dict[str, EngineOutput] = {}
-        self.outputs: dict[str, list[EngineOutput]] = {rid: [] for rid in prompts}
+        self.outputs |= {rid: [] for rid in prompts}
         for rid, tokens in prompts.items():
             self.engine.add_request(EngineRequest(rid, tokens, params))
         while self.engine.has_unfinished():

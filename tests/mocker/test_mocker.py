@@ -83,6 +83,16 @@ def test_logprobs_come_from_a_mocked_distribution(mocker_model: Path) -> None:
         (t, 1, 2) for t in prompt[1:]
     ]
     assert all(out.prompt_logprobs is None for out in outputs[1:])
+    # Chunked prefills and a preemption's recompute (too few blocks for both): each prompt's
+    # entries come once, each output token's once.
+    prompts = {"a": prompt, "b": list(range(50, 63))}
+    tight = Mocker(mocker_model, max_num_batched_tokens=4, num_kv_blocks=6)
+    answers = tight.run(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for rid, answer in answers.items():
+        outs = tight.outputs[rid]
+        assert [e[0].token_id for out in outs for e in out.logprobs or []] == answer
+        assert [e[0].token_id for e in outs[0].prompt_logprobs or []] == prompts[rid][1:]
     # Asked for nothing, none come.
     plain = Mocker(mocker_model)
     assert plain.run({"a": prompt}, SamplingParams(max_tokens=6))["a"] == tokens

@@ -117,8 +117,9 @@ class MockerRunner:
         self._hashes.pop(request_id, None)
 
     def _mocked(self, token: int, top: int, rank: int) -> list[TokenLogprob]:
-        """`token`'s entry in its position's mocked distribution (see the module's docstring);
-        `rank` as the engine gives it: 1 for a prompt token, 0 (not known) for an output."""
+        """`token`'s entry in its position's mocked distribution (see the module's docstring),
+        ranked `rank`: 1 for a prompt token (the likeliest there), 0 for an output (not known,
+        as the engine gives it)."""
         best = [TokenLogprob((token + k) % self.vocab_size, _HALF * (k + 1)) for k in range(top)]
         return [TokenLogprob(token, _HALF, rank), *best]
 
