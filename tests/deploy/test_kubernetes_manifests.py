@@ -594,8 +594,14 @@ def test_containerfile_installs_with_the_readme_s_command() -> None:
     text = (ROOT / "Containerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim$", text, re.MULTILINE)
     assert re.search(r"^USER 1000", text, re.MULTILINE)
-    # The workers' compiled decode (`--compile auto`) builds with a C++ compiler.
+    # The workers' compiled decode (`--compile auto`) builds with a C++ compiler, into a
+    # directory the image's user owns.
     assert any(s.startswith("apt-get update") and " g++ " in s for s in steps), steps
+    assert re.search(r"^ +KVBATON_COMPILED_DIR=\S+$", text, re.MULTILINE)
+    user = text.index("\nUSER 1000")
+    owned = [s for s in steps if s.startswith("useradd") and "chown" in s]
+    assert owned and '"${KVBATON_COMPILED_DIR}"' in owned[0].split("chown", 1)[1], owned
+    assert text.index("useradd") < user
 
 
 def test_containerfile_torch_spec_is_pyproject_s() -> None:
