@@ -6,6 +6,8 @@
   falls back to a prefill on the decode worker (or raises PrefillError with `enforce`).
 - Blocks a prefill worker holds for a decode worker that never takes the request are
   released; a decode worker's room that no prefill worker will fill is ended at once.
+- Decode-first: a prefill still running when its request ended is cancelled at once if the
+  request ended early, else left `SETTLE_S` to end, so that its outcome is counted.
 - A request that asks for logprobs goes prefill-first in either order: its first token's come
   with the prefill worker's answer (a decode worker takes no bootstrap for it).
 """
@@ -83,6 +85,7 @@ class Disaggregated:
         stream = self.decode.ordered(bootstrap, self.route.ranking, request_id=self.request_id)
         outputs = follow(stream, self.route, self.served_by)
         pushing: asyncio.Task[EngineOutput | None] | None = None
+        ended = False  # the decode worker's last output came
         try:
             async for out in outputs:
                 if out.kv_target is not None:
@@ -95,10 +98,14 @@ class Disaggregated:
                     error = pushing.exception()
                     if error is not None:  # PrefillError with `enforce`
                         raise error
+                ended = out.is_last
                 yield out
         finally:
             if pushing is not None and not pushing.done():
-                pushing.cancel()
+                if ended:
+                    self.prefill.settle(pushing)
+                else:
+                    pushing.cancel()
             await outputs.aclose()
 
     async def _prefill(self, request: PreprocessedRequest) -> EngineOutput | None:

@@ -18,6 +18,7 @@ from kvbaton.router.policies import Router, RouteRequest, follow
 from kvbaton.runtime import Client, DistributedRuntime
 
 DEFAULT_PREFILL_TIMEOUT_S = 300.0
+SETTLE_S = 2.0  # a decode-first prefill's time to end once its request has (`settle`)
 
 
 class PrefillError(RuntimeError):
@@ -89,6 +90,14 @@ class PrefillRouter:
             abandoning = asyncio.ensure_future(self.peers.abandon(target))
             self._abandoning.add(abandoning)
             abandoning.add_done_callback(self._abandoning.discard)
+
+    def settle(self, prefill: asyncio.Task[EngineOutput | None]) -> None:
+        """A decode-first prefill still running when its request was answered whole (the
+        decode worker went on without its KV): cancelled after `SETTLE_S` unless it ended by
+        then, its outcome counted (a killed prefill worker's call fails a moment after the
+        decode worker gave up on it)."""
+        cancel = asyncio.get_running_loop().call_later(SETTLE_S, prefill.cancel)
+        prefill.add_done_callback(lambda _: cancel.cancel())
 
     async def close(self) -> None:
         await self.router.close()
