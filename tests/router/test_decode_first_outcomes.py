@@ -1,13 +1,15 @@
 """Decode-first: the decode worker may answer a request whole before its prefill worker's call
-ends (it gave up on the KV and computed the prompt). That prefill is still counted, as a
-fallback where it fails then; a request that ends early cancels its prefill at once."""
+ends (its answer is late, or it failed and the decode worker computed the prompt). That
+prefill is counted if it ends within `SETTLE_S` (a failure as a fallback, with or without
+`enforce`), else cancelled; a request that ends early, or the router's close, cancels it at
+once."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -28,12 +30,13 @@ BLOCK = 16
 
 class Workers:
     """A decode worker that answers a bootstrap with its room, then, once `decoded` is set, the
-    whole request; a prefill worker whose call fails once `fail` is set (`taken` once it has
-    the call, `cancelled` if it is cancelled)."""
+    whole request; a prefill worker whose call ends once `end` is set, with an answer if
+    `answers`, else failing (`taken` once it has the call, `cancelled` if it is cancelled)."""
 
     def __init__(self, discovery: str) -> None:
         self.decoded = asyncio.Event()
-        self.fail = asyncio.Event()
+        self.end = asyncio.Event()
+        self.answers = False
         self.taken = asyncio.Event()
         self.cancelled = asyncio.Event()
         self.abandoned: list[str] = []
@@ -79,12 +82,13 @@ class Workers:
     ) -> AsyncIterator[EngineOutput]:
         self.taken.set()
         try:
-            await self.fail.wait()
+            await self.end.wait()
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
-        raise RuntimeError("the prefill worker died")
-        yield  # (a generator)
+        if not self.answers:
+            raise RuntimeError("the prefill worker died")
+        yield EngineOutput(request_id=ctx.id, token_ids=[1])
 
     async def stop(self) -> None:
         for task in self.tasks:
@@ -94,9 +98,9 @@ class Workers:
 
 
 @contextlib.asynccontextmanager
-async def decode_first() -> AsyncIterator[
-    tuple[Workers, PrefillRouter, AsyncIterator[EngineOutput]]
-]:
+async def decode_first(
+    enforce: bool = False,
+) -> AsyncIterator[tuple[Workers, PrefillRouter, AsyncIterator[EngineOutput]]]:
     """The workers, the frontend's prefill router and one request's decode-first outputs."""
     discovery = f"mem://{uuid.uuid4().hex}"
     workers = Workers(discovery)
@@ -110,31 +114,83 @@ async def decode_first() -> AsyncIterator[
         route = KvRouter(KvIndexer(), BLOCK).route(hints, decode.instance_ids())
         request = PreprocessedRequest(model="m", token_ids=hints.token_ids)
         outputs = Disaggregated(
-            *(router, decode, request, "r", hints, prefill.instance_ids(), route, [], False)
+            *(router, decode, request, "r", hints, prefill.instance_ids(), route, [], enforce)
         ).decode_first()
-        yield workers, router, outputs
-        await router.close()
+        try:
+            yield workers, router, outputs
+        finally:
+            await router.close()
     finally:
         await caller.shutdown()
         await workers.stop()
 
 
-async def test_a_prefill_that_fails_after_the_answer_is_counted_as_a_fallback() -> None:
-    async with decode_first() as (workers, router, outputs):
-        workers.decoded.set()
-        answer = await collect(outputs)
-        assert [out.token_ids for out in answer] == [[1, 2]]
-        assert (router.outcomes.answered, router.outcomes.fallbacks) == (0, 0)  # still running
-        workers.fail.set()
+@pytest.fixture
+def settle_s(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
+    """Sets `SETTLE_S`; an hour unless a test sets it (nothing then waits on the clock)."""
+
+    def set_to(seconds: float) -> None:
+        monkeypatch.setattr(prefill_router, "SETTLE_S", seconds)
+
+    set_to(3600.0)
+    return set_to
+
+
+async def answered_whole(workers: Workers, outputs: AsyncIterator[EngineOutput]) -> None:
+    """The request's answer, once the prefill worker has the call (still running after)."""
+    request = asyncio.create_task(collect(outputs))
+    await asyncio.wait_for(workers.taken.wait(), 10)
+    workers.decoded.set()
+    assert [out.token_ids for out in await request] == [[1, 2]]
+
+
+@pytest.mark.parametrize("enforce", [False, True])
+async def test_a_prefill_that_fails_after_the_answer_is_a_fallback(
+    settle_s: Callable[[float], None], enforce: bool
+) -> None:
+    async with decode_first(enforce) as (workers, router, outputs):
+        await answered_whole(workers, outputs)
+        assert router.outcomes == PrefillOutcomes()
+        workers.end.set()
         await wait_until(lambda: router.outcomes.fallbacks == 1, what="the fallback counted")
+        assert router.outcomes == PrefillOutcomes(fallbacks=1)  # (not a failure: it was served)
         await wait_until(lambda: workers.abandoned == ["room"], what="the room abandoned")
         assert not workers.cancelled.is_set()
 
 
-async def test_a_request_that_ends_early_cancels_its_prefill_at_once(
-    monkeypatch: pytest.MonkeyPatch,
+async def test_a_prefill_answering_after_the_answer_is_counted(
+    settle_s: Callable[[float], None],
 ) -> None:
-    monkeypatch.setattr(prefill_router, "SETTLE_S", 3600.0)  # not left to settle
+    async with decode_first() as (workers, router, outputs):
+        await answered_whole(workers, outputs)
+        workers.answers = True
+        workers.end.set()
+        await wait_until(lambda: router.outcomes.answered == 1, what="the answer counted")
+        assert router.outcomes == PrefillOutcomes(answered=1) and not workers.abandoned
+
+
+async def test_a_prefill_that_does_not_settle_is_cancelled(
+    settle_s: Callable[[float], None],
+) -> None:
+    settle_s(0.05)
+    async with decode_first() as (workers, router, outputs):
+        await answered_whole(workers, outputs)
+        await asyncio.wait_for(workers.cancelled.wait(), 10)
+        assert router.outcomes == PrefillOutcomes()
+
+
+async def test_closing_the_router_cancels_a_settling_prefill(
+    settle_s: Callable[[float], None],
+) -> None:
+    async with decode_first() as (workers, router, outputs):
+        await answered_whole(workers, outputs)
+        await router.close()
+        await asyncio.wait_for(workers.cancelled.wait(), 10)
+
+
+async def test_a_request_that_ends_early_cancels_its_prefill_at_once(
+    settle_s: Callable[[float], None],
+) -> None:
     async with decode_first() as (workers, router, outputs):
         request = asyncio.create_task(collect(outputs))
         await asyncio.wait_for(workers.taken.wait(), 10)

@@ -7,7 +7,8 @@
 - Blocks a prefill worker holds for a decode worker that never takes the request are
   released; a decode worker's room that no prefill worker will fill is ended at once.
 - Decode-first: a prefill still running when its request ended is cancelled at once if the
-  request ended early, else left `SETTLE_S` to end, so that its outcome is counted.
+  request ended early; else it is left `SETTLE_S` to end (`PrefillRouter.settle`), its outcome
+  counted (a failure then is a fallback: the decode worker computed the prompt).
 - A request that asks for logprobs goes prefill-first in either order: its first token's come
   with the prefill worker's answer (a decode worker takes no bootstrap for it).
 """
@@ -47,6 +48,7 @@ class Disaggregated:
     enforce: bool  # a failed prefill fails the request (else: prefilled on the decode worker)
 
     def __post_init__(self) -> None:
+        self.answered = False  # decode-first: the decode worker's last output came
         self.route.sent_kv()  # a prefill worker sends or writes it the KV
 
     def outputs(self, order: str) -> AsyncGenerator[EngineOutput, None]:
@@ -85,7 +87,6 @@ class Disaggregated:
         stream = self.decode.ordered(bootstrap, self.route.ranking, request_id=self.request_id)
         outputs = follow(stream, self.route, self.served_by)
         pushing: asyncio.Task[EngineOutput | None] | None = None
-        ended = False  # the decode worker's last output came
         try:
             async for out in outputs:
                 if out.kv_target is not None:
@@ -98,11 +99,11 @@ class Disaggregated:
                     error = pushing.exception()
                     if error is not None:  # PrefillError with `enforce`
                         raise error
-                ended = out.is_last
+                self.answered = out.is_last
                 yield out
         finally:
             if pushing is not None and not pushing.done():
-                if ended:
+                if self.answered:
                     self.prefill.settle(pushing)
                 else:
                     pushing.cancel()
@@ -116,6 +117,10 @@ class Disaggregated:
                 request, self.request_id, self.hints, self.candidates, self.served_by
             )
         except PrefillError as exc:
+            if self.answered:  # the decode worker computed the prompt: the request was served
+                outcomes.fallbacks += 1
+                log.warning("request %s: %s after the decode worker answered", self.request_id, exc)
+                return None
             if self.enforce:
                 outcomes.failures += 1
                 raise

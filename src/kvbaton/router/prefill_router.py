@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvbaton.disagg.peers import PeerCalls
 from kvbaton.protocols.llm import EngineOutput, KvTarget, PreprocessedRequest
@@ -49,6 +50,7 @@ class PrefillRouter:
         self.peers = PeerCalls(runtime)
         self.outcomes = PrefillOutcomes()
         self._abandoning: set[asyncio.Future[None]] = set()
+        self._settling: set[asyncio.Task[EngineOutput | None]] = set()
 
     def instance_ids(self, with_cards: Sequence[int]) -> list[int]:
         """The live prefill workers among those with a card of the model."""
@@ -92,13 +94,23 @@ class PrefillRouter:
             abandoning.add_done_callback(self._abandoning.discard)
 
     def settle(self, prefill: asyncio.Task[EngineOutput | None]) -> None:
-        """A decode-first prefill still running when its request was answered whole (the
-        decode worker went on without its KV): cancelled after `SETTLE_S` unless it ended by
-        then, its outcome counted (a killed prefill worker's call fails a moment after the
-        decode worker gave up on it)."""
+        """A decode-first prefill still running when its request was answered whole.
+
+        - It is counted if it ends within `SETTLE_S` (its answer came after the decode
+          worker's last output, or its call failed after the decode worker gave up on its KV);
+          else it is cancelled, counted nowhere.
+        - `close` cancels it.
+        """
         cancel = asyncio.get_running_loop().call_later(SETTLE_S, prefill.cancel)
+        self._settling.add(prefill)
         prefill.add_done_callback(lambda _: cancel.cancel())
+        prefill.add_done_callback(self._settling.discard)
 
     async def close(self) -> None:
+        """Cancel the prefills left to settle and the abandon calls under way, then close."""
+        pending: list[asyncio.Future[Any]] = [*self._settling, *self._abandoning]
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         await self.router.close()
         await self.peers.close()
