@@ -286,8 +286,10 @@ class ModelRunner:
     ) -> tuple[StepBatch, list[ScheduledSeq], list[PromptRows]]:
         """The step's tensors; the scheduled sequences that sample, in the order their logits
         come; then the prompt positions whose logits follow theirs (`prompt_logprobs`)."""
-        decodes = [s for s in scheduled if _runs_as_decode(s)]
-        prefills = [s for s in scheduled if not _runs_as_decode(s)]
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        for s in scheduled:
+            (decodes if _runs_as_decode(s) else prefills).append(s)
         ordered = decodes + prefills
         token_ids: list[int] = []
         positions: list[int] = []
