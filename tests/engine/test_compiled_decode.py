@@ -17,7 +17,7 @@ import torch
 
 from kvbaton.cli.worker import worker_compile
 from kvbaton.engine import AsyncEngine, EngineConfig, LLMEngine, decode_package
-from kvbaton.engine.compiled_decode import CompiledDecode
+from kvbaton.engine.compiled_decode import PROJECTIONS, CompiledDecode
 from kvbaton.engine.decode_package import BuildFailed
 from kvbaton.engine.model_runner import ModelRunner
 from tests.engine.reference import engine, hf_greedy, prompts, run
@@ -64,12 +64,17 @@ def test_compiled_steps_give_hfs_tokens(
     assert isinstance(compiled, CompiledDecode)
     (package,) = packages.glob("*.so")
     built_at = package.stat().st_mtime_ns
-    # Each projection's weight is in the package once, packed for its GEMM: what is kept as
-    # given is the norms, the embeddings (for the lookup), the RoPE tables and the biases.
+    # Each projection's weight is in the package once: packed for Inductor's GEMM, or as given
+    # where ATen's ran it. Kept as given besides: the norms, the embeddings (for the lookup),
+    # the RoPE tables and the biases.
     layers = range(compiled.model.config.num_layers)
     norms = {f"{norm}_{i}" for norm in ("in_norm", "post_norm") for i in layers}
     biases = {f"qkv_bias_{i}" for i in layers if compiled.model.layers[i].qkv.bias is not None}
-    assert kept_as_given(package) == {"embed", "norm", "cos", "sin", *norms, *biases}
+    projections = {f"{name}_{i}" for name in PROJECTIONS for i in layers} | {"lm_head"}
+    made, given = constants(package)
+    others = given - projections
+    assert others == {"embed", "norm", "cos", "sin", *norms, *biases}
+    assert len(made) + len(given & projections) == len(projections)
     # The next engine loads the package: no second build.
     eng = engine(model_dir, compile="single-decode", device="cpu")
     compiled = model_runner(eng).compiled
@@ -83,11 +88,13 @@ def test_compiled_steps_give_hfs_tokens(
     assert package.stat().st_mtime_ns == built_at
 
 
-def kept_as_given(package: Path) -> set[str]:
-    """The package's constants kept as the graph was given them, by name (Inductor names those
-    it makes, such as a GEMM's packed weights, "constant<n>")."""
+def constants(package: Path) -> tuple[set[str], set[str]]:
+    """The package's constants by name: those Inductor made (such as a GEMM's packed weights,
+    "constant<n>" and "constant<n>_<k>"), and those kept as the graph was given them."""
     runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(package), 1)
-    return {n for n in runner.extract_constants_map(False) if not re.fullmatch(r"constant\d+", n)}
+    names = set(runner.get_constant_names_to_original_fqns())
+    made = {n for n in names if re.fullmatch(r"constant\d+(_\d+)?", n)}
+    return made, names - made
 
 
 def test_a_killed_engine_leaves_no_copy_of_its_package(
