@@ -4,7 +4,10 @@ size, machine and torch, then loaded in a few seconds by every engine that runs 
 - Packages live in `packages_dir()`. A package's name hashes what its build depends on
   (`PackageSpec`): the model's files (path, sizes, modification times), the dtype, the block
   size, the engine's torch threads, torch's version, the CPU, and the graph's source. A stale
-  package is never loaded, only left behind.
+  package is never loaded.
+- A package's modification time is when it was last looked up to load (`built_package`). A
+  build removes the packages of its model and settings that other sources or another torch
+  built and nothing has looked up for `STALE_S` (`remove_stale`), with their lock files.
 - A build runs in a process of its own (`python -m kvbaton.engine.decode_package`), at a lower
   CPU priority: the engine serves eagerly meanwhile (`compile="auto"`), and the compiler's
   memory goes with the process. It says how long it has taken every half minute, and ends
@@ -23,9 +26,11 @@ import argparse
 import concurrent.futures
 import contextlib
 import functools
+import glob
 import hashlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,6 +53,7 @@ STOP_WAIT_S = 10.0
 BUILD_NICENESS = 10  # serving comes first where both want the CPU
 POLL_S = 0.5  # for a build's end
 LOAD_MARGIN_BYTES = 1 << 30  # of the available memory, left once a package is loaded
+STALE_S = 7 * 86400.0  # unused this long, a package of other sources is removed by a build
 
 
 class BuildFailed(RuntimeError):
@@ -206,6 +212,23 @@ def build(spec: PackageSpec) -> None:
         finally:
             partial.unlink(missing_ok=True)
         log.info("built the compiled single-decode step in %.0f s", time.monotonic() - start)
+        for removed in remove_stale(path):
+            log.info("removed %s: built for other sources, unused for a week", removed.name)
+
+
+def remove_stale(path: Path) -> list[Path]:
+    """Remove the packages beside `path` of the same model and settings (its name but for the
+    digest) that nothing has looked up for `STALE_S`, with their lock files; returns them."""
+    stem = path.stem.rsplit("-", 1)[0]
+    removed = []
+    for other in path.parent.glob(f"{glob.escape(stem)}-*.so"):
+        named = re.fullmatch(rf"{re.escape(stem)}-[0-9a-f]{{16}}\.so", other.name)
+        with contextlib.suppress(FileNotFoundError):
+            if other != path and named and time.time() - other.stat().st_mtime > STALE_S:
+                other.unlink()
+                other.with_name(f".{other.name}.lock").unlink(missing_ok=True)
+                removed.append(other)
+    return removed
 
 
 class PackageBuild:
@@ -253,8 +276,10 @@ class PackageBuild:
 
 def built_package(spec: PackageSpec, started: Callable[[PackageBuild], None] | None = None) -> Path:
     """`spec`'s package, built first (`started(build)` then) where there is none; `BuildFailed`
-    where it cannot be built."""
+    where it cannot be built. Its modification time is now: it is in use."""
     if spec.path.is_file():
+        with contextlib.suppress(OSError):  # (a directory it may not write: kept all the same)
+            os.utime(spec.path)
         return spec.path
     if missing := cxx_compiler_missing():
         raise BuildFailed(missing)
