@@ -329,12 +329,9 @@ class ModelRunner:
             end = flat + s.num_tokens
             computed = s.seq.num_computed_tokens
             context_len = computed + s.num_tokens
-            if s.seq.computes_whole_prompt:  # positions not recorded yet (not on a recompute)
-                first = max(computed, len(s.seq.prompt_logprobs))
-                last = min(context_len, s.seq.num_prompt_tokens - 1)
-                if first < last:
-                    prompt_rows.append(PromptRows(s.seq, first, last - first))
-                    prompt_index += range(flat + first - computed, flat + last - computed)
+            if rows := s.seq.unrecorded_prompt_rows(s.num_tokens):
+                prompt_rows.append(PromptRows(s.seq, rows.start, len(rows)))
+                prompt_index += range(flat + rows.start - computed, flat + rows.stop - computed)
             chunk = torch.arange(computed, context_len, device=self.device)
             write_rows[flat:end] = self._rows(s.seq.block_table, chunk)
             # With a prefix in the cache, the chunk attends to it too.

@@ -72,6 +72,15 @@ class Sequence:
         """It reads the logits of every prompt position: no prompt KV is reused."""
         return self.params.prompt_logprobs is not None
 
+    def unrecorded_prompt_rows(self, num_tokens: int) -> range:
+        """The prompt positions a step computing `num_tokens` from `num_computed_tokens` gives
+        logprobs of that are not recorded yet (none on a recompute, none without
+        `prompt_logprobs`; the last prompt position predicts an output, not a prompt token)."""
+        if not self.computes_whole_prompt:
+            return range(0)
+        first = max(self.num_computed_tokens, len(self.prompt_logprobs))
+        return range(first, min(self.num_computed_tokens + num_tokens, self.num_prompt_tokens - 1))
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

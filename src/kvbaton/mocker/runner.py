@@ -100,13 +100,11 @@ class MockerRunner:
         tokens = {}
         for item in output.scheduled:
             seq = item.seq
-            if seq.computes_whole_prompt:  # the prompt positions this step computes
-                first = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
-                last = min(seq.num_computed_tokens + item.num_tokens, seq.num_prompt_tokens - 1)
-                top = seq.params.prompt_logprobs or 0
-                seq.prompt_logprobs += [
-                    self._mocked(seq.token_ids[i + 1], top, rank=1) for i in range(first, last)
-                ]
+            top = seq.params.prompt_logprobs or 0
+            seq.prompt_logprobs += [
+                self._mocked(seq.token_ids[i + 1], top, rank=1)
+                for i in seq.unrecorded_prompt_rows(item.num_tokens)
+            ]
             if item.samples:
                 token = tokens[seq.request_id] = self._token(seq)
                 if seq.params.logprobs is not None:
