@@ -44,7 +44,7 @@ from typing import Generic, TypeVar
 import torch
 
 from kvbaton.engine.config import BUILD_PROGRESS_S, BUILD_WAIT_S, EngineConfig
-from kvbaton.llm.model_files import models_dir, one_at_a_time
+from kvbaton.llm.model_files import lock_file, models_dir, one_at_a_time
 
 log = logging.getLogger("kvbaton.engine.decode_package")  # also when run as __main__
 T = TypeVar("T")
@@ -226,7 +226,7 @@ def remove_stale(path: Path) -> list[Path]:
         with contextlib.suppress(FileNotFoundError):
             if other != path and named and time.time() - other.stat().st_mtime > STALE_S:
                 other.unlink()
-                other.with_name(f".{other.name}.lock").unlink(missing_ok=True)
+                lock_file(other).unlink(missing_ok=True)
                 removed.append(other)
     return removed
 

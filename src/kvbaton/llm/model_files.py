@@ -92,13 +92,18 @@ def pull(name: str = DEFAULT_MODEL, *, force: bool = False, progress: Progress =
     return target
 
 
+def lock_file(target: Path) -> Path:
+    """The lock file of `one_at_a_time` for `target`: `.NAME.lock` beside it."""
+    return target.with_name(f".{target.name}.lock")
+
+
 @contextlib.contextmanager
 def one_at_a_time(target: Path, doing: str, wait_s: float, progress: Progress) -> Iterator[None]:
     """The one process on this machine `doing` what makes `target` (a pull, a build).
     - An exclusive lock on `.NAME.lock` beside it: a second process waits up to `wait_s`, then
       finds `target` made.
     - The kernel lets the lock go with its process: a killed maker holds nothing."""
-    with open(target.with_name(f".{target.name}.lock"), "w") as lock:
+    with open(lock_file(target), "w") as lock:
         deadline = time.monotonic() + wait_s
         waiting = False
         while True:
