@@ -14,8 +14,10 @@ from collections.abc import AsyncIterable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvbaton.protocols.llm import WorkerLoad
 
@@ -123,6 +125,17 @@ def routed_series(registry: CollectorRegistry) -> set[str]:
         for sample in metric.samples
         if sample.name == "kvbaton_router_requests_total"
     }
+
+
+def scraped(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples named `name` with `labels` at `url` (a /metrics); 0 if none."""
+    text = httpx.get(url).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 # Schemas that a tiny random model meets in a few tokens when they are enforced.

@@ -8,6 +8,7 @@ import contextlib
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -91,6 +92,13 @@ async def ready(frontend: Deployment, model: Path, prefill: int = 1, serving: in
                 return len(ids) == prefill
 
             await poll(all_prefill, 60, f"not {prefill} prefill worker(s)")
+
+
+async def model_row(frontend: Deployment) -> dict[str, Any]:
+    """The frontend's one served model in its `GET /v1/cluster`."""
+    async with httpx.AsyncClient() as http:
+        (model,) = (await http.get(f"{frontend.url}/v1/cluster")).json()["models"]
+    return model  # type: ignore[no-any-return]
 
 
 def client_of(frontend: Deployment) -> openai.AsyncOpenAI:

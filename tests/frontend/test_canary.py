@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import WorkerFactory
 from tests.frontend.conftest import Deployment
 from tests.frontend.fleet import poll, ready, running_frontend
+from tests.helpers import scraped
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +54,7 @@ async def test_a_hung_worker_fails_its_canary_and_is_passed_over_until_it_passes
 
             workers[0].send_signal(signal.SIGSTOP)
             try:
-                await poll(lambda: _logged(frontend, "failed its canary"), 30, "no canary failed")
+                await poll(lambda: unhealthy(frontend, 1), 30, "no canary failed")
                 # Every request goes to the other worker, at once: none waits on the hung one
                 # (its first output would take --first-output-timeout, 60 s).
                 async with asyncio.timeout(20):
@@ -61,9 +62,16 @@ async def test_a_hung_worker_fails_its_canary_and_is_passed_over_until_it_passes
                 assert len(after) == 1
             finally:
                 workers[0].send_signal(signal.SIGCONT)
-            await poll(lambda: _logged(frontend, "passed its canary"), 30, "no canary passed")
+            await poll(lambda: unhealthy(frontend, 0), 30, "no canary passed")
             assert set(await served_by(http, chat_model.name, 20)) == both
 
 
-async def _logged(frontend: Deployment, text: str) -> bool:
-    return text in frontend.log_text()
+async def unhealthy(frontend: Deployment, count: int) -> bool:
+    """Whether `count` workers are unhealthy, on the frontend's /metrics and in its
+    /v1/cluster (the two agree)."""
+    async with httpx.AsyncClient(base_url=frontend.url) as http:
+        rows = (await http.get("/v1/cluster")).json()["workers"]
+    shown = sum(not row["healthy"] for row in rows)
+    name = "kvbaton_frontend_unhealthy_workers"
+    exported = await asyncio.to_thread(scraped, f"{frontend.url}/metrics", name)
+    return shown == exported == count

@@ -24,6 +24,7 @@ from tests.frontend.fleet import (
     client_of,
     load,
     mocker,
+    model_row,
     poll,
     ready,
     running_frontend,
@@ -73,9 +74,7 @@ async def test_a_prefill_worker_killed_mid_prefill_leaves_the_decode_worker_to_p
             outcomes: dict[str, int] = {}
 
             async def counted() -> bool:  # the killed prefill's call may fail after the answer
-                async with httpx.AsyncClient() as http:
-                    (model,) = (await http.get(f"{frontend.url}/v1/cluster")).json()["models"]
-                outcomes.update(model["disaggregated"])
+                outcomes.update((await model_row(frontend))["disaggregated"])
                 return outcomes["answered"] + outcomes["fallbacks"] == 2
 
             await poll(counted, 10, "the killed prefill's outcome was never counted")

@@ -173,11 +173,26 @@ async def test_nothing_is_sent_again_after_a_finish_and_each_loss_is_reported() 
     outs = await collect(worker, request())
     assert [o.finish_reason for o in outs] == [None, None, "length"]
     assert len(worker.seen) == 1
-    lost: list[Exception] = []
+    lost: list[tuple[type[Exception], bool]] = []
+
+    def on_lost(exc: Exception, migrates: bool) -> None:
+        lost.append((type(exc), migrates))
+
     worker = Worker(([1], "break"), ([2, 3, 4, 5, 6], "finish"))
-    stream = migrating(worker.attempt, request(), "r", MigrationSettings(), on_lost=lost.append)
+    stream = migrating(worker.attempt, request(), "r", MigrationSettings(), on_lost=on_lost)
     assert len([o async for o in stream]) == 6
-    assert [type(e) for e in lost] == [StreamBrokenError]
+    assert lost == [(StreamBrokenError, True)]
+    lost.clear()  # the limit reached: lost, not migrated
+    worker = Worker(([1], "break"), ([2], "break"))
+    stream = migrating(worker.attempt, request(), "r", MigrationSettings(limit=1), on_lost=on_lost)
+    with pytest.raises(StreamBrokenError):
+        [o async for o in stream]
+    assert lost == [(StreamBrokenError, True), (StreamBrokenError, False)]
+    lost.clear()  # only the end lost: not migrated
+    worker = Worker(([1, 2, 3, 4, 5, 6], "break"))
+    stream = migrating(worker.attempt, request(), "r", MigrationSettings(), on_lost=on_lost)
+    assert [o.finish_reason for o in [o async for o in stream]][-1] == "length"
+    assert lost == [(StreamBrokenError, False)]
 
 
 def test_continuation_and_settings() -> None:

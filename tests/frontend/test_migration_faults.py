@@ -29,12 +29,15 @@ from kvbaton.protocols.llm import WorkerLoad
 from kvbaton.runtime import DistributedRuntime
 from kvbaton.runtime.errors import RuntimeServiceError
 from tests.conftest import WorkerFactory, instance_id, worker_log
-from tests.frontend.fleet import client_of, poll, ready, running_frontend
+from tests.frontend.fleet import client_of, model_row, poll, ready, running_frontend
+from tests.helpers import scraped
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NS = "t"
 STREAMS = 50
+MIGRATIONS = "kvbaton_frontend_migrations_total"
+PREFILLS = "kvbaton_frontend_disaggregated_prefills_total"
 # Tokens a stream: enough that a victim seen mid-stream is still so when the signal reaches it.
 # The real model writes a token of 25 streams in ~2 ms: 150 tokens are ~0.3 s; the mocker's
 # SLOW_DECODE ~30 ms: 40 tokens are ~1.2 s.
@@ -265,6 +268,14 @@ async def test_a_worker_killed_under_50_streams_loses_no_request_and_no_token(
                 return len(used) == len(workers) - 1 and not any(used.values())
 
             await poll(survivors_free, 30, "a survivor still holds blocks")
-        log = frontend.log_text()
-        expected = "prefilling on the decode worker" if victim_role == "prefill" else "migrating"
-        assert expected in log, log[-3000:]
+            model_counts = await model_row(frontend)
+            exported = {  # the same counts on /metrics
+                "migrations": scraped(f"{frontend.url}/metrics", MIGRATIONS),
+                "fallbacks": scraped(f"{frontend.url}/metrics", PREFILLS, outcome="fallback"),
+            }
+        fallbacks = (model_counts["disaggregated"] or {}).get("fallbacks", 0)
+        assert exported == {"migrations": model_counts["migrations"], "fallbacks": fallbacks}
+        if victim_role == "prefill":  # its requests were prefilled on their decode workers
+            assert fallbacks > 0, model_counts
+        else:  # its requests went on elsewhere
+            assert model_counts["migrations"] > 0, model_counts

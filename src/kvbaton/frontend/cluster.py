@@ -10,6 +10,8 @@
 - Routing decisions are this frontend's own; workers, loads and the planner's decisions are
   the same for every frontend replica.
 - Nothing is cached: each call reads the state as it is then.
+- Each model's migrations, disaggregated prefills and unhealthy workers are also on the
+  frontend's /metrics, read when scraped (`_ModelCounts`).
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ import dataclasses
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from kvbaton.frontend.canary import Canary
 from kvbaton.frontend.metrics import FrontendMetrics
 from kvbaton.frontend.models import ModelManager, ServedModel
 from kvbaton.frontend.shedding import LoadMonitor
@@ -49,10 +55,13 @@ class _Pool:
     cards: dict[int, ModelCard]
     router: Router
     loads: LoadMonitor | None
+    canary: Canary | None = None
 
 
 def _pools(model: ServedModel) -> list[_Pool]:
-    pools = [_Pool(model.name, "", model.client, model.cards, model.router, model.loads)]
+    pools = [
+        _Pool(model.name, "", model.client, model.cards, model.router, model.loads, model.canary)
+    ]
     prefill = model.prefill
     if prefill.router is not None:
         pools.append(
@@ -103,10 +112,50 @@ def _load(loads: LoadMonitor | None, worker: int) -> dict[str, Any] | None:
     }
 
 
+class _ModelCounts(Collector):
+    """Each served model's counts on /metrics, read from the model when scraped."""
+
+    def __init__(self, models: ModelManager) -> None:
+        self.models = models
+
+    def collect(self) -> Iterator[Metric]:
+        prefix = "kvbaton_frontend"
+        migrations = CounterMetricFamily(
+            f"{prefix}_migrations",
+            "Lost attempts whose request went on on another worker",
+            labels=["model"],
+        )
+        prefills = CounterMetricFamily(
+            f"{prefix}_disaggregated_prefills",
+            "Prefills sent to prefill workers, by outcome (answered; fallback: the decode "
+            "worker prefilled; failure: the request failed)",
+            labels=["model", "outcome"],
+        )
+        unhealthy = GaugeMetricFamily(
+            f"{prefix}_unhealthy_workers",
+            "Workers not routed to until they pass a canary",
+            labels=["model"],
+        )
+        for model in list(self.models.models.values()):
+            migrations.add_metric([model.name], model.migrations)
+            if model.prefill.router is not None:
+                outcomes = model.prefill.router.outcomes
+                prefills.add_metric([model.name, "answered"], outcomes.answered)
+                prefills.add_metric([model.name, "fallback"], outcomes.fallbacks)
+                prefills.add_metric([model.name, "failure"], outcomes.failures)
+            sick = model.canary.unhealthy if model.canary is not None else set()
+            unhealthy.add_metric([model.name], len(sick))
+        yield migrations
+        yield prefills
+        yield unhealthy
+
+
 class ClusterView:
     def __init__(self, models: ModelManager, metrics: FrontendMetrics) -> None:
+        """Also exports the models' counts on `metrics`' registry."""
         self.models = models
         self.metrics = metrics
+        metrics.registry.register(_ModelCounts(models))
         self.started_at = time.time()
         self._host = socket.gethostname()
         self._gone: dict[str, tuple[float, dict[str, Any]]] = {}  # name -> (seen at, its row)
@@ -149,6 +198,7 @@ class ClusterView:
             "workers": len(model.instance_ids()),
             "prefill_workers": len(model.prefill.live()),
             "disaggregated": None if prefill is None else dataclasses.asdict(prefill.outcomes),
+            "migrations": model.migrations,
         }
 
     def _slot_row(self, slot: dict[str, Any]) -> dict[str, Any]:
@@ -197,6 +247,7 @@ class ClusterView:
                 "role": pool.role or card.role,
                 "in_flight": pool.router.in_flight.get(worker, 0),
                 "load": _load(pool.loads, worker),
+                "healthy": pool.canary is None or worker not in pool.canary.unhealthy,
                 "slot": slot is not None,
             }
             rows[row["name"]] = row
@@ -208,6 +259,7 @@ class ClusterView:
                     "role": slot.get("role", ""),
                     "in_flight": 0,
                     "load": None,
+                    "healthy": True,
                     "slot": True,
                 }
         now = time.time()

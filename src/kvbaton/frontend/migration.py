@@ -138,11 +138,12 @@ async def migrating(
     request_id: str,
     settings: MigrationSettings,
     pinned: bool = False,
-    on_lost: Callable[[Exception], None] = lambda exc: None,
+    on_lost: Callable[[Exception, bool], None] = lambda exc, migrates: None,
 ) -> AsyncGenerator[EngineOutput, None]:
     """`attempt(request, False)`'s outputs; on a broken or silent attempt, those of
     `attempt(continuation(...), True)` (see the module's docstring). Nothing is sent again
-    once an output with a finish reason came. `on_lost(exc)`: an attempt was lost."""
+    once an output with a finish reason came. `on_lost(exc, migrates)`: an attempt was lost,
+    and the request goes on on another one (or not)."""
     produced: list[int] = []
     migrations = 0
     current = request
@@ -162,8 +163,18 @@ async def migrating(
                             return
             return
         except (StreamBrokenError, WorkerSilentError) as exc:
-            on_lost(exc)
-            if len(produced) >= request.sampling.max_tokens:  # only the end was lost
+            end_lost = len(produced) >= request.sampling.max_tokens  # only the end was lost
+            why = (
+                "only its end was lost"
+                if end_lost
+                else "it is pinned to its worker"
+                if pinned
+                else f"it migrated {migrations} times already"
+                if migrations >= settings.limit
+                else not_migratable(request)
+            )
+            on_lost(exc, why is None)
+            if end_lost:
                 yield EngineOutput(
                     request_id=request_id,
                     token_ids=[],
@@ -173,13 +184,6 @@ async def migrating(
                     ),
                 )
                 return
-            why = (
-                "it is pinned to its worker"
-                if pinned
-                else f"it migrated {migrations} times already"
-                if migrations >= settings.limit
-                else not_migratable(request)
-            )
             if why is not None:
                 if isinstance(exc, WorkerSilentError):
                     raise OpenAIError(504, str(exc), code="worker_timeout") from exc

@@ -103,6 +103,7 @@ class ServedModel:
         self.loads = loads
         self.thresholds = thresholds or BusyThresholds()
         self.canary = canary
+        self.migrations = 0  # lost attempts whose request went on on another worker
 
     def instance_ids(self) -> list[int]:
         """Live instances with a card of this model."""
@@ -124,7 +125,8 @@ class ServedModel:
         decode worker, when disaggregated). `fork`: one of a prompt's choices (choices.py)."""
         tried: list[int] = []  # the worker each attempt was routed to first
 
-        def lost(exc: Exception) -> None:
+        def lost(exc: Exception, migrates: bool) -> None:
+            self.migrations += migrates
             if isinstance(exc, WorkerSilentError) and self.canary is not None and tried:
                 self.canary.suspect(tried[-1], str(exc))
 

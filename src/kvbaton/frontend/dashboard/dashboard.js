@@ -72,7 +72,7 @@ function kvBar(load) {
 
 function renderModels(models) {
   fill("models", models.map((m) => row(
-    [m.name, m.router, m.workers, m.prefill_workers, m.context_length, m.kv_block_size],
+    [m.name, m.router, m.workers, m.prefill_workers, m.context_length, m.kv_block_size, m.migrations],
     { model: m.name },
   )));
 }
@@ -83,7 +83,7 @@ function renderWorkers(workers) {
     return row([
       w.name,
       w.role || "–",
-      el("td", w.state, `state-${w.state}`),
+      w.healthy ? el("td", w.state, `state-${w.state}`) : el("td", `${w.state}, unhealthy`, "state-unhealthy"),
       w.restarts === null ? "–" : w.restarts,
       w.instance || "–",
       w.pid || "–",
