@@ -176,7 +176,7 @@ async def test_a_prefill_that_does_not_settle_is_cancelled(
     async with decode_first() as (workers, router, outputs):
         await answered_whole(workers, outputs)
         await asyncio.wait_for(workers.cancelled.wait(), 10)
-        assert router.outcomes == PrefillOutcomes()
+        assert router.outcomes == PrefillOutcomes(unsettled=1)
 
 
 async def test_closing_the_router_cancels_a_settling_prefill(
@@ -186,6 +186,7 @@ async def test_closing_the_router_cancels_a_settling_prefill(
         await answered_whole(workers, outputs)
         await router.close()
         await asyncio.wait_for(workers.cancelled.wait(), 10)
+        assert router.outcomes == PrefillOutcomes()
 
 
 async def test_a_request_that_ends_early_cancels_its_prefill_at_once(

@@ -37,6 +37,7 @@ from kvbaton.protocols.llm import ModelCard
 from kvbaton.protocols.planner import PlannerReport, planner_reports_prefix
 from kvbaton.router.decisions import Choice
 from kvbaton.router.policies import Router
+from kvbaton.router.prefill_router import SETTLE_S
 from kvbaton.runtime import Client
 from kvbaton.runtime.serve_state import alive, read_states
 
@@ -128,7 +129,8 @@ class _ModelCounts(Collector):
         prefills = CounterMetricFamily(
             f"{prefix}_disaggregated_prefills",
             "Prefills sent to prefill workers, by outcome (answered; fallback: the decode "
-            "worker prefilled; failure: the request failed)",
+            "worker prefilled; failure: the request failed; unsettled: cancelled, still running "
+            f"{SETTLE_S:g} s after its request was answered)",
             labels=["model", "outcome"],
         )
         unhealthy = GaugeMetricFamily(
@@ -143,6 +145,7 @@ class _ModelCounts(Collector):
                 prefills.add_metric([model.name, "answered"], outcomes.answered)
                 prefills.add_metric([model.name, "fallback"], outcomes.fallbacks)
                 prefills.add_metric([model.name, "failure"], outcomes.failures)
+                prefills.add_metric([model.name, "unsettled"], outcomes.unsettled)
             sick = model.canary.unhealthy if model.canary is not None else set()
             unhealthy.add_metric([model.name], len(sick))
         yield migrations

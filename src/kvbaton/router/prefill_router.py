@@ -33,6 +33,7 @@ class PrefillOutcomes:
     answered: int = 0  # a prefill worker answered with the first token
     fallbacks: int = 0  # none did: the decode worker prefilled
     failures: int = 0  # none did, and the request failed (`enforce_disagg`)
+    unsettled: int = 0  # decode-first: still running `SETTLE_S` after its request was answered
 
 
 class PrefillRouter:
@@ -98,10 +99,15 @@ class PrefillRouter:
 
         - It is counted if it ends within `SETTLE_S` (its answer came after the decode
           worker's last output, or its call failed after the decode worker gave up on its KV);
-          else it is cancelled, counted nowhere.
-        - `close` cancels it.
+          else it is cancelled and counted as unsettled.
+        - `close` cancels it, uncounted.
         """
-        cancel = asyncio.get_running_loop().call_later(SETTLE_S, prefill.cancel)
+
+        def unsettled() -> None:
+            self.outcomes.unsettled += 1
+            prefill.cancel()
+
+        cancel = asyncio.get_running_loop().call_later(SETTLE_S, unsettled)
         self._settling.add(prefill)
         prefill.add_done_callback(lambda _: cancel.cancel())
         prefill.add_done_callback(self._settling.discard)

@@ -105,6 +105,7 @@ function renderWorkers(workers) {
   ])));
   fill("prefills", state.last.models.filter((m) => m.disaggregated).map((m) => row([
     m.name, m.disaggregated.answered, m.disaggregated.fallbacks, m.disaggregated.failures,
+    m.disaggregated.unsettled,
   ])));
 }
 
