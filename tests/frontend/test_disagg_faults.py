@@ -15,9 +15,10 @@ import httpx
 import openai
 import pytest
 
+from kvbaton.disagg.rooms import ROOM_ENDINGS
 from kvbaton.protocols.llm import EngineOutput, PreprocessedRequest, SamplingParams
 from kvbaton.runtime import DistributedRuntime
-from tests.conftest import WorkerFactory, worker_log
+from tests.conftest import WorkerFactory
 from tests.frontend.fleet import (
     NS,
     all_free,
@@ -29,6 +30,8 @@ from tests.frontend.fleet import (
     ready,
     running_frontend,
 )
+from tests.helpers import scraped
+from tests.servers import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +49,9 @@ async def test_a_prefill_worker_killed_mid_prefill_leaves_the_decode_worker_to_p
         prefill = mocker(
             spawn_worker, chat_model, "prefill", "--mocker-prefill", "0,1,0", *TRANSFER_TIMEOUT
         )
-        mocker(spawn_worker, chat_model, "decode", "--speedup-ratio", "10", *TRANSFER_TIMEOUT)
+        port = free_port()  # the decode worker's /metrics
+        decode_flags = ("--speedup-ratio", "10", "--system-port", str(port), *TRANSFER_TIMEOUT)
+        mocker(spawn_worker, chat_model, "decode", *decode_flags)
         await ready(frontend, chat_model)
         async with client_of(frontend) as client, DistributedRuntime(frontend.discovery) as rt:
             reference = await client.completions.create(
@@ -82,9 +87,13 @@ async def test_a_prefill_worker_killed_mid_prefill_leaves_the_decode_worker_to_p
             assert outcomes["fallbacks"] == 1  # prefilled on the decode worker
             assert reference.choices[0].text  # the deployment worked before the kill
             await all_free(rt, "backend")
-        if order == "decode-first":  # the writer's claim ended with its process, not by a report
-            decode_log = worker_log(tmp_path, 1).read_text()
-            assert "its writer let go without a report" in decode_log
+            metrics = f"http://127.0.0.1:{port}/metrics"
+            name = "kvbaton_disagg_rooms_total"
+            endings = {how: scraped(metrics, name, outcome=how) for how in ROOM_ENDINGS}
+        if order == "decode-first":  # the killed writer's claim ended with its process
+            assert endings == {**dict.fromkeys(ROOM_ENDINGS, 0), "written": 1, "writer_lost": 1}
+        else:  # no room: the decode worker read the KV
+            assert not any(endings.values())
 
 
 async def test_a_decode_worker_killed_mid_decode_frees_the_prefill_workers_blocks(
@@ -161,7 +170,8 @@ async def test_kv_whose_hold_ran_out_before_the_decode_worker_read_it_is_not_use
     ended), and prefills B itself. B's and C's greedy tokens equal the decode worker's own."""
     real = ("--engine", "torch", "--model", str(chat_model), "--block-size", "16")
     spawn_worker(*real, "--role", "prefill", "--num-kv-blocks", "16", "--kv-hold-timeout", "0.3")
-    spawn_worker(*real, "--role", "decode", "--max-num-seqs", "1")
+    port = free_port()  # the decode worker's /metrics
+    spawn_worker(*real, "--role", "decode", "--max-num-seqs", "1", "--system-port", str(port))
     prompt_b = LONG[:40]  # 3 blocks
     prompt_c = LONG[500:750]  # all 16 blocks of the prefill worker: it waits for B's
     async with running_frontend(tmp_path) as frontend:
@@ -192,8 +202,9 @@ async def test_kv_whose_hold_ran_out_before_the_decode_worker_read_it_is_not_use
             assert texts[1] == await complete(prompt_c, 4, pinned=True)
         async with DistributedRuntime(frontend.discovery) as rt:
             await all_free(rt, "prefill", "backend")
-    decode_log = worker_log(tmp_path, 1).read_text()
-    assert "no longer held the KV" in decode_log
+    reads = f"http://127.0.0.1:{port}/metrics", "kvbaton_disagg_reads_total"
+    assert scraped(*reads, outcome="hold_ended") >= 1  # B's (C's too, if it queued long)
+    assert scraped(*reads, outcome="read_failed") == 0
 
 
 async def test_enforce_disagg_refuses_without_a_prefill_worker(

@@ -169,7 +169,13 @@ async def _side(
         agent.start(runtime.settings.host, f"kvbaton-{await runtime.ensure_instance_id():x}")
     side = (runtime, engine, agent, view, f"{args.namespace}.{component}", engine.block_size)
     if args.role != "prefill":
-        return DecodeSide(*side)
+        from prometheus_client import REGISTRY
+
+        from kvbaton.workers.handoff_metrics import HandoffCollector
+
+        decode = DecodeSide(*side)
+        REGISTRY.register(HandoffCollector(decode))
+        return decode
     return PrefillSide(
         *side,
         hold_timeout_s=args.kv_hold_timeout,

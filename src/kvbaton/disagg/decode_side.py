@@ -8,6 +8,7 @@ allocated first (decode-first, its room: `rooms.py`).
   hold may time out while the request queues here); else the prompt is computed here.
 - The blocks of a read that failed stay out of use while it may still land
   (`KvTransferAgent.linger_s`).
+- Each read is counted once, by how it ended (`DecodeSide.reads_ended`, `READ_ENDINGS`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from kvbaton.disagg.peers import CALL_TIMEOUT_S
 from kvbaton.disagg.rooms import Room, Rooms
@@ -27,6 +28,13 @@ from kvbaton.engine.connector import EngineRequest, KvLoad, KvLoadFailed, output
 from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput
 
 log = logging.getLogger(__name__)
+
+ReadEnding = Literal["read", "hold_ended", "read_failed"]
+READ_ENDINGS: dict[ReadEnding, str] = {
+    "read": "the prompt's KV was read and used",
+    "hold_ended": "the prefill worker's hold ended before the read did: not used",
+    "read_failed": "the read failed",
+}
 
 
 @dataclass(eq=False)
@@ -47,6 +55,7 @@ class KvFetch:
             started = time.perf_counter()
             backend = side.agent.read(params.pool, src, load.dst_blocks)
         except BaseException as exc:
+            side.count_read("read_failed")
             asyncio.run_coroutine_threadsafe(self.release(), side.loop)
             linger_s = side.agent.linger_s(params.pool, "read") if isinstance(exc, OSError) else 0
             if linger_s:  # the read may still land in our blocks: keep them out of use
@@ -67,12 +76,14 @@ class KvFetch:
         except TimeoutError:
             still_held = False
         if not still_held:
+            side.count_read("hold_ended")
             raise KvLoadFailed(
                 f"request {load.request_id}: the prefill worker no longer held the KV when "
                 "the read ended"
             )
         side.cache.stage_in(load.dst_blocks)
         side.count_handoff(started)
+        side.count_read("read")
         return []
 
     async def release(self) -> bool:
@@ -84,6 +95,15 @@ class KvFetch:
 
 
 class DecodeSide(Rooms):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reads_ended: dict[ReadEnding, int] = dict.fromkeys(READ_ENDINGS, 0)  # since start
+
+    def count_read(self, how: ReadEnding) -> None:
+        """(Any thread.) A prefill-first read ended `how`."""
+        with self._count_lock:
+            self.reads_ended[how] += 1
+
     def ends_in(self, seconds: float) -> threading.Event:
         """An event set in `seconds`, after which the engine frees the blocks it kept out."""
         ended = threading.Event()

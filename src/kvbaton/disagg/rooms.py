@@ -7,6 +7,7 @@ written into, as a state machine (docs/architecture.md, "The decode worker's roo
   `CLAIMED_TIMEOUT_S`; never by its request's end or the router's abandon.
 - A room's blocks are never freed or computed into while a write may still land in them
   (LINGERING): the engine keeps them out of use until `writes_end` is set.
+- Each room's end is counted once, by how it ended (`Rooms.rooms_ended`, `ROOM_ENDINGS`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvbaton.disagg import peers
 from kvbaton.disagg.side import Side
@@ -51,6 +52,14 @@ TRANSITIONS: dict[RoomState, frozenset[RoomState]] = {
     S.FAILED: frozenset(),
 }
 ENDED = frozenset({S.SUCCESS, S.LINGERING, S.FAILED})
+RoomEnding = Literal["written", "write_failed", "writer_lost", "writer_silent", "unclaimed"]
+ROOM_ENDINGS: dict[RoomEnding, str] = {
+    "written": "its writer wrote the prompt's KV",
+    "write_failed": "its writer reported that the write failed",
+    "writer_lost": "its writer's claim ended without a report (its process or connection went)",
+    "writer_silent": f"its writer sent no report in {peers.CLAIMED_TIMEOUT_S:g} s",
+    "unclaimed": "no writer claimed it (its request ended, the router gave up, or it timed out)",
+}
 
 
 @dataclass(eq=False)
@@ -91,6 +100,7 @@ class Rooms(Side):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._rooms: dict[str, Room] = {}
+        self.rooms_ended: dict[RoomEnding, int] = dict.fromkeys(ROOM_ENDINGS, 0)  # since start
 
     def endpoints(self) -> dict[str, tuple[Handler, type]]:
         return {
@@ -128,14 +138,22 @@ class Rooms(Side):
             if was is S.LINGERING:  # its blocks were kept out of use: free them
                 self.engine.reclaim_kv_blocks()
 
+    def _end(
+        self, room: Room, state: RoomState, how: RoomEnding, token_ids: list[int] | None = None
+    ) -> None:
+        """`_enter` an ended `state`, counting `how` if the room had not ended yet."""
+        if room.state not in ENDED:
+            self.rooms_ended[how] += 1
+        self._enter(room, state, token_ids)
+
     def _timed_out(self, room: Room, state: RoomState) -> None:
         if room.state is not state:
             return
         if state is S.TRANSFERRING:
             log.warning("room %s: no report after %.0fs", room.name, peers.CLAIMED_TIMEOUT_S)
-            self._linger(room, self.linger_bound_s(room))
+            self._linger(room, self.linger_bound_s(room), "writer_silent")
         else:
-            self._enter(room, S.FAILED)
+            self._end(room, S.FAILED, "unclaimed")
 
     def linger_bound_s(self, room: Room) -> float:
         """How long writes may land after a claim ended without a report: the writer sees its
@@ -143,9 +161,11 @@ class Rooms(Side):
         (`KvTransferAgent.linger_s`), for the larger of the two sides' transfer timeouts."""
         return 3 * max(self.agent.timeout_s, room.writer_timeout_s) + WRITES_END_MARGIN_S
 
-    def _linger(self, room: Room, seconds: float, token_ids: list[int] | None = None) -> None:
+    def _linger(
+        self, room: Room, seconds: float, how: RoomEnding, token_ids: list[int] | None = None
+    ) -> None:
         room.linger_until = max(room.linger_until, self.loop.time() + seconds)
-        self._enter(room, S.LINGERING, token_ids)
+        self._end(room, S.LINGERING, how, token_ids)
 
     def open(self, name: str) -> Room:
         room = Room(name, self, self.loop.create_future())
@@ -164,7 +184,7 @@ class Rooms(Side):
         request's blocks until its load ends)."""
         if room is None or room.state not in (S.BOOTSTRAPPING, S.WAITING):
             return False
-        self._enter(room, S.FAILED)
+        self._end(room, S.FAILED, "unclaimed")
         return True
 
     async def close(self) -> None:
@@ -204,7 +224,7 @@ class Rooms(Side):
                 wait.cancel()
         if room.state not in ENDED:  # (still TRANSFERRING)
             log.warning("room %s: its writer let go without a report", room.name)
-            self._linger(room, self.linger_bound_s(room))
+            self._linger(room, self.linger_bound_s(room), "writer_lost")
 
     async def kv_ready(self, report: KvReady, context: Context) -> Accepted:
         """Endpoint: the writer's report. Accepted if it ended the room."""
@@ -213,10 +233,13 @@ class Rooms(Side):
             return Accepted(accepted=False)
         was = room.state
         if report.linger_s > 0 and was in (S.TRANSFERRING, S.LINGERING):
-            self._linger(room, report.linger_s, list(report.token_ids))
+            self._linger(room, report.linger_s, "write_failed", list(report.token_ids))
         else:
             ok = report.ok and was is S.TRANSFERRING
-            self._enter(room, S.SUCCESS if ok else S.FAILED, list(report.token_ids))
+            if ok:
+                self._end(room, S.SUCCESS, "written", list(report.token_ids))
+            else:
+                self._end(room, S.FAILED, "write_failed", list(report.token_ids))
         return Accepted(accepted=was not in ENDED)
 
     async def kv_abandon(self, abandon: KvAbandon, context: Context) -> Accepted:
