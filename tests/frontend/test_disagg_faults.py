@@ -132,11 +132,14 @@ async def test_a_client_leaving_while_the_kv_is_on_its_way_frees_everything(
             request = asyncio.create_task(
                 client.completions.create(model=chat_model.name, prompt=LONG, max_tokens=20)
             )
-            await asyncio.sleep(0.7)  # mid-prefill; decode-first: the decode worker waits
-            busy = await load(rt, "prefill")
-            assert busy.waiting + busy.running == 1
-            if order == "decode-first":  # its blocks wait for the prefill worker's KV
-                assert (await load(rt, "backend")).kv_blocks_used == -(-len(LONG) // 16)
+
+            async def mid_prefill() -> bool:  # decode-first: its blocks wait for the KV
+                busy = await load(rt, "prefill")
+                decode = await load(rt, "backend")
+                waits = order == "prefill-first" or decode.kv_blocks_used == -(-len(LONG) // 16)
+                return busy.waiting + busy.running == 1 and waits
+
+            await poll(mid_prefill, 30, "the prefill worker never took the prompt")
             request.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await request
@@ -176,7 +179,11 @@ async def test_kv_whose_hold_ran_out_before_the_decode_worker_read_it_is_not_use
     prompt_c = LONG[500:750]  # all 16 blocks of the prefill worker: it waits for B's
     async with running_frontend(tmp_path) as frontend:
         await ready(frontend, chat_model)
-        async with client_of(frontend) as client, httpx.AsyncClient() as http:
+        async with (
+            client_of(frontend) as client,
+            httpx.AsyncClient() as http,
+            DistributedRuntime(frontend.discovery) as rt,
+        ):
             (decode,) = (await http.get(f"{frontend.url}/health")).json()["models"][chat_model.name]
 
             async def complete(prompt: list[int], max_tokens: int, pinned: bool = False) -> str:
@@ -194,13 +201,16 @@ async def test_kv_whose_hold_ran_out_before_the_decode_worker_read_it_is_not_use
 
             # The decode worker runs one request at a time: these keep it busy for seconds.
             busy = [asyncio.create_task(complete(LONG[i : i + 8], 240, True)) for i in range(4)]
-            await asyncio.sleep(0.2)
+
+            async def queued() -> bool:
+                return (await load(rt, "backend")).waiting > 0
+
+            await poll(queued, 30, "the decode worker never queued a request")
             b = asyncio.create_task(complete(prompt_b, 8))
             c = asyncio.create_task(complete(prompt_c, 4))
             texts = await asyncio.gather(b, c, *busy)
             assert texts[0] == await complete(prompt_b, 8, pinned=True)
             assert texts[1] == await complete(prompt_c, 4, pinned=True)
-        async with DistributedRuntime(frontend.discovery) as rt:
             await all_free(rt, "prefill", "backend")
     reads = f"http://127.0.0.1:{port}/metrics", "kvbaton_disagg_reads_total"
     assert scraped(*reads, outcome="hold_ended") >= 1  # B's (C's too, if it queued long)
@@ -227,8 +237,15 @@ async def test_short_uncached_prompts_are_prefilled_on_the_decode_worker(
         mocker(spawn_worker, chat_model, "decode", "--speedup-ratio", "10")
         await ready(frontend, chat_model)
         async with client_of(frontend) as client:
+
+            async def indexed() -> bool:  # the decode worker's KV events reached the router
+                name, url = "kvbaton_router_indexed_blocks", f"{frontend.url}/metrics"
+                blocks = await asyncio.to_thread(scraped, url, name, component=f"{NS}.backend")
+                return blocks >= 300 // 16
+
             for length, workers in [(40, 1), (300, 2), (300 + 40, 1)]:  # the last: 288 cached
-                await asyncio.sleep(0.5)  # the decode worker's KV events reach the router
+                if length == 300 + 40:
+                    await poll(indexed, 30, "the decode worker's KV never reached the router")
                 raw = await client.completions.with_raw_response.create(
                     model=chat_model.name, prompt=LONG[:length], max_tokens=4
                 )
