@@ -3,6 +3,7 @@ byte-level tokenizer, started once per module and always stopped by PID."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -190,11 +191,16 @@ async def load_of(discovery: str, worker: int) -> WorkerLoad:
 
 
 def stop_serve(proc: subprocess.Popen[bytes]) -> int:
+    """SIGINT, then SIGKILL 30 s later; before the kill, SIGUSR1 has every thread's stack
+    written to the log (a deployment's: every child's too)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
             return proc.wait(30)
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)  # (the stacks are written at once; a child's pass through serve)
             proc.kill()
     return proc.wait()
 
@@ -205,7 +211,8 @@ def stop_cleanly(deployment: Deployment) -> None:
     - Fails unless it exited 0, with its last 80 log lines in the message.
     """
     code = stop_serve(deployment.proc)
-    tail = "\n".join(deployment.log_text().splitlines()[-80:])
+    shown = 400 if code == -signal.SIGKILL else 80  # killed: the stacks it wrote too
+    tail = "\n".join(deployment.log_text().splitlines()[-shown:])
     assert code == 0, f"kvbaton exited {code}; its last lines:\n{tail}"
 
 

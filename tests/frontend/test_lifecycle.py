@@ -157,7 +157,7 @@ async def test_dead_worker_gives_503_and_mid_stream_death_an_error_event(
         await asyncio.to_thread(stop_cleanly, frontend)
 
 
-async def test_serve_with_two_workers_stops_them_all_on_sigint(
+async def test_serve_with_two_workers_dumps_their_stacks_and_stops_them_all_on_sigint(
     chat_model: Path, tmp_path: Path
 ) -> None:
     deployment = await asyncio.to_thread(
@@ -165,6 +165,18 @@ async def test_serve_with_two_workers_stops_them_all_on_sigint(
     )
     try:
         await asyncio.to_thread(wait_for_health, deployment.url, deployment.model, 2)
+        deployment.proc.send_signal(signal.SIGUSR1)  # every process's stacks, to the log
+        processes = ("", "[frontend] ", "[worker-0] ", "[worker-1] ")  # serve, its children
+        stack = ("Thread 0x", "Current thread 0x")  # each thread's stack starts so
+
+        async def dumped() -> bool:
+            lines = deployment.log_text().splitlines()
+            return all(
+                any(line.startswith(p + s) for line in lines for s in stack) for p in processes
+            )
+
+        await poll(dumped, 30, "not every process wrote its stacks")
+        await asyncio.to_thread(wait_for_health, deployment.url, deployment.model, 2)  # served on
     finally:
         await asyncio.to_thread(stop_cleanly, deployment)
     assert "did not stop" not in deployment.log_text()  # each one stopped on its own

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import signal
 import sys
@@ -399,6 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     args.vllm_args = vllm_args  # `--engine vllm`'s own engine arguments
     end_with_supervisor()
     _setup_logging(args.log_level)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: stacks to stderr
     try:
         code = args.func(args)
     except (ValueError, OSError) as exc:  # bad input, busy port: say what, not a traceback

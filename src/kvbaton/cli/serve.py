@@ -213,6 +213,7 @@ def _supervise(
     )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda _signum, _frame: supervisor.stop())
+    signal.signal(signal.SIGUSR1, lambda _signum, _frame: supervisor.dump_stacks())
     return supervisor.run()
 
 

@@ -24,7 +24,9 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
+import faulthandler
 import json
 import logging
 import os
@@ -181,6 +183,16 @@ class Supervisor:
           on it forever.
         """
         self._stop_asked = True
+
+    def dump_stacks(self) -> None:
+        """Write every thread's stack to stderr, and have each live child write its own (from
+        a signal handler: `kill -USR1`)."""
+        faulthandler.dump_traceback(all_threads=True)
+        for slot in self.slots:
+            process = slot.process
+            if process is not None and process.returncode is None:
+                with contextlib.suppress(OSError):
+                    os.kill(process.pid, signal.SIGUSR1)
 
     def run(self) -> int:
         """Supervise until stopped (0) or a slot cannot start its child (1)."""
