@@ -1,14 +1,20 @@
 """The memory a compiled decode's package may take (`decode_package.available_memory`): the
 machine's available memory, or less where a cgroup v2 limit of the process's cgroup, or of one
-above it, leaves less (its droppable page cache counted as free)."""
+above it, leaves less (its droppable page cache counted as free); processes check it and load
+a package in turns (`load_fitting`)."""
 
 from __future__ import annotations
 
+import errno
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from kvbaton.engine.decode_package import available_memory
+from kvbaton.engine import decode_package
+from kvbaton.engine.decode_package import LOAD_MARGIN_BYTES, available_memory, load_fitting
 
 pytestmark = pytest.mark.unit
 
@@ -48,3 +54,57 @@ def test_a_containers_limit_leaves_less_counting_its_page_cache_free(tmp_path: P
 
 def test_nothing_known_is_none(tmp_path: Path) -> None:
     assert available_memory(tmp_path / "proc", tmp_path / "cgroup") is None
+
+
+def test_loads_of_a_package_check_the_memory_in_turns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two loads started together (two workers, say) where the memory holds one: the second
+    checks once the first took its memory, and is refused; without turns both would fit."""
+    package = tmp_path / "model.so"
+    package.write_bytes(bytes(4096))
+    room = [LOAD_MARGIN_BYTES + 4096]  # for one load
+    checks: list[int] = []
+    second_check = threading.Event()
+
+    def available() -> int:
+        checks.append(room[0])
+        if len(checks) == 2:
+            second_check.set()
+        return room[0]
+
+    def load(path: Path) -> str:
+        second_check.wait(1.0)  # without turns, the other load checks meanwhile
+        room[0] -= path.stat().st_size
+        return "loaded"
+
+    monkeypatch.setattr(decode_package, "available_memory", available)
+    with ThreadPoolExecutor(2) as pool:  # (each opens the lock: they take turns as processes)
+        futures = [pool.submit(load_fitting, package, load) for _ in range(2)]
+    outcomes = [f.result() if f.exception() is None else type(f.exception()) for f in futures]
+    assert sorted(map(str, outcomes)) == sorted(["loaded", str(decode_package.TooLargeToLoad)])
+    assert checks == [LOAD_MARGIN_BYTES + 4096, LOAD_MARGIN_BYTES]
+
+
+def test_a_load_that_fails_says_to_remove_the_package(tmp_path: Path) -> None:
+    package = tmp_path / "model.so"
+    package.write_bytes(bytes(16))
+
+    def load(path: Path) -> None:
+        raise OSError("not an archive")
+
+    with pytest.raises(RuntimeError, match=re.escape("did not load (not an archive); remove it")):
+        load_fitting(package, load)
+
+
+def test_a_package_in_a_directory_it_may_not_write_loads_without_turns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "model.so"
+    package.write_bytes(bytes(16))
+
+    def read_only(*args: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(decode_package, "one_at_a_time", read_only)
+    assert load_fitting(package, lambda path: path.name) == "model.so"

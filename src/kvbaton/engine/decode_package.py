@@ -18,6 +18,8 @@ size, machine and torch, then loaded in a few seconds by every engine that runs 
 - Building needs a C++ compiler (Inductor's kernels are C++); loading does not.
 - A package is loaded only where it fits (`check_fits`): its constants are copied into the
   process (about its size), and the machine, or the container, keeps `LOAD_MARGIN_BYTES`.
+  Processes check and load a package in turns, under its lock (`load_fitting`): one that loads
+  after another sees the memory that one took.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import errno
 import functools
 import glob
 import hashlib
@@ -53,6 +56,7 @@ STOP_WAIT_S = 10.0
 BUILD_NICENESS = 10  # serving comes first where both want the CPU
 POLL_S = 0.5  # for a build's end
 LOAD_MARGIN_BYTES = 1 << 30  # of the available memory, left once a package is loaded
+LOAD_WAIT_S = 600.0  # for the other processes' loads of a package before this one's
 STALE_S = 7 * 86400.0  # unused this long, a package of other sources is removed by a build
 
 
@@ -122,6 +126,28 @@ def _cgroup_room(cgroup: Path) -> int | None:
             if line.startswith("inactive_file "):
                 room += int(line.split()[1])
     return room
+
+
+def load_fitting(path: Path, load: Callable[[Path], T]) -> T:
+    """`load(path)`, where `check_fits(path)` passes.
+
+    - One process of this machine at a time checks and loads the package (its lock): workers
+      started together would each see the memory free, and each take it. In a directory it
+      may not write (a read-only volume of packages), it loads without turns.
+    - A load that fails raises RuntimeError, which says to remove the package.
+    """
+    with contextlib.ExitStack() as turn:
+        try:
+            turn.enter_context(one_at_a_time(path, "loading", LOAD_WAIT_S, log.info))
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            log.info("cannot lock %s (%s): loading it without turns", path.name, e)
+        check_fits(path)
+        try:
+            return load(path)
+        except Exception as e:
+            raise RuntimeError(f"{path} did not load ({e}); remove it to build it again") from e
 
 
 def check_fits(path: Path) -> None:
@@ -311,12 +337,7 @@ class PackageLoad(Generic[T]):
             path = built_package(spec, self._started)
             if self._stopped.is_set():
                 raise BuildFailed(f"stopped before loading {path.name}")
-            check_fits(path)
-            try:
-                loaded = load(path)
-            except Exception as e:
-                raise RuntimeError(f"{path} did not load ({e}); remove it to build it again") from e
-            self.future.set_result(loaded)
+            self.future.set_result(load_fitting(path, load))
         except Exception as e:  # the future carries it to the engine, which logs it
             self.future.set_exception(e)
 

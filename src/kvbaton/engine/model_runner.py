@@ -19,7 +19,7 @@ from kvbaton.engine.decode_package import (
     PackageSpec,
     TooLargeToLoad,
     built_package,
-    check_fits,
+    load_fitting,
 )
 from kvbaton.engine.guided import GuidedDecoding
 from kvbaton.engine.host_allocator import retain_freed_memory
@@ -149,10 +149,9 @@ class ModelRunner:
             return
         try:
             path = built_package(spec)
-            check_fits(path)
+            self.compiled = load_fitting(path, functools.partial(CompiledDecode, self.model))
         except (BuildFailed, TooLargeToLoad) as e:
             raise ValueError(str(e)) from None
-        self.compiled = CompiledDecode(self.model, path)
 
     def _take_compiled_decode(self) -> None:
         """Run single decodes compiled from now on, once the background load has ended."""
