@@ -21,6 +21,7 @@ from kvbaton.runtime.discovery import (
     open_discovery,
 )
 from kvbaton.runtime.discovery.etcd import EtcdDiscovery
+from tests.helpers import wait_until
 from tests.servers import EtcdServer, KubeStandIn
 
 pytestmark = pytest.mark.unit
@@ -231,7 +232,7 @@ def test_file_scans_never_reap_keys_of_leases_granted_meanwhile(tmp_path: Path) 
     import sys
 
     root = tmp_path / "disc"
-    stop = tmp_path / "stop"
+    stop, scanning = tmp_path / "stop", tmp_path / "scanning"
     writer = FileDiscovery(root)
     scanner = subprocess.Popen(
         [
@@ -241,16 +242,19 @@ def test_file_scans_never_reap_keys_of_leases_granted_meanwhile(tmp_path: Path) 
                 "import pathlib, sys\n"
                 "from kvbaton.runtime.discovery import FileDiscovery\n"
                 "reader = FileDiscovery(sys.argv[1])\n"
+                "reader._scan()\n"
+                "pathlib.Path(sys.argv[3]).touch()\n"
                 "while not pathlib.Path(sys.argv[2]).exists():\n"
                 "    reader._scan()\n"
             ),
             str(root),
             str(stop),
+            str(scanning),
         ]
     )
 
     async def put_many() -> None:
-        await asyncio.sleep(1.0)  # let the scanner start its loop
+        await wait_until(scanning.exists, 30.0, "the scanner scans")
         for i in range(500):
             lease = await writer.grant_lease(30)
             await writer.put(f"/k/{i}", b"v", lease)

@@ -308,9 +308,10 @@ async def test_shutdown_drains_in_flight_streams_and_refuses_new_ones(
     in_flight = client.round_robin(None)
     assert await in_flight.__anext__() == 0  # running on the server
     shutdown = asyncio.create_task(server.shutdown())
-    await asyncio.sleep(0.01)
+    plane = server._server
+    assert plane is not None
+    await wait_until(lambda: plane.draining, 5.0, "the server drains")
     # A request that arrives while draining is refused and never runs.
-    assert server._server is not None
     stream = await caller.request_client.open_stream(
         server._server.address,
         "ns.c.slow",
@@ -364,7 +365,10 @@ def test_bad_names_are_refused() -> None:
 async def test_a_handler_that_never_awaits_neither_starves_nor_floods(
     make_runtime: RuntimeFactory,
 ) -> None:
+    pouring = asyncio.Event()
+
     async def firehose(n: int, ctx: Context) -> AsyncIterator[int]:
+        pouring.set()
         for i in range(n):
             yield i
 
@@ -380,7 +384,7 @@ async def test_a_handler_that_never_awaits_neither_starves_nor_floods(
     await hose.wait_for_instances()
     await pinger.wait_for_instances()
     big = asyncio.create_task(collect(hose.round_robin(200_000)))
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(pouring.wait(), 5.0)
     t0 = time.monotonic()
     assert await collect(pinger.round_robin(None)) == ["pong"]
     assert not big.done(), "the ping had to wait for the whole firehose"

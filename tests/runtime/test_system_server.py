@@ -57,8 +57,9 @@ async def test_health_follows_the_runtime_from_starting_to_stopping() -> None:
         stream = client.round_robin(None)
         assert await stream.__anext__() == 0
         shutdown = asyncio.create_task(runtime.shutdown())
-        await asyncio.sleep(0.05)  # draining the stream
-        stopping = await http.get("/health")
+        async with asyncio.timeout(5):  # until shutdown starts, draining the stream
+            while (stopping := await http.get("/health")).status_code == 200:
+                pass
         assert (stopping.status_code, stopping.json()["status"]) == (503, "stopping")
         assert (await http.get("/live")).status_code == 200
         assert [i async for i in stream] == list(range(1, 20))
