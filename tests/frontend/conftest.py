@@ -192,7 +192,7 @@ async def load_of(discovery: str, worker: int) -> WorkerLoad:
 
 def stop_serve(proc: subprocess.Popen[bytes]) -> int:
     """SIGINT, then SIGKILL 30 s later; before the kill, SIGUSR1 has every thread's stack
-    written to the log (a deployment's: every child's too)."""
+    written to the log (a deployment's: every ready child's too)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import faulthandler
 import logging
 import signal
 import sys
@@ -27,6 +26,7 @@ from kvbaton.cli.frontend_flags import (
 from kvbaton.cli.planner import add_planner_flags
 from kvbaton.cli.profile import add_profile_flags
 from kvbaton.cli.routing import add_router_flags, router_settings
+from kvbaton.cli.stacks import dump_stacks_on
 from kvbaton.cli.supervised import end_with_supervisor
 from kvbaton.cli.worker import add_worker_flags
 from kvbaton.runtime import DistributedRuntime, RuntimeSettings, RuntimeShutDownError
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     args.vllm_args = vllm_args  # `--engine vllm`'s own engine arguments
     end_with_supervisor()
     _setup_logging(args.log_level)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: stacks to stderr
+    dump_stacks_on(signal.SIGUSR1)
     try:
         code = args.func(args)
     except (ValueError, OSError) as exc:  # bad input, busy port: say what, not a traceback

@@ -42,6 +42,7 @@ from kvbaton.cli.frontend_flags import (
     migration_settings,
 )
 from kvbaton.cli.routing import ROUTER_FLAGS, router_settings
+from kvbaton.cli.stacks import dump_stacks_then
 from kvbaton.cli.status import list_instances
 from kvbaton.cli.supervisor import ChildSpec, Supervisor
 from kvbaton.cli.worker import WORKER_FLAGS, check_engine_flags
@@ -213,7 +214,7 @@ def _supervise(
     )
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda _signum, _frame: supervisor.stop())
-    signal.signal(signal.SIGUSR1, lambda _signum, _frame: supervisor.dump_stacks())
+    dump_stacks_then(signal.SIGUSR1, lambda _signum, _frame: supervisor.pass_on_stack_dump())
     return supervisor.run()
 
 

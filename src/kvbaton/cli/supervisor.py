@@ -24,9 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
-import contextlib
 import enum
-import faulthandler
 import json
 import logging
 import os
@@ -173,6 +171,7 @@ class Supervisor:
         self.announce = announce
         self.failure = ""  # why the deployment stopped, if a slot could not start
         self._stop_asked = False  # a plain flag: see `stop`
+        self._dump_asked = False  # `pass_on_stack_dump`
         self._written: list[dict[str, Any]] = []
 
     def stop(self) -> None:
@@ -184,15 +183,18 @@ class Supervisor:
         """
         self._stop_asked = True
 
-    def dump_stacks(self) -> None:
-        """Write every thread's stack to stderr, and have each live child write its own (from
-        a signal handler: `kill -USR1`)."""
-        faulthandler.dump_traceback(all_threads=True)
+    def pass_on_stack_dump(self) -> None:
+        """Have each ready child write its stacks (`kill -USR1`; a child still starting would
+        end). From a signal handler: a flag, as `stop`, that the supervising loop acts on (the
+        thread that reaps the children: none is signalled once reaped)."""
+        self._dump_asked = True
+
+    def _pass_on_stack_dump(self) -> None:
+        self._dump_asked = False
         for slot in self.slots:
             process = slot.process
-            if process is not None and process.returncode is None:
-                with contextlib.suppress(OSError):
-                    os.kill(process.pid, signal.SIGUSR1)
+            if slot.state is SlotState.READY and process is not None and process.poll() is None:
+                process.send_signal(signal.SIGUSR1)
 
     def run(self) -> int:
         """Supervise until stopped (0) or a slot cannot start its child (1)."""
@@ -205,6 +207,8 @@ class Supervisor:
             while not self._stop_asked_after(TICK_S):
                 for slot in self.slots:
                     self._tick(slot)
+                if self._dump_asked:
+                    self._pass_on_stack_dump()
                 if not announced and all(s.state is SlotState.READY for s in self.slots):
                     announced = self.announce()
                 if not announced and time.monotonic() - started > self.ready_timeout_s:
