@@ -104,8 +104,8 @@ class PrefillRouter:
         """
 
         def unsettled() -> None:
-            self.outcomes.unsettled += 1
-            prefill.cancel()
+            if prefill.cancel():  # (not when it ended meanwhile: then it counted itself)
+                self.outcomes.unsettled += 1
 
         cancel = asyncio.get_running_loop().call_later(SETTLE_S, unsettled)
         self._settling.add(prefill)
