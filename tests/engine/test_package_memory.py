@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from kvbaton.engine import decode_package
-from kvbaton.engine.decode_package import LOAD_MARGIN_BYTES, available_memory, load_fitting
+from kvbaton.engine.decode_package import (
+    LOAD_MARGIN_BYTES,
+    BuildFailed,
+    LoadFailed,
+    available_memory,
+    load_fitting,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -79,8 +85,14 @@ def test_loads_of_a_package_check_the_memory_in_turns(
         return "loaded"
 
     monkeypatch.setattr(decode_package, "available_memory", available)
+    together = threading.Barrier(2)
+
+    def start() -> str:
+        together.wait()
+        return load_fitting(package, load)
+
     with ThreadPoolExecutor(2) as pool:  # (each opens the lock: they take turns as processes)
-        futures = [pool.submit(load_fitting, package, load) for _ in range(2)]
+        futures = [pool.submit(start) for _ in range(2)]
     outcomes = [f.result() if f.exception() is None else type(f.exception()) for f in futures]
     assert sorted(map(str, outcomes)) == sorted(["loaded", str(decode_package.TooLargeToLoad)])
     assert checks == [LOAD_MARGIN_BYTES + 4096, LOAD_MARGIN_BYTES]
@@ -93,7 +105,7 @@ def test_a_load_that_fails_says_to_remove_the_package(tmp_path: Path) -> None:
     def load(path: Path) -> None:
         raise OSError("not an archive")
 
-    with pytest.raises(RuntimeError, match=re.escape("did not load (not an archive); remove it")):
+    with pytest.raises(LoadFailed, match=re.escape("did not load (not an archive); remove it")):
         load_fitting(package, load)
 
 
@@ -108,3 +120,14 @@ def test_a_package_in_a_directory_it_may_not_write_loads_without_turns(
 
     monkeypatch.setattr(decode_package, "one_at_a_time", read_only)
     assert load_fitting(package, lambda path: path.name) == "model.so"
+
+
+def test_no_load_starts_once_stopped(tmp_path: Path) -> None:
+    package = tmp_path / "model.so"
+    package.write_bytes(bytes(16))
+    stopped = threading.Event()
+    stopped.set()  # (while it waited for its turn, say)
+    loads: list[Path] = []
+    with pytest.raises(BuildFailed, match="stopped before loading"):
+        load_fitting(package, loads.append, stopped)
+    assert not loads

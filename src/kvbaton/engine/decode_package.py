@@ -68,6 +68,10 @@ class TooLargeToLoad(RuntimeError):
     """Loading a package would leave too little of the available memory."""
 
 
+class LoadFailed(RuntimeError):
+    """A package on disk did not load."""
+
+
 def packages_dir() -> Path:
     """`$KVBATON_COMPILED_DIR`, else `compiled` beside the pulled models' directory."""
     if env := os.environ.get("KVBATON_COMPILED_DIR"):
@@ -128,26 +132,32 @@ def _cgroup_room(cgroup: Path) -> int | None:
     return room
 
 
-def load_fitting(path: Path, load: Callable[[Path], T]) -> T:
+def load_fitting(
+    path: Path, load: Callable[[Path], T], stopped: threading.Event | None = None
+) -> T:
     """`load(path)`, where `check_fits(path)` passes.
 
     - One process of this machine at a time checks and loads the package (its lock): workers
       started together would each see the memory free, and each take it. In a directory it
       may not write (a read-only volume of packages), it loads without turns.
-    - A load that fails raises RuntimeError, which says to remove the package.
+    - Nothing loads once `stopped` is set (BuildFailed), even after a wait for the turn.
+    - A load that fails raises LoadFailed, which says to remove the package; a turn not had
+      within `LOAD_WAIT_S`, TimeoutError.
     """
     with contextlib.ExitStack() as turn:
         try:
-            turn.enter_context(one_at_a_time(path, "loading", LOAD_WAIT_S, log.info))
+            turn.enter_context(one_at_a_time(path, "building or loading", LOAD_WAIT_S, log.info))
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
             log.info("cannot lock %s (%s): loading it without turns", path.name, e)
+        if stopped is not None and stopped.is_set():
+            raise BuildFailed(f"stopped before loading {path.name}")
         check_fits(path)
         try:
             return load(path)
         except Exception as e:
-            raise RuntimeError(f"{path} did not load ({e}); remove it to build it again") from e
+            raise LoadFailed(f"{path} did not load ({e}); remove it to build it again") from e
 
 
 def check_fits(path: Path) -> None:
@@ -335,9 +345,7 @@ class PackageLoad(Generic[T]):
     def _run(self, spec: PackageSpec, load: Callable[[Path], T]) -> None:
         try:
             path = built_package(spec, self._started)
-            if self._stopped.is_set():
-                raise BuildFailed(f"stopped before loading {path.name}")
-            self.future.set_result(load_fitting(path, load))
+            self.future.set_result(load_fitting(path, load, self._stopped))
         except Exception as e:  # the future carries it to the engine, which logs it
             self.future.set_exception(e)
 

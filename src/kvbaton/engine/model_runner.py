@@ -15,6 +15,7 @@ from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.connector import KvSink, PromptChunk
 from kvbaton.engine.decode_package import (
     BuildFailed,
+    LoadFailed,
     PackageLoad,
     PackageSpec,
     TooLargeToLoad,
@@ -150,7 +151,7 @@ class ModelRunner:
         try:
             path = built_package(spec)
             self.compiled = load_fitting(path, functools.partial(CompiledDecode, self.model))
-        except (BuildFailed, TooLargeToLoad) as e:
+        except (BuildFailed, TooLargeToLoad, LoadFailed, TimeoutError) as e:
             raise ValueError(str(e)) from None
 
     def _take_compiled_decode(self) -> None:
