@@ -64,8 +64,27 @@ async def test_a_read_counts_only_if_the_blocks_were_held_until_it_ended(
         assert decode_side.handoffs == 0
     assert decode_side.agent.reads == [([5, 6], [1, 2])]  # type: ignore[attr-defined]
     assert peers.released == ["h"]
-    assert not await source.release()  # once
+    assert await source.release() is None  # once
     assert peers.released == ["h"]
+    assert read_endings(decode_side) == {"read" if held else "hold_ended": 1}
+
+
+async def test_a_read_whose_request_ended_meanwhile_is_not_used(decode_side: DecodeSide) -> None:
+    """The request's end released the blocks first (the client left during the read): the
+    prefill worker's answer says nothing of the read, which is not used."""
+    peers = FakePeers(held=True)
+    decode_side.peers = peers  # type: ignore[assignment]
+    source = fetch(decode_side)
+    assert await source.release()  # (the request's end)
+    with pytest.raises(KvLoadFailed, match="ended during the read"):
+        await asyncio.to_thread(source.load, KvLoad("r", source, 0, [1, 2]))
+    assert peers.released == ["h"] and decode_side.handoffs == 0
+    assert read_endings(decode_side) == {"request_ended": 1}
+
+
+def read_endings(side: DecodeSide) -> dict[str, int]:
+    """How the side's reads ended so far (the outcomes counted at least once)."""
+    return {how: count for how, count in side.reads_ended.items() if count}
 
 
 @pytest.mark.parametrize("linger_s", [0.3, 0.0])
@@ -82,6 +101,7 @@ async def test_a_read_that_timed_out_keeps_its_blocks_out_while_it_may_land(
     with pytest.raises((KvLoadFailed, TimeoutError), match="not done after 30s") as failed:
         source = fetch(decode_side)
         await asyncio.to_thread(source.load, KvLoad("r", source, 0, [1, 2]))
+    assert read_endings(decode_side) == {"read_failed": 1}
     if not linger_s:  # the read stopped when the call did: the blocks are free at once
         assert not isinstance(failed.value, KvLoadFailed)
         return

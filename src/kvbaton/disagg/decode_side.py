@@ -29,11 +29,13 @@ from kvbaton.protocols.llm import DisaggregatedParams, EngineOutput
 
 log = logging.getLogger(__name__)
 
-ReadEnding = Literal["read", "hold_ended", "read_failed"]
+ReadEnding = Literal["read", "hold_ended", "read_failed", "request_ended"]
 READ_ENDINGS: dict[ReadEnding, str] = {
     "read": "the prompt's KV was read and used",
-    "hold_ended": "the prefill worker's hold ended before the read did: not used",
+    "hold_ended": "the prefill worker's hold ended before the read did, or it did not answer "
+    "the release: not used",
     "read_failed": "the read failed",
+    "request_ended": "its request ended during the read: not used",
 }
 
 
@@ -75,6 +77,9 @@ class KvFetch:
             still_held = held.result(CALL_TIMEOUT_S + 1.0)
         except TimeoutError:
             still_held = False
+        if still_held is None:
+            side.count_read("request_ended")
+            raise KvLoadFailed(f"request {load.request_id}: it ended during the read")
         if not still_held:
             side.count_read("hold_ended")
             raise KvLoadFailed(
@@ -86,10 +91,11 @@ class KvFetch:
         side.count_read("read")
         return []
 
-    async def release(self) -> bool:
-        """Release the blocks at the prefill worker (once); whether it held them until now."""
+    async def release(self) -> bool | None:
+        """Release the blocks at the prefill worker (once); whether it held them until now, or
+        None if they were released before (the request ended)."""
         if self.released:
-            return False
+            return None
         self.released = True
         return await self.side.peers.release(self.params)
 

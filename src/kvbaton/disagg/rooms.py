@@ -7,7 +7,8 @@ written into, as a state machine (docs/architecture.md, "The decode worker's roo
   `CLAIMED_TIMEOUT_S`; never by its request's end or the router's abandon.
 - A room's blocks are never freed or computed into while a write may still land in them
   (LINGERING): the engine keeps them out of use until `writes_end` is set.
-- Each room's end is counted once, by how it ended (`Rooms.rooms_ended`, `ROOM_ENDINGS`).
+- Each room's end is counted once, by how it ended (`Rooms.rooms_ended`, `ROOM_ENDINGS`);
+  not those still open when the engine stops.
 """
 
 from __future__ import annotations
@@ -152,8 +153,10 @@ class Rooms(Side):
         if state is S.TRANSFERRING:
             log.warning("room %s: no report after %.0fs", room.name, peers.CLAIMED_TIMEOUT_S)
             self._linger(room, self.linger_bound_s(room), "writer_silent")
-        else:
+        elif state is S.WAITING:
             self._end(room, S.FAILED, "unclaimed")
+        else:  # LINGERING ran out: no write can land any more
+            self._enter(room, S.FAILED)
 
     def linger_bound_s(self, room: Room) -> float:
         """How long writes may land after a claim ended without a report: the writer sees its
@@ -235,11 +238,13 @@ class Rooms(Side):
         if report.linger_s > 0 and was in (S.TRANSFERRING, S.LINGERING):
             self._linger(room, report.linger_s, "write_failed", list(report.token_ids))
         else:
-            ok = report.ok and was is S.TRANSFERRING
-            if ok:
-                self._end(room, S.SUCCESS, "written", list(report.token_ids))
+            tokens = list(report.token_ids)
+            if report.ok and was is S.TRANSFERRING:
+                self._end(room, S.SUCCESS, "written", tokens)
+            elif was in (S.BOOTSTRAPPING, S.WAITING):  # (a report with no claim accepted)
+                self._end(room, S.FAILED, "unclaimed", tokens)
             else:
-                self._end(room, S.FAILED, "write_failed", list(report.token_ids))
+                self._end(room, S.FAILED, "write_failed", tokens)
         return Accepted(accepted=was not in ENDED)
 
     async def kv_abandon(self, abandon: KvAbandon, context: Context) -> Accepted:
