@@ -188,6 +188,12 @@ async def test_nothing_is_sent_again_after_a_finish_and_each_loss_is_reported() 
     with pytest.raises(StreamBrokenError):
         [o async for o in stream]
     assert lost == [(StreamBrokenError, True), (StreamBrokenError, False)]
+    lost.clear()  # pinned to its worker: not migrated
+    worker = Worker(([1], "break"))
+    stream = migrating(worker.attempt, request(), "r", MigrationSettings(), True, on_lost)
+    with pytest.raises(StreamBrokenError):
+        [o async for o in stream]
+    assert lost == [(StreamBrokenError, False)]
     lost.clear()  # only the end lost: not migrated
     worker = Worker(([1, 2, 3, 4, 5, 6], "break"))
     stream = migrating(worker.attempt, request(), "r", MigrationSettings(), on_lost=on_lost)

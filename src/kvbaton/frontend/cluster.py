@@ -123,7 +123,7 @@ class _ModelCounts(Collector):
         prefix = "kvbaton_frontend"
         migrations = CounterMetricFamily(
             f"{prefix}_migrations",
-            "Lost attempts whose request went on on another worker",
+            "Lost attempts whose request was sent again (migrated)",
             labels=["model"],
         )
         prefills = CounterMetricFamily(

@@ -103,7 +103,7 @@ class ServedModel:
         self.loads = loads
         self.thresholds = thresholds or BusyThresholds()
         self.canary = canary
-        self.migrations = 0  # lost attempts whose request went on on another worker
+        self.migrations = 0  # lost attempts whose request was sent again (migrated)
 
     def instance_ids(self) -> list[int]:
         """Live instances with a card of this model."""
