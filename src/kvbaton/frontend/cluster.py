@@ -135,7 +135,7 @@ class _ModelCounts(Collector):
         )
         unhealthy = GaugeMetricFamily(
             f"{prefix}_unhealthy_workers",
-            "Workers not routed to until they pass a canary",
+            "Workers passed over until they pass a canary (all are tried when all are)",
             labels=["model"],
         )
         for model in list(self.models.models.values()):

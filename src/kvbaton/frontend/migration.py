@@ -142,8 +142,8 @@ async def migrating(
 ) -> AsyncGenerator[EngineOutput, None]:
     """`attempt(request, False)`'s outputs; on a broken or silent attempt, those of
     `attempt(continuation(...), True)` (see the module's docstring). Nothing is sent again
-    once an output with a finish reason came. `on_lost(exc, migrates)`: an attempt was lost,
-    and the request goes on on another one (or not)."""
+    once an output with a finish reason came. `on_lost(exc, migrates)`: an attempt was lost;
+    `migrates`: the request is sent again."""
     produced: list[int] = []
     migrations = 0
     current = request
