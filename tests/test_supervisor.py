@@ -21,10 +21,16 @@ FAST = Backoff(first=0.01, most=0.04, reset_after_s=60.0)
 
 # A child that says it is ready (a file named by its PID) and, told by argv, then: serves until
 # signalled ("serve"), exits 1 once the supervisor saw it ready ("crash"), or does so only the
-# first time and later fails at once ("crash-once").
+# first time and later fails at once ("crash-once"); "stubborn" serves until killed (it ignores
+# SIGTERM) and leaves a file on each SIGUSR1.
 CHILD = """
-import os, sys, time
+import os, signal, sys, time
 mode, folder = sys.argv[1], sys.argv[2]
+if mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    usr1 = os.path.join(folder, str(os.getpid()) + ".usr1")
+    signal.signal(signal.SIGUSR1, lambda *_: open(usr1, "w").close())
+    mode = "serve"
 if mode == "crash-once" and os.path.exists(os.path.join(folder, "been-ready")):
     print("cannot start again: port in use", flush=True)
     sys.exit(2)
@@ -157,6 +163,26 @@ def test_a_stop_ends_every_child_and_removes_the_state_file(
     assert not state.exists()
     assert all(s.process and s.process.returncode == -15 for s in supervisor.slots)
     assert all(s.state is SlotState.STOPPED for s in supervisor.slots)
+
+
+def test_a_stack_dump_asked_while_it_stops_reaches_the_children_that_were_ready(
+    folder: Path, running: list[tuple[Supervisor, threading.Thread, list[int]]]
+) -> None:
+    """A deployment that hangs as it stops is when its stacks are wanted."""
+    supervisor = Supervisor([spec(folder, "stubborn")], {}, backoff=FAST, stop_timeout_s=10)
+    announced = threading.Event()
+    supervisor.announce = lambda: bool(announced.set() or True)
+    code = run_in_thread(supervisor, running)
+    wait_until_sync(announced.is_set, timeout=30, what="the slot ready")
+    (slot,) = supervisor.slots
+    assert slot.process is not None
+    supervisor.stop()
+    wait_until_sync(lambda: slot.state is SlotState.STOPPING, what="the stop under way")
+    supervisor.pass_on_stack_dump()  # (what serve's SIGUSR1 handler does)
+    dumped = folder / f"{slot.process.pid}.usr1"
+    wait_until_sync(dumped.exists, timeout=5, what="the child asked for its stacks")
+    running[0][1].join(30)
+    assert code == [0] and slot.process.returncode == -9  # it ignored SIGTERM: killed
 
 
 def test_a_deployment_never_announced_stops_after_the_ready_timeout(folder: Path) -> None:

@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import json
 import logging
@@ -108,6 +109,7 @@ class Slot:
     restarts: int = 0
     failed_starts: int = 0  # in a row, without becoming ready
     ever_ready: bool = False
+    child_ready: bool = False  # its child of now was ready once (it takes SIGUSR1)
     wait: float = 0.0  # the last backoff: seconds before its child's start (0: none yet)
     since: float = 0.0  # monotonic time of the last transition
     last_exit: str = ""
@@ -184,16 +186,16 @@ class Supervisor:
         self._stop_asked = True
 
     def pass_on_stack_dump(self) -> None:
-        """Have each ready child write its stacks (`kill -USR1`; a child still starting would
-        end). From a signal handler: a flag, as `stop`, that the supervising loop acts on (the
-        thread that reaps the children: none is signalled once reaped)."""
+        """Have each child that was ready write its stacks (`kill -USR1`; a child still starting
+        would end). From a signal handler: a flag, as `stop`, that the thread that reaps the
+        children acts on (none is signalled once reaped), also while it stops them."""
         self._dump_asked = True
 
     def _pass_on_stack_dump(self) -> None:
         self._dump_asked = False
         for slot in self.slots:
             process = slot.process
-            if slot.state is SlotState.READY and process is not None and process.poll() is None:
+            if slot.child_ready and process is not None and process.poll() is None:
                 process.send_signal(signal.SIGUSR1)
 
     def run(self) -> int:
@@ -236,6 +238,7 @@ class Supervisor:
         slot.process = subprocess.Popen(
             command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
+        slot.child_ready = False
         slot.move(SlotState.STARTING)
         slot.reader = threading.Thread(
             target=self._pump, args=(slot, slot.process.stdout), daemon=True
@@ -258,7 +261,7 @@ class Supervisor:
         elif slot.state is SlotState.STARTING:
             if slot.spec.ready(process.pid):
                 slot.move(SlotState.READY)
-                slot.ever_ready = True
+                slot.ever_ready = slot.child_ready = True
                 slot.failed_starts = 0
                 log.info("%s: ready (pid %d)", slot.spec.name, process.pid)
             elif now - slot.since > self.ready_timeout_s:
@@ -311,7 +314,14 @@ class Supervisor:
         for slot in live:
             assert slot.process is not None
             try:
-                slot.process.wait(max(0.1, deadline - time.monotonic()))
+                while slot.process.poll() is None:  # (a stack dump asked meanwhile is passed on)
+                    if self._dump_asked:
+                        self._pass_on_stack_dump()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise subprocess.TimeoutExpired(slot.spec.name, self.stop_timeout_s)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        slot.process.wait(min(TICK_S, left))
             except subprocess.TimeoutExpired:
                 log.error(
                     "%s (pid %d) did not stop in %g s; killing it",
