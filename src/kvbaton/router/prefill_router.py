@@ -102,14 +102,23 @@ class PrefillRouter:
           else it is cancelled and counted as unsettled.
         - `close` cancels it, uncounted.
         """
+        timed_out = False
 
-        def unsettled() -> None:
-            if prefill.cancel():  # (not when it ended meanwhile: then it counted itself)
+        def deadline() -> None:
+            nonlocal timed_out
+            timed_out = True
+            prefill.cancel()
+
+        def ended(_: asyncio.Task[EngineOutput | None]) -> None:
+            cancel.cancel()
+            # Cancelled by the deadline; one that ended anyway (an answer in the same loop
+            # turn: `wait_for` may keep it over the cancel) counted itself.
+            if timed_out and prefill.cancelled():
                 self.outcomes.unsettled += 1
 
-        cancel = asyncio.get_running_loop().call_later(SETTLE_S, unsettled)
+        cancel = asyncio.get_running_loop().call_later(SETTLE_S, deadline)
         self._settling.add(prefill)
-        prefill.add_done_callback(lambda _: cancel.cancel())
+        prefill.add_done_callback(ended)
         prefill.add_done_callback(self._settling.discard)
 
     async def close(self) -> None:
