@@ -1,8 +1,8 @@
 """`kill -USR1 PID`: a kvbaton process writes every thread's stack to its log and goes on (a
 hung process, seen without stopping it).
 
-- Written by the kernel's signal handler (faulthandler), not by Python code: a process whose
-  main thread is stuck writes too.
+- Written by faulthandler's C-level signal handler, not by Python code: a process whose main
+  thread is stuck writes too.
 - Only once the process has started: before, SIGUSR1's default action ends it (serve passes it
   on to ready children only).
 """

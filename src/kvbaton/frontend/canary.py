@@ -1,8 +1,9 @@
 """Health canaries: an idle worker (this frontend has sent it nothing for `period_s`, and its
 last reported load has nothing running or waiting) is asked a 1-token request; one whose canary
-fails (an error, or no token within `timeout_s`) is unhealthy and not routed to until a later
-canary passes. A hung engine is thus found while idle, not by the next client's request; a busy
-worker is not judged by a canary that would wait behind its queue.
+fails (an error, or no token within `timeout_s`) is unhealthy and passed over until a later
+canary passes (all are tried when none is healthy). A hung engine is thus found while idle, not
+by the next client's request; a busy worker is not judged by a canary that would wait behind
+its queue.
 
 Canaries go to the workers that run whole requests or decode (prefill workers would hold the
 canary's KV for a decode worker that never comes; a failing prefill worker is already passed
