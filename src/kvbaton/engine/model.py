@@ -307,6 +307,7 @@ class LlamaModel:
         # decodes of 96 tokens). On an AVX-512 CPU without AMX it measured 3-6x slower at short
         # contexts; elsewhere (no AMX, CUDA) the float32 matmuls stay.
         self.decode_on_sdpa = device.type == "cpu" and amx_available()
+        self._kv_row_offsets: dict[int, torch.Tensor] = {}  # by block size: `write_rows`
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         c = self.config
@@ -334,11 +335,17 @@ class LlamaModel:
         )
 
     def write_rows(self, batch: StepBatch, cache: torch.Tensor) -> torch.Tensor:
-        """Cache row of each token's K (then V) in every layer: [layers, 2, T]."""
+        """Cache row of each token's K (then V) in every layer: [layers, 2, T].
+        - The offsets of each layer's K and V rows are made once per block size, not in each
+          step (small tensors made in a step are a share of a single decode's time)."""
         block_size = cache.shape[3]
-        offsets = torch.arange(self.config.num_layers, device=self.device) * (2 * block_size)
-        k_or_v = torch.tensor([0, block_size], device=self.device)
-        return batch.write_rows + offsets[:, None, None] + k_or_v[None, :, None]
+        offsets = self._kv_row_offsets.get(block_size)
+        if offsets is None:
+            layers = torch.arange(self.config.num_layers, device=self.device) * (2 * block_size)
+            k_or_v = torch.tensor([0, block_size], device=self.device)
+            offsets = (layers[:, None] + k_or_v[None, :])[:, :, None]
+            self._kv_row_offsets[block_size] = offsets
+        return batch.write_rows + offsets
 
     @torch.inference_mode()
     def forward(
