@@ -3,13 +3,13 @@ recorded in `agent.reads`) and an engine that records the handles it is told to 
 (`engine.released`) and when it is told to reclaim blocks (`engine.reclaims`, monotonic times);
 or, on a real engine, a prefill worker (`make_prefill_worker`) whose decode workers never answer
 a claim, and a hook between a request's move to held and its output's delivery
-(`before_held_output`)."""
+(`before_held_output`); `counted` shows a side's outcome counts."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -140,3 +140,8 @@ def before_held_output(engine: LLMEngine, act: Callable[[], object]) -> None:
         return outputs
 
     engine.end_step = end_step_then_act  # type: ignore[method-assign]
+
+
+def counted(counts: Mapping[str, int]) -> dict[str, int]:
+    """The outcomes counted at least once (a side's `reads_ended`, `rooms_ended`)."""
+    return {how: count for how, count in counts.items() if count}

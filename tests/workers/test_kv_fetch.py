@@ -15,7 +15,7 @@ import pytest
 from kvbaton.disagg.decode_side import DecodeSide, KvFetch
 from kvbaton.engine.connector import KvLoad, KvLoadFailed
 from kvbaton.protocols.llm import DisaggregatedParams
-from tests.workers.fakes import POOL
+from tests.workers.fakes import POOL, counted
 
 pytestmark = pytest.mark.unit
 
@@ -66,7 +66,7 @@ async def test_a_read_counts_only_if_the_blocks_were_held_until_it_ended(
     assert peers.released == ["h"]
     assert await source.release() is None  # once
     assert peers.released == ["h"]
-    assert read_endings(decode_side) == {"read" if held else "hold_ended": 1}
+    assert counted(decode_side.reads_ended) == {"read" if held else "hold_ended": 1}
 
 
 async def test_a_read_whose_request_ended_meanwhile_is_not_used(decode_side: DecodeSide) -> None:
@@ -79,12 +79,7 @@ async def test_a_read_whose_request_ended_meanwhile_is_not_used(decode_side: Dec
     with pytest.raises(KvLoadFailed, match="ended during the read"):
         await asyncio.to_thread(source.load, KvLoad("r", source, 0, [1, 2]))
     assert peers.released == ["h"] and decode_side.handoffs == 0
-    assert read_endings(decode_side) == {"request_ended": 1}
-
-
-def read_endings(side: DecodeSide) -> dict[str, int]:
-    """How the side's reads ended so far (the outcomes counted at least once)."""
-    return {how: count for how, count in side.reads_ended.items() if count}
+    assert counted(decode_side.reads_ended) == {"request_ended": 1}
 
 
 @pytest.mark.parametrize("linger_s", [0.3, 0.0])
@@ -101,7 +96,7 @@ async def test_a_read_that_timed_out_keeps_its_blocks_out_while_it_may_land(
     with pytest.raises((KvLoadFailed, TimeoutError), match="not done after 30s") as failed:
         source = fetch(decode_side)
         await asyncio.to_thread(source.load, KvLoad("r", source, 0, [1, 2]))
-    assert read_endings(decode_side) == {"read_failed": 1}
+    assert counted(decode_side.reads_ended) == {"read_failed": 1}
     if not linger_s:  # the read stopped when the call did: the blocks are free at once
         assert not isinstance(failed.value, KvLoadFailed)
         return

@@ -28,7 +28,7 @@ from kvbaton.protocols.disagg import KvAbandon, KvClaim, KvReady
 from kvbaton.runtime import Context
 from kvbaton.runtime.request_plane.framing import payload_decoder
 from tests.helpers import wait_until
-from tests.workers.fakes import make_decode_side
+from tests.workers.fakes import counted, make_decode_side
 
 pytestmark = pytest.mark.unit
 
@@ -56,11 +56,6 @@ async def call(side: DecodeSide, **request: object) -> bool:
     else:
         answer = await side.kv_ready(received(KvReady, request), None)  # type: ignore[arg-type]
     return answer.accepted
-
-
-def ended(side: DecodeSide) -> dict[str, int]:
-    """How the side's rooms ended so far (the outcomes counted at least once)."""
-    return {how: count for how, count in side.rooms_ended.items() if count}
 
 
 @dataclass
@@ -97,7 +92,7 @@ async def test_an_unclaimed_room_ends_with_its_request_and_refuses_a_claim(
         await asyncio.wait_for(load, 2)
     assert "r" not in decode_side._rooms
     assert not (await claim(decode_side, "r")).accepted
-    assert ended(decode_side) == {"unclaimed": 1}
+    assert counted(decode_side.rooms_ended) == {"unclaimed": 1}
 
 
 async def test_an_unclaimed_room_ends_at_its_timeout(decode_side: DecodeSide) -> None:
@@ -105,7 +100,7 @@ async def test_an_unclaimed_room_ends_at_its_timeout(decode_side: DecodeSide) ->
     with pytest.raises(KvLoadFailed):
         await asyncio.wait_for(load, 3)
     assert not (await claim(decode_side, "r")).accepted
-    assert ended(decode_side) == {"unclaimed": 1}
+    assert counted(decode_side.rooms_ended) == {"unclaimed": 1}
 
 
 async def test_a_claimed_room_waits_for_its_writer_after_its_request_ended(
@@ -123,7 +118,7 @@ async def test_a_claimed_room_waits_for_its_writer_after_its_request_ended(
         await asyncio.wait_for(load, 2)
     assert "r" not in decode_side._rooms
     assert await asyncio.wait_for(writer.held, 2) == []  # the room ended: so did the claim
-    assert ended(decode_side) == {"write_failed": 1}
+    assert counted(decode_side.rooms_ended) == {"write_failed": 1}
 
 
 async def test_a_claimed_room_takes_its_writers_tokens(decode_side: DecodeSide) -> None:
@@ -132,7 +127,7 @@ async def test_a_claimed_room_takes_its_writers_tokens(decode_side: DecodeSide) 
     await asyncio.sleep(0.7)  # past the wait for a claim
     assert await call(decode_side, room="r", ok=True, token_ids=[42])
     assert await asyncio.wait_for(load, 2) == [42]
-    assert ended(decode_side) == {"written": 1}
+    assert counted(decode_side.rooms_ended) == {"written": 1}
 
 
 async def test_a_claimed_room_nobody_reports_on_ends_at_the_long_timeout(
@@ -151,7 +146,7 @@ async def test_a_claimed_room_nobody_reports_on_ends_at_the_long_timeout(
     assert not await call(decode_side, room="r", ok=True)  # a late report: the writes ended
     assert writes_end.is_set() and len(decode_side.engine.reclaims) == 1  # type: ignore[attr-defined]
     assert "r" not in decode_side._rooms
-    assert ended(decode_side) == {"writer_silent": 1}  # once: not again at the late report
+    assert counted(decode_side.rooms_ended) == {"writer_silent": 1}  # once, not at the late report
 
 
 async def test_a_report_without_ok_is_refused(decode_side: DecodeSide) -> None:
@@ -174,7 +169,7 @@ async def test_the_routers_abandon_ends_an_unclaimed_room(decode_side: DecodeSid
         await asyncio.wait_for(load, 0.4)  # at once, not at the wait for a claim (0.5 s)
     assert "r" not in decode_side._rooms
     assert not (await claim(decode_side, "r")).accepted
-    assert ended(decode_side) == {"unclaimed": 1}
+    assert counted(decode_side.rooms_ended) == {"unclaimed": 1}
 
 
 async def test_the_routers_abandon_leaves_a_claimed_room_to_its_writer(
@@ -218,7 +213,7 @@ async def test_a_claimed_room_ends_when_its_writer_lets_go_without_a_report(
     assert reclaimed - let_go >= 3 * max(0.5, writer_timeout_s) + 0.1 - 0.05
     assert "r" not in decode_side._rooms
     assert not await call(decode_side, room="r", ok=True, token_ids=[42])
-    assert ended(decode_side) == {"writer_lost": 1}
+    assert counted(decode_side.rooms_ended) == {"writer_lost": 1}
 
 
 class FakeClaimStream:
