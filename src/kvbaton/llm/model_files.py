@@ -99,7 +99,8 @@ def lock_file(target: Path) -> Path:
 
 @contextlib.contextmanager
 def one_at_a_time(target: Path, doing: str, wait_s: float, progress: Progress) -> Iterator[None]:
-    """The one process on this machine `doing` what makes `target` (a pull, a build).
+    """The one process on this machine `doing` what makes or uses `target` (a pull, a build,
+    a compiled package's check and load).
     - An exclusive lock on `.NAME.lock` beside it: a second process waits up to `wait_s`, then
       finds `target` made.
     - The kernel lets the lock go with its process: a killed maker holds nothing."""
