@@ -182,7 +182,23 @@ def test_a_stack_dump_asked_while_it_stops_reaches_the_children_that_were_ready(
     dumped = folder / f"{slot.process.pid}.usr1"
     wait_until_sync(dumped.exists, timeout=5, what="the child asked for its stacks")
     running[0][1].join(30)
-    assert code == [0] and slot.process.returncode == -9  # it ignored SIGTERM: killed
+    assert code == [1] and slot.process.returncode == -9  # it ignored SIGTERM: killed
+
+
+def test_a_child_killed_as_the_deployment_stops_makes_it_exit_1(
+    folder: Path, running: list[tuple[Supervisor, threading.Thread, list[int]]]
+) -> None:
+    """An operator (or a test) learns from the exit code that a child hung as it stopped."""
+    specs = [spec(folder, "serve"), spec(folder, "stubborn", name="w1")]
+    supervisor = Supervisor(specs, {}, backoff=FAST, stop_timeout_s=0.5)
+    announced = threading.Event()
+    supervisor.announce = lambda: bool(announced.set() or True)
+    code = run_in_thread(supervisor, running)
+    wait_until_sync(announced.is_set, timeout=30, what="every slot ready")
+    supervisor.stop()
+    running[0][1].join(30)
+    returncodes = [s.process.returncode for s in supervisor.slots if s.process]
+    assert code == [1] and returncodes == [-15, -9]
 
 
 def test_a_deployment_never_announced_stops_after_the_ready_timeout(folder: Path) -> None:

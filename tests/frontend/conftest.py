@@ -208,7 +208,8 @@ def stop_serve(proc: subprocess.Popen[bytes]) -> int:
 def stop_cleanly(deployment: Deployment) -> None:
     """Stops the deployment as `stop_serve` does.
 
-    - Fails unless it exited 0, with its last 80 log lines in the message.
+    - Fails unless it exited 0 (every child stopped on its own), with its last 80 log lines in
+      the message.
     """
     code = stop_serve(deployment.proc)
     shown = 400 if code == -signal.SIGKILL else 80  # killed: the stacks it wrote too

@@ -14,7 +14,7 @@ Invariants:
   deployment: `run` returns 1 after logging the slot, its exit and its child's last log lines.
   So does a deployment not announced (`announce`) within `ready_timeout_s` of its start.
 - SIGINT or SIGTERM stops every child with SIGTERM (each drains), kills one still alive after
-  `stop_timeout_s`; `run` then returns 0.
+  `stop_timeout_s`; `run` then returns 0, or 1 where it killed one (it did not stop on its own).
 - Only the supervisor's own children are ever signalled, by PID.
 - A child ends (SIGTERM) when the supervisor dies, even by SIGKILL (`supervised.py`).
 - The slots' states, PIDs, restarts and last exits are written to `state_file` (JSON, replaced
@@ -199,7 +199,8 @@ class Supervisor:
                 process.send_signal(signal.SIGUSR1)
 
     def run(self) -> int:
-        """Supervise until stopped (0) or a slot cannot start its child (1)."""
+        """Supervise until stopped (0; 1 where a child had to be killed) or a slot cannot start
+        its child (1)."""
         code = 0
         try:
             for slot in self.slots:
@@ -221,7 +222,8 @@ class Supervisor:
             log.error("%s\nstopping the deployment", exc)
             code = 1
         finally:
-            self._stop_all()
+            if not self._stop_all():
+                code = 1
             if self.state_file is not None:
                 self.state_file.unlink(missing_ok=True)
         return code
@@ -302,7 +304,9 @@ class Supervisor:
         )
         slot.move(SlotState.BACKOFF)
 
-    def _stop_all(self) -> None:
+    def _stop_all(self) -> bool:
+        """Whether every child stopped on its own (none was killed)."""
+        killed = False
         live = [s for s in self.slots if s.process is not None and s.process.poll() is None]
         for slot in self.slots:
             if slot.state is not SlotState.STOPPED:
@@ -331,9 +335,11 @@ class Supervisor:
                 )
                 slot.process.kill()
                 slot.process.wait()
+                killed = True
         for slot in self.slots:
             if slot.state is SlotState.STOPPING:
                 slot.move(SlotState.STOPPED)
+        return not killed
 
     # -- output and state --------------------------------------------------------------------
     def _pump(self, slot: Slot, stream: IO[bytes]) -> None:
