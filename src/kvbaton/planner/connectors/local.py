@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 30.0  # above a worker's default drain_timeout (10 s)
 KILL_WAIT_S = 10.0  # after SIGKILL, for the kernel to let it go
+EXITS_KEPT = 256  # exit codes of the workers that exited last
 
 
 @dataclass(eq=False)
@@ -88,6 +89,7 @@ class LocalConnector:
         self.python = python
         self._workers: dict[str, list[_Worker]] = {role: [] for role in self.worker_args}
         self._seq = 0
+        self._exits: dict[int, int] = {}  # pid -> exit code, of the workers that exited
         self._lock = asyncio.Lock()
         self._closed = False
 
@@ -137,6 +139,14 @@ class LocalConnector:
         """The PIDs of workers asked to stop that have not exited yet."""
         return [w.proc.pid for ws in self._workers.values() for w in ws if w.stopping and w.alive]
 
+    def exit_code(self, pid: int) -> int | None:
+        """How a worker that this connector started and saw exit ended (a negative code: the
+        signal that killed it; 0 once it stopped on its own after a SIGTERM); None while it runs,
+        if it is not ours, or for all but the last `EXITS_KEPT` to exit."""
+        for worker in (w for ws in self._workers.values() for w in ws if w.proc.pid == pid):
+            return worker.proc.returncode  # (exited, not yet forgotten: its code already)
+        return self._exits.get(pid)
+
     @property
     def log_dir(self) -> Path | None:
         return self._log_dir
@@ -155,8 +165,17 @@ class LocalConnector:
                 worker.proc.returncode,
                 worker.log_path,
             )
-            workers.remove(worker)
+            self._forget(worker)
         return [w for w in workers if not w.stopping]
+
+    def _forget(self, worker: _Worker) -> None:
+        """A worker that exited is no longer ours (nothing signals it); its exit code is kept."""
+        if worker.proc.returncode is not None:
+            self._exits[worker.proc.pid] = worker.proc.returncode
+            if len(self._exits) > EXITS_KEPT:
+                del self._exits[next(iter(self._exits))]  # the oldest
+            with contextlib.suppress(ValueError):
+                self._workers[worker.role].remove(worker)
 
     async def _start(self, role: str) -> None:
         self._seq += 1
@@ -213,9 +232,7 @@ class LocalConnector:
                     return
             log.info("local: %s worker pid %d stopped (code %d)", worker.role, pid, code)
         finally:
-            if not worker.alive:
-                with contextlib.suppress(ValueError):
-                    self._workers[worker.role].remove(worker)
+            self._forget(worker)
 
     def _log_path(self, role: str, seq: int) -> Path:
         if self._log_dir is None:
