@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.frontend.conftest import (
     Deployment,
@@ -19,6 +18,7 @@ from tests.frontend.conftest import (
     stop_cleanly,
     wait_for_health,
 )
+from tests.helpers import scraped
 
 pytestmark = pytest.mark.integration
 
@@ -37,18 +37,6 @@ def replica(served: Deployment) -> Iterator[Deployment]:
 
 
 ASK: dict[str, Any] = {"temperature": 0, "max_output_tokens": 8}
-
-
-def kept_gauges(deployment: Deployment) -> dict[str, float]:
-    """The kept responses' gauges at /metrics, by suffix ("" the count, "_bytes" the size)."""
-    text = httpx.get(f"{deployment.url}/metrics").text
-    name = "kvbaton_frontend_kept_responses"
-    return {
-        sample.name.removeprefix(name): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name.startswith(name)
-    }
 
 
 def test_previous_response_id_continues_the_conversation(served: Deployment) -> None:
@@ -115,11 +103,11 @@ def test_a_kept_response_is_read_listed_and_deleted(served: Deployment) -> None:
     assert [i.id for i in newest.data] == [items.data[-1].id] and newest.has_more
     rest = client.responses.input_items.list(second.id, limit=5, after=newest.data[0].id)
     assert [i.id for i in rest.data] == [i.id for i in items.data[-2::-1]] and not rest.has_more
-    kept = kept_gauges(served)
-    assert kept[""] >= 2 and kept["_bytes"] > 0
+    metrics, name = f"{served.url}/metrics", "kvbaton_frontend_kept_responses"
+    kept, kept_bytes = scraped(metrics, name), scraped(metrics, f"{name}_bytes")
+    assert kept >= 2 and kept_bytes > 0
     client.responses.delete(second.id)
-    after = kept_gauges(served)
-    assert after[""] == kept[""] - 1 and after["_bytes"] < kept["_bytes"]
+    assert scraped(metrics, name) == kept - 1 and scraped(metrics, f"{name}_bytes") < kept_bytes
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(second.id)
     with pytest.raises(openai.NotFoundError) as raised:

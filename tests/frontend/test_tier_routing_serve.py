@@ -9,14 +9,12 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvbaton.llm.hashing import reusable_blocks
 from tests.frontend.conftest import Deployment, live_instances, load_of, start_serve, stop_serve
-from tests.helpers import wait_until
+from tests.helpers import scraped, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -62,21 +60,6 @@ def complete(
     ) if details else 0
 
 
-def indexed(deployment: Deployment, name: str, worker: int, tier: str | None = None) -> float:
-    """A gauge of the frontend's router index for `worker` (0 if it has no sample)."""
-    text = httpx.get(f"{deployment.url}/metrics").text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = sample.labels
-            if (
-                sample.name == name
-                and labels.get("worker") == f"{worker:x}"
-                and labels.get("tier") == tier
-            ):
-                return sample.value
-    return 0.0
-
-
 async def test_a_prompt_in_a_workers_host_memory_goes_back_to_it(deployment: Deployment) -> None:
     owner, cached = complete(deployment, PROMPT)
     assert cached == 0
@@ -86,16 +69,17 @@ async def test_a_prompt_in_a_workers_host_memory_goes_back_to_it(deployment: Dep
         complete(deployment, [rng.randrange(10, 300) for _ in range(200)], owner)
     tiers = (await load_of(deployment.discovery, owner)).kv_tiers
     assert tiers is not None and tiers.host_blocks >= LOADED
+    metrics = f"{deployment.url}/metrics"
     await wait_until(  # the router has every host-tier event the owner sent
         lambda: (
-            indexed(deployment, "kvbaton_router_indexed_tier_blocks", owner, "host")
+            scraped(metrics, "kvbaton_router_indexed_tier_blocks", worker=f"{owner:x}", tier="host")
             == tiers.host_blocks
         ),
         30,
         "the router's index of the owner's host tier",
     )
-    own_pool = indexed(deployment, "kvbaton_router_indexed_blocks", owner)
-    assert indexed(deployment, "kvbaton_router_indexed_blocks", other) < own_pool  # a tie: other
+    own_pool = scraped(metrics, "kvbaton_router_indexed_blocks", worker=f"{owner:x}")
+    assert scraped(metrics, "kvbaton_router_indexed_blocks", worker=f"{other:x}") < own_pool
     assert complete(deployment, PROMPT) == (owner, LOADED * BLOCK_SIZE)
     tiers = (await load_of(deployment.discovery, owner)).kv_tiers
     assert tiers is not None and tiers.hit_blocks_host == LOADED
