@@ -70,6 +70,11 @@ class Canary:
             )
             self.unhealthy.add(worker)
 
+    def unhealthy_live(self) -> set[int]:
+        """The unhealthy workers still in discovery (`unhealthy` forgets one that left only at
+        the canaries' next pass)."""
+        return self.unhealthy & set(self.client.instance_ids())
+
     def healthy(self, candidates: Sequence[int]) -> list[int]:
         """The candidates not known to be unhealthy; all of them if none is healthy (a stale
         verdict should not refuse a request that a worker could serve)."""

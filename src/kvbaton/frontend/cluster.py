@@ -146,7 +146,7 @@ class _ModelCounts(Collector):
                 prefills.add_metric([model.name, "fallback"], outcomes.fallbacks)
                 prefills.add_metric([model.name, "failure"], outcomes.failures)
                 prefills.add_metric([model.name, "unsettled"], outcomes.unsettled)
-            sick = model.canary.unhealthy if model.canary is not None else set()
+            sick = model.canary.unhealthy_live() if model.canary is not None else set()
             unhealthy.add_metric([model.name], len(sick))
         yield migrations
         yield prefills
