@@ -27,6 +27,20 @@ def free_port() -> int:
         return port
 
 
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive ports that were free (as `free_port`: a later bind
+    may still find one taken)."""
+    while True:
+        first = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first + 1, first + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
+
+
 def _healthy(url: str, check: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1.0) as response:

@@ -105,3 +105,17 @@ def test_serve_takes_no_single_port_for_its_processes(monkeypatch: pytest.Monkey
         with pytest.raises(ValueError, match=f"{name} names one port"):
             serve(args, runtime_settings(args))
         monkeypatch.delenv(name)
+
+
+def test_serve_refuses_worker_system_ports_past_the_last_port() -> None:
+    from kvbaton.cli.serve import _commands, serve
+
+    flags = ["serve", "--engine", "mocker", "--mode", "disagg", "--decode-workers", "2"]
+    for first in ("0", "65534"):  # its 3 workers: 65534 to 65536
+        args = build_parser().parse_args([*flags, "--worker-system-ports", first])
+        with pytest.raises(ValueError, match="--worker-system-ports: ports"):
+            serve(args, runtime_settings(args))
+    args = build_parser().parse_args([*flags, "--worker-system-ports", "65533"])
+    workers = [(name, cmd) for name, role, cmd in _commands(args, 8000) if role != "frontend"]
+    ports = [(name, cmd[cmd.index("--system-port") + 1]) for name, cmd in workers]
+    assert ports == [("prefill-0", "65533"), ("decode-0", "65534"), ("decode-1", "65535")]

@@ -27,7 +27,8 @@ from tests.frontend.conftest import (
     wait_for_health,
     worker_load,
 )
-from tests.helpers import wait_until_sync
+from tests.helpers import scraped, wait_until_sync
+from tests.servers import free_ports
 
 pytestmark = pytest.mark.integration
 
@@ -69,6 +70,7 @@ class Disagg(Deployment):
     backend: str = ""
     order: str = ""
     push: str = ""
+    system_ports: int = 0  # the prefill worker's; the decode worker's is the next
 
 
 @pytest.fixture(
@@ -88,11 +90,14 @@ def disagg(
     request: pytest.FixtureRequest, chat_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Disagg]:
     backend, order, push = request.param
+    system_ports = free_ports(2)
     deployment = start_serve(
         chat_model,
         tmp_path_factory.mktemp("discovery"),
         "--mode",
         "disagg",
+        "--worker-system-ports",
+        str(system_ports),
         "--num-threads",
         "1",
         "--kv-transfer",
@@ -103,7 +108,9 @@ def disagg(
         push,
     )
     wait_for_health(deployment.url, deployment.model, 1)
-    yield Disagg(**vars(deployment), backend=backend, order=order, push=push)
+    yield Disagg(
+        **vars(deployment), backend=backend, order=order, push=push, system_ports=system_ports
+    )
     stop_cleanly(deployment)
 
 
@@ -189,6 +196,15 @@ def test_disaggregated_tokens_equal_aggregated(disagg: Disagg) -> None:
 
     wait_until_sync(lambda: shown_handoffs() >= mover.kv_handoffs, what="the handoffs shown")
     asyncio.run(wait_all_blocks_free(disagg.discovery))
+    # The decode worker counts how each handoff ended on its /metrics (--worker-system-ports).
+    decode_metrics = f"http://127.0.0.1:{disagg.system_ports + 1}/metrics"
+    if disagg.order == "prefill-first":
+        handoffs, ended, failed = "kvbaton_disagg_reads_total", "read", "read_failed"
+    else:
+        handoffs, ended, failed = "kvbaton_disagg_rooms_total", "written", "write_failed"
+    assert scraped(decode_metrics, handoffs, outcome=ended) >= len(PROMPT_LENGTHS) - 1
+    assert scraped(decode_metrics, handoffs, outcome=failed) == 0
+    assert httpx.get(f"http://127.0.0.1:{disagg.system_ports}/health").status_code == 200
 
 
 def test_a_prompt_scored_with_echo_is_computed_whole_on_the_decode_worker(

@@ -298,6 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--engine", choices=["torch", "vllm", "mocker", "fixed"], default="torch", help=ENGINES
     )
+    serve.add_argument(
+        "--worker-system-ports",
+        type=int,
+        metavar="FIRST",
+        help="the i-th worker (worker-i; disagg: prefill-0.., then decode-0..) serves /live, "
+        "/health and /metrics on --host at port FIRST+i, as `kvbaton worker --system-port` "
+        "(default: off)",
+    )
     add_worker_flags(serve)
     add_router_flags(serve)
     add_frontend_flags(serve)

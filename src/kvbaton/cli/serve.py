@@ -100,6 +100,8 @@ def _commands(args: argparse.Namespace, http_port: int) -> list[tuple[str, str, 
     def worker(role: str, index: int) -> list[str]:
         flags = ["--role", role, "--engine", args.engine, *common, *_flags(args, WORKER_FLAGS)]
         flags += ["--cpu-cores", cores[index]] if cores else []
+        if args.worker_system_ports is not None:
+            flags += ["--system-port", str(args.worker_system_ports + index)]
         return [*base, "worker", *flags, *(["--", *passthrough] if passthrough else [])]
 
     workers = [(name, role, worker(role, i)) for i, (name, role) in enumerate(roles)]
@@ -134,8 +136,13 @@ def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
     busy_thresholds(args)
     canary_settings(args)
     check_engine_flags(args)
-    _pull_if_needed(args)
     processes = args.workers if args.mode == "agg" else args.prefill_workers + args.decode_workers
+    first = args.worker_system_ports
+    if first is not None and not 1 <= first <= 65536 - processes:
+        raise ValueError(
+            f"--worker-system-ports: ports {first} to {first + processes - 1} are not all valid"
+        )
+    _pull_if_needed(args)
     cores = len(os.sched_getaffinity(0))
     args.num_threads = core_share(args.engine, processes, cores, args.num_threads).worker_threads
     private_dir = None
@@ -173,6 +180,10 @@ def _hold_port(host: str, port: int) -> socket.socket:
     return bound(host, port, reuse_port=True)
 
 
+def _http_url(host: str, port: int) -> str:
+    return f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+
+
 def _supervise(
     args: argparse.Namespace, env: dict[str, str], private: bool, port: socket.socket
 ) -> int:
@@ -180,7 +191,7 @@ def _supervise(
     HTTP port, held, which every frontend listens on."""
     discovery = env["KVBATON_DISCOVERY"]
     host, number = port.getsockname()[:2]
-    url = f"http://{host if ':' not in host else f'[{host}]'}:{number}"
+    url = _http_url(host, number)
     registered = _RegisteredPids(discovery, args.namespace)
     specs = []
     for name, role, command in _commands(args, number):
@@ -196,6 +207,11 @@ def _supervise(
         if not _serves(url):
             return False
         print(f"kvbaton serve: model {model} ready at {url}/v1", flush=True)
+        if args.worker_system_ports is not None:
+            workers = [s.name for s in specs if s.role != "frontend"]
+            host, first = env["KVBATON_HOST"], args.worker_system_ports
+            metrics = (f"{w} {_http_url(host, first + i)}/metrics" for i, w in enumerate(workers))
+            print(f"kvbaton serve: workers' metrics: {', '.join(metrics)}", flush=True)
         if private:
             print(
                 f"kvbaton serve: its instances: kvbaton status --discovery {discovery}",
