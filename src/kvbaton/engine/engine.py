@@ -20,6 +20,7 @@ from kvbaton.engine.config import EngineConfig
 from kvbaton.engine.connector import EmitEvent, EngineRequest, KvCacheView, KvLoad, KvTier
 from kvbaton.engine.scheduler import Scheduler, SchedulerOutput
 from kvbaton.engine.sequence import Sequence, SequenceStatus
+from kvbaton.engine.thinking_budget import ThinkingState
 from kvbaton.llm.model_files import resolve_model
 from kvbaton.protocols.kv import KvDump, KvEvent
 from kvbaton.protocols.llm import EngineOutput, KvTierStats, SamplingParams, Usage
@@ -147,6 +148,13 @@ class LLMEngine:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         if params.guided is not None and params.guided.replay > n:
             raise ValueError("the constraint replays more tokens than the prompt has")
+        if (budget := params.thinking_budget) is not None:
+            if budget.replay > n:
+                raise ValueError("the thinking budget replays more tokens than the prompt has")
+            if any(t < 0 or t >= self.vocab_size for t in budget.start + budget.end):
+                raise ValueError(
+                    f"thinking budget tags must be token ids in [0, {self.vocab_size})"
+                )
         if any(t < 0 or t >= self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids in [0, {self.vocab_size})")
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
@@ -194,6 +202,8 @@ class LLMEngine:
         if params.guided is not None and self.guided is not None:
             replayed = prompt_token_ids[len(prompt_token_ids) - params.guided.replay :]
             seq.matcher = self.guided.matcher(params.guided, replayed + known)
+        if params.thinking_budget is not None:
+            seq.thinking = ThinkingState(params.thinking_budget)
         seq.prefix_hint_tokens = len(self.blocks.match_prefix(seq)) * self.config.block_size
         self._requests[request_id] = seq
         self.scheduler.add(seq)

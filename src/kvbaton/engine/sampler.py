@@ -5,6 +5,7 @@
   (`guided.py`), then greedy argmax, or temperature, top-k, top-p, min-p and a draw.
 - A request with a seed draws from its own generator: its tokens do not depend on what else is
   in the batch.
+- A token its thinking budget places (`thinking_budget.py`) replaces the one drawn.
 - Logprobs are those of the raw model output; so are a prompt's (`record_prompt_logprobs`).
 - A token that its constraint refuses (an llguidance fault: the mask allows only what it
   takes) marks its sequence `broken`; the engine aborts that request alone.
@@ -83,6 +84,8 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if not seq.params.greedy:
                 tokens[i] = self._draw(logits[i], seq)
+            if seq.thinking is not None and (placed := seq.placed_token()) is not None:
+                tokens[i] = placed  # (drawn all the same: a seeded draw stays in step)
         for i, matcher in constrained:
             if not matcher.consume_token(tokens[i]):  # its row alone fails (the engine aborts it)
                 seqs[i].broken = f"token {tokens[i]} breaks the constraint: {matcher.get_error()}"

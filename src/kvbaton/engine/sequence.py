@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbaton.engine.connector import KvSink, KvSource
+from kvbaton.engine.thinking_budget import ThinkingState
 from kvbaton.llm.hashing import block_extra_keys, hash_blocks
 from kvbaton.protocols.llm import SamplingParams, TokenLogprob
 
@@ -58,6 +59,7 @@ class Sequence:
     kv_sink: KvSink | None = None  # told of each layer of the prompt's KV as it is written
     matcher: Any = None  # its constraint's state (`guided.py`), if it has one
     broken: str | None = None  # why its constraint refused its last token: it is aborted
+    thinking: ThinkingState | None = None  # its thinking budget's state, if it has one
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -92,6 +94,13 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def placed_token(self) -> int | None:
+        """The token its thinking budget places next, or None (the model draws)."""
+        budget = self.params.thinking_budget
+        if self.thinking is None or budget is None:
+            return None
+        return self.thinking.placed(self.token_ids, self.num_prompt_tokens - budget.replay)
 
     @property
     def is_finished(self) -> bool:

@@ -1,11 +1,11 @@
 """kvbaton's sampling options as vLLM's, and vLLM's outputs as kvbaton's (`vllm_engine.py`).
 vLLM is imported when a function runs, never at import.
 
-- Every kvbaton field maps: max/min tokens, temperature, top_p/top_k/min_p, seed, the three
-  penalties, ignore_eos, stop token ids, logprobs (of the output and of the prompt), logit
-  bias, and a constraint (`Guided`) to vLLM's structured outputs (json schema, regex, choice,
-  grammar). A JSON schema goes closed (`llm/json_schema.py`), as kvbaton's engine and a
-  resumed constraint read it.
+- Every kvbaton field but a thinking budget maps: max/min tokens, temperature,
+  top_p/top_k/min_p, seed, the three penalties, ignore_eos, stop token ids, logprobs (of the
+  output and of the prompt), logit bias, and a constraint (`Guided`) to vLLM's structured
+  outputs (json schema, regex, choice, grammar). A JSON schema goes closed
+  (`llm/json_schema.py`), as kvbaton's engine and a resumed constraint read it.
 - Outputs stream as deltas (`RequestOutputKind.DELTA`), token ids only: vLLM does not
   detokenize (the frontend does, and matches stop strings there).
 - A constraint replayed over a migrated request's tokens (`Guided.replay`) has no vLLM
@@ -14,6 +14,8 @@ vLLM is imported when a function runs, never at import.
   (`vllm_constraint.py`).
 - KV connector parameters (disaggregation) go in `extra_args["kv_transfer_params"]`, where
   vLLM's connectors read them.
+- A thinking budget does not map (it places tokens): a required one is refused, another goes
+  unenforced.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ def vllm_sampling_params(params: SamplingParams, kv_transfer: dict[str, Any] | N
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+    budget = params.thinking_budget
+    if budget is not None and budget.required:
+        raise ValueError(
+            "thinking budgets are enforced by kvbaton's own engine (--engine torch), "
+            "not on vLLM workers"
+        )
     structured = None
     extra: dict[str, Any] = {}
     if kv_transfer:

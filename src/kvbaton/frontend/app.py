@@ -57,6 +57,7 @@ from kvbaton.frontend.preprocess import (
     build_requests,
     echoed_prompts,
     prompt_token_ids,
+    thinking_budget,
 )
 from kvbaton.frontend.reasoning import ReasoningFormat
 from kvbaton.frontend.response_store import StoredResponses, input_page
@@ -348,15 +349,16 @@ class Frontend:
             prompts = await self._prompts(served, body, request, tools)
             prompt_tokens = sum(len(p) for p in prompts)
             use = tools[1] if tools else None
+            reasoning = self.reasoning if chat else None
             pres = build_requests(
                 body,
                 prompts,
                 context_length=served.card.context_length,
                 vocab_size=served.tokenizer.vocab_size,
                 tools=use,
+                thinking=thinking_budget(body, reasoning, served.tokenizer),
             )
             pres = fork_requests(pres, body.n)
-            reasoning = self.reasoning if chat else None
             continued = body.continued_text() if isinstance(body, ChatCompletionRequest) else None
             ctx = _Context(rid, body.stop_strings(), reasoning, continued, use, body.nvext)
             if isinstance(body, CompletionRequest) and body.echo:

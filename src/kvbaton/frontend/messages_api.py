@@ -15,9 +15,11 @@ to run on kvbaton's models.
   `temperature`, `top_p`, `top_k`, `max_tokens` (past the model's context: cut to the room the
   prompt leaves, the answer then stopping with "model_context_window_exceeded"); `thinking`
   enabled or adaptive (the template's `enable_thinking` true; `display` "omitted" leaves the
-  thinking's text out of the answer; `budget_tokens` is not enforced apart from `max_tokens`)
-  or disabled (false); `output_config.effort` (the template's `reasoning_effort`) and
-  `output_config.format` (a JSON schema, enforced). A tool's `strict` is chat's: its schema
+  thinking's text out of the answer; `budget_tokens` ends the thinking after that many tokens
+  where the frontend has a reasoning parser and the engine places tokens, chat's
+  `thinking_token_budget`; elsewhere only `max_tokens` bounds it) or disabled (false);
+  `output_config.effort` (the template's `reasoning_effort`) and `output_config.format` (a
+  JSON schema, enforced). A tool's `strict` is chat's: its schema
   is enforced when the call is forced, either way.
 - Fields that name the caller or steer Anthropic's caching and routing are taken and change
   nothing (`_HARMLESS`; `cache_control` on blocks and tools); any other is a 400 naming it.
@@ -173,6 +175,7 @@ class _CutChatRequest(ChatCompletionRequest):
     clients ask for more than most models hold (stop reason model_context_window_exceeded)."""
 
     cut_to_context = True
+    budget_required = False
 
 
 class _Conversation(_NullIsDefault):
@@ -253,6 +256,8 @@ class _Conversation(_NullIsDefault):
     def _add_reasoning(self, body: dict[str, Any]) -> None:
         if self.thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
+            if self.thinking.type == "enabled" and self.thinking.budget_tokens is not None:
+                body["thinking_token_budget"] = self.thinking.budget_tokens
         if self.output_config is not None and self.output_config.effort is not None:
             body["reasoning_effort"] = self.output_config.effort
 

@@ -54,14 +54,17 @@ def not_migratable(request: PreprocessedRequest) -> str | None:
 
 def continuation(request: PreprocessedRequest, produced: list[int]) -> PreprocessedRequest:
     """`request` to send again after `produced` (fewer than its max_tokens) were generated."""
-    guided = request.sampling.guided
+    guided, budget = request.sampling.guided, request.sampling.thinking_budget
     if guided is not None:  # the new worker replays them through the constraint
         guided = msgspec.structs.replace(guided, replay=guided.replay + len(produced))
+    if budget is not None:  # ... and counts the reasoning among them
+        budget = msgspec.structs.replace(budget, replay=budget.replay + len(produced))
     sampling = msgspec.structs.replace(
         request.sampling,
         max_tokens=request.sampling.max_tokens - len(produced),
         min_tokens=max(0, request.sampling.min_tokens - len(produced)),
         guided=guided,
+        thinking_budget=budget,
         # the first output brought them (nothing produced: none came yet)
         prompt_logprobs=None if produced else request.sampling.prompt_logprobs,
     )

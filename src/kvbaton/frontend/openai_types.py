@@ -412,6 +412,10 @@ class ChatCompletionRequest(_TemplateInputs, _Common):
     audio: Any = None
     prediction: Any = None
     verbosity: Verbosity | None = None
+    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None  # vLLM's name
+    # A subclass's, never a body's: False where clients send a budget with every request
+    # (Anthropic's); an engine or frontend that cannot enforce it then goes on without it.
+    budget_required: ClassVar[bool] = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

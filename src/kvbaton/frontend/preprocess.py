@@ -10,11 +10,12 @@ from collections.abc import Iterable
 
 from kvbaton.frontend.errors import OpenAIError, bad_request
 from kvbaton.frontend.openai_types import ChatCompletionRequest, CompletionRequest, _Common
+from kvbaton.frontend.reasoning import ReasoningFormat, reasoning_start
 from kvbaton.frontend.tool_calls import TOOL_CALL_FORMATS, ToolCallFormat
 from kvbaton.frontend.tools import ToolUse, template_inputs
 from kvbaton.llm.constraints import grammar
 from kvbaton.llm.tokenizer import ReservedNameError, Tokenizer
-from kvbaton.protocols.llm import Guided, PreprocessedRequest, SamplingParams
+from kvbaton.protocols.llm import Guided, PreprocessedRequest, SamplingParams, ThinkingBudget
 
 ChatTools = tuple[ToolCallFormat, ToolUse | None]
 
@@ -80,6 +81,36 @@ def prompt_token_ids(
     return completion_prompts(tokenizer, request)
 
 
+def thinking_budget(
+    request: _Common, fmt: ReasoningFormat | None, tokenizer: Tokenizer
+) -> ThinkingBudget | None:
+    """A chat request's `thinking_token_budget`, with the tags of `fmt` (the frontend's
+    reasoning format) as token ids; None where it asks none or its answer has no reasoning."""
+    if not isinstance(request, ChatCompletionRequest) or request.thinking_token_budget is None:
+        return None
+    if fmt is None:
+        if not request.budget_required:
+            return None
+        raise bad_request(
+            "thinking_token_budget needs a frontend started with --reasoning-parser (which "
+            "names the reasoning's tags)",
+            "thinking_token_budget",
+        )
+    start = reasoning_start(fmt, request.continued_text())
+    if start is None:
+        return None
+
+    def ids(tag: str) -> list[int]:
+        return tokenizer.encode(tag, add_special_tokens=False) if tag else []
+
+    return ThinkingBudget(
+        tokens=request.thinking_token_budget,
+        end=ids(fmt.end),
+        start=ids(start),
+        required=request.budget_required,
+    )
+
+
 def build_requests(
     request: _Common,
     prompts: list[list[int]],
@@ -87,8 +118,11 @@ def build_requests(
     context_length: int,
     vocab_size: int,
     tools: ToolUse | None = None,
+    thinking: ThinkingBudget | None = None,
 ) -> list[PreprocessedRequest]:
-    """`tools`: a chat request's, whose forced call is its constraint."""
+    """`tools`: a chat request's, whose forced call is its constraint; `thinking`: its
+    thinking budget, dropped under a constraint (which applies from the answer's first token:
+    the answer has no reasoning)."""
     out = []
     check_token_ids(request.stop_token_ids or [], vocab_size, "stop_token_ids", "its items")
     for token_ids in prompts:
@@ -118,7 +152,13 @@ def build_requests(
             PreprocessedRequest(
                 model=request.model,
                 token_ids=token_ids,
-                sampling=sampling_params(request, limit or context_length - n, bias, guided),
+                sampling=sampling_params(
+                    request,
+                    limit or context_length - n,
+                    bias,
+                    guided,
+                    thinking if guided is None else None,
+                ),
                 cache_salt=request.cache_salt,
             )
         )
@@ -170,6 +210,7 @@ def sampling_params(
     max_tokens: int,
     bias: dict[int, float] | None = None,
     guided: Guided | None = None,
+    thinking: ThinkingBudget | None = None,
 ) -> SamplingParams:
     given = {
         name: value
@@ -194,6 +235,7 @@ def sampling_params(
         prompt_logprobs=request.num_prompt_logprobs,
         logit_bias=bias or {},
         guided=guided,
+        thinking_budget=thinking,
         **given,
     )
     try:

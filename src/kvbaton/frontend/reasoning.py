@@ -118,6 +118,15 @@ class ReasoningSplitter:
         return Split("".join(reasoning), "".join(content))
 
 
+def reasoning_start(fmt: ReasoningFormat, continued: str | None) -> str | None:
+    """How an answer's reasoning starts: "" inside it from the answer's first token, else the
+    opening tag the answer must open with; None: it has none (the continued message closed
+    it)."""
+    if continued is not None:
+        return "" if _continued_state(fmt, continued) is _State.REASONING else None
+    return "" if fmt.implicit_start else fmt.start
+
+
 def _continued_state(fmt: ReasoningFormat, continued: str) -> _State:
     """Where an answer continuing `continued` starts: inside the reasoning if the text's last
     opening tag is not closed after it."""

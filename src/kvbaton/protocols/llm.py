@@ -19,6 +19,25 @@ class Guided(msgspec.Struct, kw_only=True, frozen=True):
     KINDS = ("json", "regex", "choice", "grammar")
 
 
+class ThinkingBudget(msgspec.Struct, kw_only=True, frozen=True):
+    """At most `tokens` tokens of reasoning: the engine then places `end`, the closing tag's
+    token ids, itself (`engine/thinking_budget.py`).
+
+    - `start`: the opening tag's ids; the reasoning starts only if the output opens with them.
+      Empty: the output starts inside the reasoning.
+    - The reasoning ends before the budget where the output holds `end`.
+    - `replay`: the prompt's last tokens that were generated (a migrated request's).
+    - `required` False: an engine that cannot place tokens goes on without the budget (where a
+      client sends one with every request, as Anthropic's do); True: it refuses the request.
+    """
+
+    tokens: int
+    end: list[int]
+    start: list[int] = msgspec.field(default_factory=list)
+    replay: int = 0
+    required: bool = True
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How to pick tokens and when to stop. `temperature == 0` is greedy.
 
@@ -42,6 +61,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added
     guided: Guided | None = None
+    thinking_budget: ThinkingBudget | None = None
 
     MAX_LOGIT_BIAS = 100.0
 
@@ -83,6 +103,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 (self.guided.replay >= 0, "guided", "replay must be at least 0"),
                 (not self.min_tokens, "min_tokens", "cannot go with a constraint"),
                 (not self.ignore_eos, "ignore_eos", "cannot go with a constraint"),
+            ]
+        if (budget := self.thinking_budget) is not None:
+            checks += [
+                (budget.tokens >= 0, "thinking_budget", "tokens must be at least 0"),
+                (bool(budget.end), "thinking_budget", "needs the closing tag's token ids"),
+                (budget.replay >= 0, "thinking_budget", "replay must be at least 0"),
             ]
         for ok, name, message in checks:
             if not ok:

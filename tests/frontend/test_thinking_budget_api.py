@@ -1,0 +1,123 @@
+"""Thinking budgets through the official clients, on `kvbaton serve --reasoning-parser
+deepseek-r1` (the answer starts inside the reasoning) and its own engine on a tiny random
+model: chat's `thinking_token_budget` (vLLM's name) and Anthropic's `thinking.budget_tokens`
+end the reasoning after that many tokens, and the answer goes on after it; a frontend without
+a reasoning parser refuses chat's, and goes on without Anthropic's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from tests.frontend.conftest import start_frontend, start_serve, stop_cleanly, wait_for_health
+
+pytestmark = pytest.mark.integration
+
+ASK: dict[str, Any] = {
+    "messages": [{"role": "user", "content": "Why?"}],
+    "temperature": 0,
+    "extra_body": {"ignore_eos": True},
+}
+
+
+@dataclass
+class Frontends:
+    model: str
+    parsed: openai.OpenAI  # --reasoning-parser deepseek-r1
+    plain: openai.OpenAI  # no flag
+
+
+@pytest.fixture(scope="module")
+def frontends(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Frontends]:
+    discovery = tmp_path_factory.mktemp("discovery")
+    served = start_serve(chat_model, discovery, "--reasoning-parser", "deepseek-r1")
+    try:
+        plain = start_frontend(discovery, "kvbaton")
+        try:
+            wait_for_health(plain.url, served.model, 1)
+            yield Frontends(
+                served.model,
+                openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0),
+                openai.OpenAI(base_url=f"{plain.url}/v1", api_key="none", max_retries=0),
+            )
+        finally:
+            stop_cleanly(plain)
+    finally:
+        stop_cleanly(served)
+
+
+def claude_of(client: openai.OpenAI) -> anthropic.Anthropic:
+    base = str(client.base_url).removesuffix("/v1/")
+    return anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+
+
+def reasoning_of(f: Frontends, tokens: int) -> str:
+    """The model's first `tokens` tokens, all reasoning (it writes no closing tag in so few).
+
+    - Text that ends inside a character: its last bytes are left out here, where the answer
+      ends; an answer that goes on shows them as U+FFFD (`shown`)."""
+    out = f.parsed.chat.completions.create(model=f.model, max_tokens=tokens, **ASK)
+    message = out.choices[0].message
+    assert not message.content, message.content
+    reasoning = getattr(message, "reasoning_content", None)
+    assert reasoning, out
+    return str(reasoning)
+
+
+def shown(text: object) -> str:
+    """`text` with the U+FFFD of its last character's incomplete bytes left out."""
+    assert isinstance(text, str), text
+    return text.rstrip("\ufffd")
+
+
+def test_a_chat_answers_reasoning_ends_at_its_budget(frontends: Frontends) -> None:
+    f = frontends
+    ask = ASK | {"extra_body": ASK["extra_body"] | {"thinking_token_budget": 3}}
+    out = f.parsed.chat.completions.create(model=f.model, max_tokens=24, **ask)
+    message = out.choices[0].message
+    assert shown(getattr(message, "reasoning_content", None)) == reasoning_of(f, 3)
+    assert message.content  # the answer went on after the placed closing tag
+    assert out.usage is not None and out.usage.completion_tokens == 24
+    chunks = list(
+        f.parsed.chat.completions.create(model=f.model, max_tokens=24, stream=True, **ask)
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    assert shown(streamed) == reasoning_of(f, 3)
+    assert "".join(d.content or "" for d in deltas) == message.content
+
+
+def test_an_anthropic_thinking_budget_ends_the_thinking_block(frontends: Frontends) -> None:
+    f = frontends
+    message = claude_of(f.parsed).messages.create(
+        model=f.model,
+        max_tokens=24,
+        messages=[{"role": "user", "content": "Why?"}],
+        thinking={"type": "enabled", "budget_tokens": 2},
+        extra_body={"temperature": 0},  # (this client's typing refuses it beside thinking)
+    )
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert shown(message.content[0].thinking) == reasoning_of(f, 2)
+
+
+def test_without_a_reasoning_parser_chat_refuses_a_budget_anthropic_goes_on(
+    frontends: Frontends,
+) -> None:
+    f = frontends
+    ask = ASK | {"extra_body": {"thinking_token_budget": 3}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        f.plain.chat.completions.create(model=f.model, max_tokens=8, **ask)
+    assert refused.value.body["param"] == "thinking_token_budget"  # type: ignore[index]
+    message = claude_of(f.plain).messages.create(
+        model=f.model,
+        max_tokens=8,
+        messages=[{"role": "user", "content": "Why?"}],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
+    assert message.stop_reason in ("end_turn", "max_tokens")
