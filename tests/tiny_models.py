@@ -3,6 +3,7 @@ engine's tests) or a byte-level BPE one with a ChatML template (for the frontend
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,13 @@ CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# ChatML whose answer opens inside the reasoning, as DeepSeek-R1's does, unless the thinking
+# is switched off (`enable_thinking` false): then the prompt closes it, as Qwen3's does.
+THINKING_TEMPLATE = CHATML_TEMPLATE.replace(
+    "<|im_start|>assistant\n{% endif %}",
+    "<|im_start|>assistant\n<think>\n{% if enable_thinking is false %}\n</think>\n\n{% endif %}"
+    "{% endif %}",
+)
 # ChatML that takes tools as Hermes-style templates do (Qwen 2.5's, shortened): the tools'
 # names in a system message, the history's calls in <tool_call> tags, results as a tool turn.
 TOOLS_TEMPLATE = (
@@ -79,10 +87,12 @@ def build_chat_model(
     seed: int = 0,
     template: str | None = None,
     max_positions: int = 256,
+    added_tokens: Sequence[str] = (),
 ) -> Path:
     """Save a random model with a byte-level BPE tokenizer (every string encodes; characters
     split across tokens) and a ChatML template whose end token is the model's EOS (`template`:
-    another one), of `max_positions` positions."""
+    another one), of `max_positions` positions. `added_tokens`: strings that are one token each
+    (not special: decoded as text, as a reasoning model's `<think>`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -100,6 +110,7 @@ def build_chat_model(
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
+    fast.add_tokens(list(added_tokens))
     fast.chat_template = template or CHATML_TEMPLATE
     fast.save_pretrained(path)
     _save_model(

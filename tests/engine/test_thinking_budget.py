@@ -10,7 +10,7 @@ import pytest
 from kvbaton.engine import EngineConfig, LLMEngine
 from kvbaton.engine.connector import EngineRequest
 from kvbaton.engine.thinking_budget import ThinkingState
-from kvbaton.protocols.llm import SamplingParams, ThinkingBudget
+from kvbaton.protocols.llm import Guided, SamplingParams, ThinkingBudget
 from tests.engine.conftest import TEST_DEVICE
 from tests.tiny_models import build_chat_model
 
@@ -83,6 +83,10 @@ def test_bad_budgets_are_refused(engine: LLMEngine) -> None:
         budgeted(ThinkingBudget(tokens=-1, end=END)).validate()
     with pytest.raises(ValueError, match="closing tag"):
         budgeted(ThinkingBudget(tokens=1, end=[])).validate()
+    with pytest.raises(ValueError, match="cannot go with a constraint"):
+        SamplingParams(
+            thinking_budget=ThinkingBudget(tokens=1, end=END), guided=Guided(kind="regex", spec="a")
+        ).validate()
     with pytest.raises(ValueError, match="token ids in"):
         engine.add_request(
             EngineRequest("x", PROMPT, budgeted(ThinkingBudget(tokens=1, end=[10**7])))
@@ -119,3 +123,15 @@ def test_tokens_generated_elsewhere_are_taken_at_once() -> None:
     assert state.placed([1, 2, 60, 61, END[0]], 2) == END[1]
     assert state.placed([1, 2, 60, 61, *END], 2) is None  # whole: the reasoning is over
     assert state.placed([1, 2, 60, 61, *END, 62], 2) is None
+
+
+def test_reasoning_past_its_budget_is_closed_from_where_it_stands() -> None:
+    """From an engine that did not enforce the budget (a migrated request's tail), or a start of
+    the tag the model wrote itself at the limit: the tag is finished, not begun again."""
+    state = ThinkingState(ThinkingBudget(tokens=2, end=END))
+    assert state.placed([1, 2, 60, 61, 62, 63, 64], 2) == END[0]
+    state = ThinkingState(ThinkingBudget(tokens=2, end=END))
+    assert state.placed([1, 2, 60, END[0]], 2) == END[1]  # the model began it at the limit
+    assert state.placed([1, 2, 60, END[0], END[1]], 2) == END[2]
+    state = ThinkingState(ThinkingBudget(tokens=1, end=[7]))
+    assert state.placed([1, 2, 60, 61, 62], 2) == 7

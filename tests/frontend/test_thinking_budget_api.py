@@ -1,14 +1,14 @@
 """Thinking budgets through the official clients, on `kvbaton serve --reasoning-parser
 deepseek-r1` (the answer starts inside the reasoning) and its own engine on a tiny random
-model: chat's `thinking_token_budget` (vLLM's name) and Anthropic's `thinking.budget_tokens`
-end the reasoning after that many tokens, and the answer goes on after it; a frontend without
-a reasoning parser refuses chat's, and goes on without Anthropic's."""
+model whose `<think>` and `</think>` are one token each: chat's `thinking_token_budget`
+(vLLM's name) and Anthropic's `thinking.budget_tokens` end the reasoning after that many
+tokens, and the answer goes on after it; a frontend without a reasoning parser refuses chat's,
+and goes on without Anthropic's."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.frontend.conftest import start_frontend, start_serve, stop_cleanly, wait_for_health
+from tests.tiny_models import THINKING_TEMPLATE, build_chat_model
 
 pytestmark = pytest.mark.integration
 
@@ -34,9 +35,14 @@ class Frontends:
 
 
 @pytest.fixture(scope="module")
-def frontends(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Frontends]:
+def frontends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Frontends]:
+    model = build_chat_model(
+        tmp_path_factory.mktemp("models") / "tiny-think",
+        template=THINKING_TEMPLATE,
+        added_tokens=["<think>", "</think>"],
+    )
     discovery = tmp_path_factory.mktemp("discovery")
-    served = start_serve(chat_model, discovery, "--reasoning-parser", "deepseek-r1")
+    served = start_serve(model, discovery, "--reasoning-parser", "deepseek-r1")
     try:
         plain = start_frontend(discovery, "kvbaton")
         try:
@@ -91,6 +97,19 @@ def test_a_chat_answers_reasoning_ends_at_its_budget(frontends: Frontends) -> No
     streamed = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
     assert shown(streamed) == reasoning_of(f, 3)
     assert "".join(d.content or "" for d in deltas) == message.content
+
+
+def test_a_budget_places_nothing_where_the_template_closed_the_thinking(
+    frontends: Frontends,
+) -> None:
+    f = frontends
+    off = ASK | {
+        "extra_body": ASK["extra_body"] | {"chat_template_kwargs": {"enable_thinking": False}}
+    }
+    free = f.parsed.chat.completions.create(model=f.model, max_tokens=8, **off)
+    off["extra_body"] = off["extra_body"] | {"thinking_token_budget": 2}
+    budgeted = f.parsed.chat.completions.create(model=f.model, max_tokens=8, **off)
+    assert budgeted.choices[0].message == free.choices[0].message  # no tag placed
 
 
 def test_an_anthropic_thinking_budget_ends_the_thinking_block(frontends: Frontends) -> None:

@@ -7,6 +7,9 @@ model would have drawn.
 - The reasoning starts at the output's start (no `start` ids), or after `start` where the
   output opens with it; an output that does not has no reasoning, and nothing is placed.
 - It ends at the first `end` in it (the model's, or the placed one once whole).
+- Past the budget, the tag is finished from where the output stands: a start of it that ends
+  the output is kept (the model's or a placed one), the rest placed. Reasoning that arrives
+  already past the budget (from an engine that did not enforce it) is closed the same way.
 """
 
 from __future__ import annotations
@@ -39,7 +42,14 @@ class ThinkingState:
             ):
                 self._over = True
         self._seen = len(token_ids) - first
-        if self._over or self._begin is None:
+        if self._over or self._begin is None or self._seen - self._begin < budget.tokens:
             return None
-        done = self._seen - self._begin - budget.tokens  # of `end`, placed
-        return end[done] if 0 <= done < len(end) else None
+        return end[_started(token_ids, first + self._begin, end)]
+
+
+def _started(token_ids: list[int], first: int, end: list[int]) -> int:
+    """How much of `end` (less than all of it) ends `token_ids[first:]`."""
+    for n in range(min(len(end) - 1, len(token_ids) - first), 0, -1):
+        if token_ids[len(token_ids) - n :] == end[:n]:
+            return n
+    return 0

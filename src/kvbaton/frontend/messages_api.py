@@ -15,9 +15,9 @@ to run on kvbaton's models.
   `temperature`, `top_p`, `top_k`, `max_tokens` (past the model's context: cut to the room the
   prompt leaves, the answer then stopping with "model_context_window_exceeded"); `thinking`
   enabled or adaptive (the template's `enable_thinking` true; `display` "omitted" leaves the
-  thinking's text out of the answer; `budget_tokens` ends the thinking after that many tokens
-  where the frontend has a reasoning parser and the engine places tokens, chat's
-  `thinking_token_budget`; elsewhere only `max_tokens` bounds it) or disabled (false);
+  thinking's text out of the answer; `budget_tokens` is chat's `thinking_token_budget`, not
+  required: where that could not be enforced, only `max_tokens` bounds the thinking) or
+  disabled (false);
   `output_config.effort` (the template's `reasoning_effort`) and `output_config.format` (a
   JSON schema, enforced). A tool's `strict` is chat's: its schema
   is enforced when the call is forced, either way.

@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     ValidationError,
     field_validator,
     model_validator,
@@ -412,7 +413,7 @@ class ChatCompletionRequest(_TemplateInputs, _Common):
     audio: Any = None
     prediction: Any = None
     verbosity: Verbosity | None = None
-    thinking_token_budget: Annotated[int, Field(ge=0)] | None = None  # vLLM's name
+    thinking_token_budget: Annotated[StrictInt, Field(ge=-1)] | None = None  # vLLM's; -1: none
     # A subclass's, never a body's: False where clients send a budget with every request
     # (Anthropic's); an engine or frontend that cannot enforce it then goes on without it.
     budget_required: ClassVar[bool] = True

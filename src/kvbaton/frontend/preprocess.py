@@ -82,33 +82,54 @@ def prompt_token_ids(
 
 
 def thinking_budget(
-    request: _Common, fmt: ReasoningFormat | None, tokenizer: Tokenizer
+    request: _Common, fmt: ReasoningFormat | None, tokenizer: Tokenizer, prompt: list[int]
 ) -> ThinkingBudget | None:
-    """A chat request's `thinking_token_budget`, with the tags of `fmt` (the frontend's
-    reasoning format) as token ids; None where it asks none or its answer has no reasoning."""
-    if not isinstance(request, ChatCompletionRequest) or request.thinking_token_budget is None:
-        return None
-    if fmt is None:
-        if not request.budget_required:
-            return None
-        raise bad_request(
-            "thinking_token_budget needs a frontend started with --reasoning-parser (which "
-            "names the reasoning's tags)",
-            "thinking_token_budget",
-        )
-    start = reasoning_start(fmt, request.continued_text())
-    if start is None:
-        return None
+    """A chat request's `thinking_token_budget` for its `prompt`, with the tags of `fmt` (the
+    frontend's reasoning format) as token ids; None where it asks none (-1: none) or its answer
+    has no reasoning.
 
-    def ids(tag: str) -> list[int]:
-        return tokenizer.encode(tag, add_special_tokens=False) if tag else []
+    - Each tag must be one token of the model's vocabulary (as reasoning models have them):
+      the engine finds and places tags by id, and text spelled in other tokens would not match.
+    - Where it cannot be enforced (no reasoning parser, tags that are not single tokens), a
+      required budget is a 400 naming it; another is dropped.
+    - The template may close the reasoning in the prompt (its thinking switched off): an answer
+      that would start inside it then has none.
+    """
+    if not isinstance(request, ChatCompletionRequest):
+        return None
+    tokens = request.thinking_token_budget
+    if tokens is None or tokens == -1:
+        return None
+    why = "needs a frontend started with --reasoning-parser (which names the reasoning's tags)"
+    if fmt is not None:
+        ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (fmt.start, fmt.end)]
+        opening, closing = (i[0] if len(i) == 1 else None for i in ids)
+        if opening is None or closing is None:
+            why = f"needs a model whose tokenizer has {fmt.start} and {fmt.end} as single tokens"
+        else:
+            continued = request.continued_text()
+            start = reasoning_start(fmt, continued)
+            if continued is None and fmt.implicit_start:  # unless the template closed it
+                start = None if _last(prompt, closing) > _last(prompt, opening) else start
+            if start is None:
+                return None
+            return ThinkingBudget(
+                tokens=tokens,
+                end=[closing],
+                start=[opening] if start else [],
+                required=request.budget_required,
+            )
+    if not request.budget_required:
+        return None
+    raise bad_request(f"thinking_token_budget {why}", "thinking_token_budget")
 
-    return ThinkingBudget(
-        tokens=request.thinking_token_budget,
-        end=ids(fmt.end),
-        start=ids(start),
-        required=request.budget_required,
-    )
+
+def _last(tokens: list[int], token: int) -> int:
+    """Where `token` is last in `tokens`; -1 if it is not."""
+    for i in range(len(tokens) - 1, -1, -1):
+        if tokens[i] == token:
+            return i
+    return -1
 
 
 def build_requests(

@@ -28,7 +28,9 @@ class ThinkingBudget(msgspec.Struct, kw_only=True, frozen=True):
     - The reasoning ends before the budget where the output holds `end`.
     - `replay`: the prompt's last tokens that were generated (a migrated request's).
     - `required` False: an engine that cannot place tokens goes on without the budget (where a
-      client sends one with every request, as Anthropic's do); True: it refuses the request.
+      client sends one with every request, as Anthropic's do); True: it refuses the request
+      (vLLM's; the mocker, which draws nothing from a model, ignores budgets).
+    - No constraint goes with it (a constraint applies from the output's first token).
     """
 
     tokens: int
@@ -109,6 +111,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 (budget.tokens >= 0, "thinking_budget", "tokens must be at least 0"),
                 (bool(budget.end), "thinking_budget", "needs the closing tag's token ids"),
                 (budget.replay >= 0, "thinking_budget", "replay must be at least 0"),
+                (self.guided is None, "thinking_budget", "cannot go with a constraint"),
             ]
         for ok, name, message in checks:
             if not ok:
