@@ -22,10 +22,13 @@ FAST = Backoff(first=0.01, most=0.04, reset_after_s=60.0)
 # A child that says it is ready (a file named by its PID) and, told by argv, then: serves until
 # signalled ("serve"), exits 1 once the supervisor saw it ready ("crash"), or does so only the
 # first time and later fails at once ("crash-once"); "stubborn" serves until killed (it ignores
-# SIGTERM) and leaves a file on each SIGUSR1.
+# SIGTERM) and leaves a file on each SIGUSR1; "fails-to-stop" serves, and exits 1 on SIGTERM.
 CHILD = """
 import os, signal, sys, time
 mode, folder = sys.argv[1], sys.argv[2]
+if mode == "fails-to-stop":
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(1))
+    mode = "serve"
 if mode == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     usr1 = os.path.join(folder, str(os.getpid()) + ".usr1")
@@ -185,11 +188,16 @@ def test_a_stack_dump_asked_while_it_stops_reaches_the_children_that_were_ready(
     assert code == [1] and slot.process.returncode == -9  # it ignored SIGTERM: killed
 
 
-def test_a_child_killed_as_the_deployment_stops_makes_it_exit_1(
+def test_a_child_killed_or_failing_as_the_deployment_stops_makes_it_exit_1(
     folder: Path, running: list[tuple[Supervisor, threading.Thread, list[int]]]
 ) -> None:
-    """An operator (or a test) learns from the exit code that a child hung as it stopped."""
-    specs = [spec(folder, "serve"), spec(folder, "stubborn", name="w1")]
+    """An operator (or a test) learns from the exit code that a child hung or failed as it
+    stopped; each one's end is in its slot."""
+    specs = [
+        spec(folder, "serve"),
+        spec(folder, "stubborn", name="w1"),
+        spec(folder, "fails-to-stop", name="w2"),
+    ]
     supervisor = Supervisor(specs, {}, backoff=FAST, stop_timeout_s=0.5)
     announced = threading.Event()
     supervisor.announce = lambda: bool(announced.set() or True)
@@ -198,7 +206,8 @@ def test_a_child_killed_as_the_deployment_stops_makes_it_exit_1(
     supervisor.stop()
     running[0][1].join(30)
     returncodes = [s.process.returncode for s in supervisor.slots if s.process]
-    assert code == [1] and returncodes == [-15, -9]
+    assert code == [1] and returncodes == [-15, -9, 1]
+    assert [s.last_exit for s in supervisor.slots] == ["", "signal SIGKILL", "code 1"]
 
 
 def test_a_deployment_never_announced_stops_after_the_ready_timeout(folder: Path) -> None:

@@ -11,7 +11,9 @@ names one).
 - A worker is ready once discovery lists its process under the namespace; a frontend, once it
   said it serves and the port answers /live.
 - It says where to connect once the port serves the model (its /health is 200).
-- SIGINT and SIGTERM stop every child gracefully (each drains); it then exits 0.
+- SIGINT and SIGTERM stop every child gracefully (each drains, `--drain-timeout`); it then
+  exits 0, or 1 where a child did not stop cleanly within its drain and `STOP_MARGIN_S` (it
+  was killed, or it crashed as it stopped: the log says which).
 - Its slots are kept where `kvbaton status` and the frontends' cluster page read them
   (runtime/serve_state.py).
 """
@@ -53,7 +55,7 @@ from kvbaton.runtime.settings import RuntimeSettings
 
 log = logging.getLogger("kvbaton.serve")
 
-STOP_TIMEOUT_S = 15.0
+STOP_MARGIN_S = 10.0  # a child's stop beyond its drain: deregistering, the engine's teardown
 READY_TIMEOUT_S = 600.0  # a cold model load on a busy machine
 REGISTERED_POLL_S = 0.5
 _URL = re.compile(r"OpenAI API at (http://\S+)/v1")
@@ -223,7 +225,7 @@ def _supervise(
         specs,
         env,
         ready_timeout_s=READY_TIMEOUT_S,
-        stop_timeout_s=STOP_TIMEOUT_S,
+        stop_timeout_s=float(env["KVBATON_DRAIN_TIMEOUT"]) + STOP_MARGIN_S,
         state_file=state_path(os.getpid()),
         state_extra={"discovery": discovery, "namespace": args.namespace},
         announce=announce,

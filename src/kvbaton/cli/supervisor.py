@@ -14,7 +14,8 @@ Invariants:
   deployment: `run` returns 1 after logging the slot, its exit and its child's last log lines.
   So does a deployment not announced (`announce`) within `ready_timeout_s` of its start.
 - SIGINT or SIGTERM stops every child with SIGTERM (each drains), kills one still alive after
-  `stop_timeout_s`; `run` then returns 0, or 1 where it killed one (it did not stop on its own).
+  `stop_timeout_s`; `run` then returns 0, or 1 where a child that ran did not end cleanly (it
+  was killed, or it crashed or exited with an error as it stopped), which the log names.
 - Only the supervisor's own children are ever signalled, by PID.
 - A child ends (SIGTERM) when the supervisor dies, even by SIGKILL (`supervised.py`).
 - The slots' states, PIDs, restarts and last exits are written to `state_file` (JSON, replaced
@@ -135,6 +136,20 @@ class Slot:
         }
 
 
+def _stopped_cleanly(slot: Slot) -> bool:
+    """Whether the slot's child ended as a stop asks: code 0, or SIGTERM's default end (a child
+    still starting); else its end is logged (killed, crashed, an error exit)."""
+    assert slot.process is not None and slot.process.returncode is not None
+    code = slot.process.returncode
+    if code in (0, -signal.SIGTERM):
+        return True
+    slot.last_exit = describe_exit(code)
+    log.error(
+        "%s (pid %d) ended (%s) as it stopped", slot.spec.name, slot.process.pid, slot.last_exit
+    )
+    return False
+
+
 def describe_exit(code: int) -> str:
     """A Popen return code in words: `code 3` or `signal SIGKILL`."""
     if code < 0:
@@ -199,8 +214,8 @@ class Supervisor:
                 process.send_signal(signal.SIGUSR1)
 
     def run(self) -> int:
-        """Supervise until stopped (0; 1 where a child had to be killed) or a slot cannot start
-        its child (1)."""
+        """Supervise until stopped (0; 1 where a child did not end cleanly) or a slot cannot
+        start its child (1)."""
         code = 0
         try:
             for slot in self.slots:
@@ -305,9 +320,16 @@ class Supervisor:
         slot.move(SlotState.BACKOFF)
 
     def _stop_all(self) -> bool:
-        """Whether every child stopped on its own (none was killed)."""
-        killed = False
-        live = [s for s in self.slots if s.process is not None and s.process.poll() is None]
+        """Stop every child; whether each that ran stopped cleanly (`_stopped_cleanly`): those
+        alive, and after a stop asked, those that ended since the loop last looked."""
+        running = (SlotState.STARTING, SlotState.READY)
+        judged = [
+            s
+            for s in self.slots
+            if s.process is not None
+            and (s.process.poll() is None or (self._stop_asked and s.state in running))
+        ]
+        live = [s for s in judged if s.process is not None and s.process.poll() is None]
         for slot in self.slots:
             if slot.state is not SlotState.STOPPED:
                 slot.move(SlotState.STOPPING)
@@ -335,11 +357,10 @@ class Supervisor:
                 )
                 slot.process.kill()
                 slot.process.wait()
-                killed = True
         for slot in self.slots:
             if slot.state is SlotState.STOPPING:
                 slot.move(SlotState.STOPPED)
-        return not killed
+        return all([_stopped_cleanly(slot) for slot in judged])
 
     # -- output and state --------------------------------------------------------------------
     def _pump(self, slot: Slot, stream: IO[bytes]) -> None:
