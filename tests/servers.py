@@ -6,6 +6,7 @@ server restarted by its operator would."""
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import signal
 import socket
@@ -28,13 +29,15 @@ def free_port() -> int:
 
 
 def free_ports(count: int) -> int:
-    """The first of `count` consecutive ports that were free (as `free_port`: a later bind
-    may still find one taken)."""
+    """The first of `count` consecutive ports that were free, below the kernel's ephemeral range
+    (32768 up by default): a port bound later is not taken meanwhile by an outgoing connection,
+    only by another listener (as `free_port`'s may be).
+    """
     while True:
-        first = free_port()
+        first = random.randrange(20000, 32000 - count)
         with contextlib.ExitStack() as held:
             try:
-                for port in range(first + 1, first + count):
+                for port in range(first, first + count):
                     held.enter_context(socket.socket()).bind(("127.0.0.1", port))
             except OSError:
                 continue

@@ -131,7 +131,8 @@ def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
         if os.environ.get(name, "0") != "0":
             raise ValueError(
                 f"{name} names one port, but serve starts several processes that each bind "
-                "their own: unset it (serve's children pick free ports)"
+                "their own: unset it (serve's children pick free ports; "
+                "--worker-system-ports gives its workers system ports)"
             )
     router_settings(args)  # bad settings fail here, not in a child
     migration_settings(args)
@@ -144,6 +145,8 @@ def serve(args: argparse.Namespace, settings: RuntimeSettings) -> int:
         raise ValueError(
             f"--worker-system-ports: ports {first} to {first + processes - 1} are not all valid"
         )
+    if first is not None and first <= args.http_port < first + processes:
+        raise ValueError(f"--worker-system-ports: the HTTP port {args.http_port} is among them")
     _pull_if_needed(args)
     cores = len(os.sched_getaffinity(0))
     args.num_threads = core_share(args.engine, processes, cores, args.num_threads).worker_threads
@@ -211,8 +214,8 @@ def _supervise(
         print(f"kvbaton serve: model {model} ready at {url}/v1", flush=True)
         if args.worker_system_ports is not None:
             workers = [s.name for s in specs if s.role != "frontend"]
-            host, first = env["KVBATON_HOST"], args.worker_system_ports
-            metrics = (f"{w} {_http_url(host, first + i)}/metrics" for i, w in enumerate(workers))
+            at, first = env["KVBATON_HOST"], args.worker_system_ports
+            metrics = (f"{w} {_http_url(at, first + i)}/metrics" for i, w in enumerate(workers))
             print(f"kvbaton serve: workers' metrics: {', '.join(metrics)}", flush=True)
         if private:
             print(
