@@ -273,7 +273,7 @@ class ClusterView:
             if now - seen > GONE_KEPT_S:
                 del self._gone[name]
             elif name not in rows:
-                rows[name] = row | {"state": "gone", "in_flight": 0, "load": None}
+                rows[name] = row | {"state": "gone", "in_flight": 0, "load": None, "healthy": True}
         return sorted(rows.values(), key=lambda r: (r["role"], r["name"]))
 
     def _routes(self, pools: list[_Pool]) -> list[dict[str, Any]]:
