@@ -140,9 +140,9 @@ class LocalConnector:
         return [w.proc.pid for ws in self._workers.values() for w in ws if w.stopping and w.alive]
 
     def exit_code(self, pid: int) -> int | None:
-        """How a worker that this connector started and saw exit ended (a negative code: the
+        """How the worker of `pid`, one this connector started, ended (a negative code: the
         signal that killed it; 0 once it stopped on its own after a SIGTERM); None while it runs,
-        if it is not ours, or for all but the last `EXITS_KEPT` to exit."""
+        for a pid it never started, or for all but the last `EXITS_KEPT` to exit."""
         for worker in (w for ws in self._workers.values() for w in ws if w.proc.pid == pid):
             return worker.proc.returncode  # (exited, not yet forgotten: its code already)
         return self._exits.get(pid)
@@ -171,6 +171,7 @@ class LocalConnector:
     def _forget(self, worker: _Worker) -> None:
         """A worker that exited is no longer ours (nothing signals it); its exit code is kept."""
         if worker.proc.returncode is not None:
+            self._exits.pop(worker.proc.pid, None)  # (a reused pid's: the newest again)
             self._exits[worker.proc.pid] = worker.proc.returncode
             if len(self._exits) > EXITS_KEPT:
                 del self._exits[next(iter(self._exits))]  # the oldest
