@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvbaton.frontend.canary import Canary
 from kvbaton.frontend.settings import CanarySettings
+
+pytestmark = pytest.mark.unit
 
 
 class Discovered:
