@@ -16,7 +16,7 @@ from tests.tiny_models import build_chat_model
 
 pytestmark = pytest.mark.unit
 
-END = [7, 8, 9]  # the closing tag's ids
+END = 7  # the closing tag's id
 PROMPT = [5, 6, 11, 12]
 
 
@@ -50,7 +50,7 @@ def test_the_closing_tag_is_placed_once_the_budget_is_spent(engine: LLMEngine) -
         budget = ThinkingBudget(tokens=tokens, end=END)
         out = run(engine, EngineRequest(f"b{tokens}", PROMPT, budgeted(budget)))[f"b{tokens}"]
         assert out[:tokens] == free[:tokens]  # the reasoning: the model's own
-        assert out[tokens : tokens + len(END)] == END
+        assert out[tokens] == END
         assert len(out) == 12  # the answer goes on after it
 
 
@@ -64,14 +64,14 @@ def test_sampled_rows_in_a_batch_keep_their_own_draws(engine: LLMEngine) -> None
         EngineRequest("budget", PROMPT, budgeted(budget, **seeded)),
         EngineRequest("other", [9, 10], budgeted(None)),
     )
-    assert out["budget"][:3] == out["free"][:3] and out["budget"][3:6] == END
+    assert out["budget"][:3] == out["free"][:3] and out["budget"][3] == END
 
 
 def test_a_migrated_requests_reasoning_counts_from_its_prompt(engine: LLMEngine) -> None:
     """Two reasoning tokens were generated before (the prompt's tail, replayed): one more."""
     budget = ThinkingBudget(tokens=3, end=END, replay=2)
     out = run(engine, EngineRequest("m", [*PROMPT, 30, 31], budgeted(budget)))["m"]
-    assert out[1:4] == END
+    assert out[1] == END
     with pytest.raises(ValueError, match="replays more tokens"):
         engine.add_request(
             EngineRequest("x", [5], budgeted(ThinkingBudget(tokens=1, end=END, replay=2)))
@@ -81,15 +81,13 @@ def test_a_migrated_requests_reasoning_counts_from_its_prompt(engine: LLMEngine)
 def test_bad_budgets_are_refused(engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match="tokens must be at least 0"):
         budgeted(ThinkingBudget(tokens=-1, end=END)).validate()
-    with pytest.raises(ValueError, match="closing tag"):
-        budgeted(ThinkingBudget(tokens=1, end=[])).validate()
     with pytest.raises(ValueError, match="cannot go with a constraint"):
         SamplingParams(
             thinking_budget=ThinkingBudget(tokens=1, end=END), guided=Guided(kind="regex", spec="a")
         ).validate()
     with pytest.raises(ValueError, match="token ids in"):
         engine.add_request(
-            EngineRequest("x", PROMPT, budgeted(ThinkingBudget(tokens=1, end=[10**7])))
+            EngineRequest("x", PROMPT, budgeted(ThinkingBudget(tokens=1, end=10**7)))
         )
 
 
@@ -104,34 +102,26 @@ def placed_after(state: ThinkingState, generated: list[int]) -> int | None:
 
 
 def test_a_reasoning_that_ended_early_gets_nothing_placed() -> None:
-    state = ThinkingState(ThinkingBudget(tokens=4, end=END))
-    assert placed_after(state, [40, *END]) is None
+    assert placed_after(ThinkingState(ThinkingBudget(tokens=4, end=END)), [40, END]) is None
+    assert (
+        placed_after(ThinkingState(ThinkingBudget(tokens=4, end=END)), [40, END, 41, 42, 43])
+        is None
+    )
     assert placed_after(ThinkingState(ThinkingBudget(tokens=4, end=END)), [40, 41]) is None
 
 
 def test_with_an_opening_tag_the_reasoning_starts_after_it() -> None:
-    budget = ThinkingBudget(tokens=2, end=END, start=[3, 4])
-    assert placed_after(ThinkingState(budget), [3, 4, 50]) is None
-    assert placed_after(ThinkingState(budget), [3, 4, 50, 51]) == END[0]
-    assert placed_after(ThinkingState(budget), [3, 4, 50, 51, END[0], END[1]]) == END[2]
-    assert placed_after(ThinkingState(budget), [3, 50, 51, 52, 53]) is None  # opened otherwise
+    budget = ThinkingBudget(tokens=2, end=END, start=3)
+    assert placed_after(ThinkingState(budget), [3, 50]) is None
+    assert placed_after(ThinkingState(budget), [3, 50, 51]) == END
+    assert placed_after(ThinkingState(budget), [3, 50, 51, END, 52]) is None
+    assert placed_after(ThinkingState(budget), [50, 51, 52, 53]) is None  # opened otherwise
 
 
 def test_tokens_generated_elsewhere_are_taken_at_once() -> None:
-    """A prefill worker's tokens, or a resumed stream's, arrive before the first draw here."""
+    """A prefill worker's tokens, or a resumed stream's, arrive before the first draw here;
+    reasoning already past its budget (an engine that did not enforce it) is closed at once."""
     state = ThinkingState(ThinkingBudget(tokens=2, end=END))
-    assert state.placed([1, 2, 60, 61, END[0]], 2) == END[1]
-    assert state.placed([1, 2, 60, 61, *END], 2) is None  # whole: the reasoning is over
-    assert state.placed([1, 2, 60, 61, *END, 62], 2) is None
-
-
-def test_reasoning_past_its_budget_is_closed_from_where_it_stands() -> None:
-    """From an engine that did not enforce the budget (a migrated request's tail), or a start of
-    the tag the model wrote itself at the limit: the tag is finished, not begun again."""
-    state = ThinkingState(ThinkingBudget(tokens=2, end=END))
-    assert state.placed([1, 2, 60, 61, 62, 63, 64], 2) == END[0]
-    state = ThinkingState(ThinkingBudget(tokens=2, end=END))
-    assert state.placed([1, 2, 60, END[0]], 2) == END[1]  # the model began it at the limit
-    assert state.placed([1, 2, 60, END[0], END[1]], 2) == END[2]
-    state = ThinkingState(ThinkingBudget(tokens=1, end=[7]))
-    assert state.placed([1, 2, 60, 61, 62], 2) == 7
+    assert state.placed([1, 2, 60, 61, 62, 63], 2) == END
+    assert state.placed([1, 2, 60, 61, 62, 63, END], 2) is None  # the reasoning is over
+    assert state.placed([1, 2, 60, 61, 62, 63, END, 64], 2) is None

@@ -90,8 +90,8 @@ def test_a_replayed_constraint_goes_to_kvbaton_s_logits_processor() -> None:
 def test_a_required_thinking_budget_is_refused_another_goes_unenforced() -> None:
     """vLLM places no token: chat's budget is refused, Anthropic's goes on without it."""
     with pytest.raises(ValueError, match="thinking budgets are enforced by kvbaton's own"):
-        vllm_sampling_params(SamplingParams(thinking_budget=ThinkingBudget(tokens=3, end=[9])))
-    soft = ThinkingBudget(tokens=3, end=[9], required=False)
+        vllm_sampling_params(SamplingParams(thinking_budget=ThinkingBudget(tokens=3, end=9)))
+    soft = ThinkingBudget(tokens=3, end=9, required=False)
     ours = vllm_sampling_params(SamplingParams(max_tokens=5, thinking_budget=soft))
     assert ours.max_tokens == 5 and ours.extra_args is None
 

@@ -208,13 +208,31 @@ def stop_serve(proc: subprocess.Popen[bytes]) -> int:
 def stop_cleanly(deployment: Deployment) -> None:
     """Stops the deployment as `stop_serve` does.
 
-    - Fails unless it exited 0 (every child stopped on its own), with its last 80 log lines in
-      the message.
+    - Fails unless it exited 0 (for serve: every child stopped cleanly), with its last 80 log
+      lines in the message.
     """
     code = stop_serve(deployment.proc)
     shown = 400 if code == -signal.SIGKILL else 80  # killed: the stacks it wrote too
     tail = "\n".join(deployment.log_text().splitlines()[-shown:])
     assert code == 0, f"kvbaton exited {code}; its last lines:\n{tail}"
+
+
+@contextlib.contextmanager
+def served_beside_a_plain_frontend(
+    model_dir: Path, discovery: Path, *flags: str
+) -> Iterator[tuple[Deployment, Deployment]]:
+    """`kvbaton serve` with `flags`, and a `kvbaton frontend` without them on the same
+    discovery, once it sees the model; both stopped cleanly at the end."""
+    served = start_serve(model_dir, discovery, *flags)
+    try:
+        plain = start_frontend(discovery, "kvbaton")
+        try:
+            wait_for_health(plain.url, served.model, 1)
+            yield served, plain
+        finally:
+            stop_cleanly(plain)
+    finally:
+        stop_cleanly(served)
 
 
 @pytest.fixture(scope="module")

@@ -211,9 +211,9 @@ def test_continuation_and_settings() -> None:
     constrained = request(max_tokens=10, guided=Guided(kind="regex", spec="9+"))
     again = continuation(continuation(constrained, [9, 9]), [9])
     assert again.sampling.guided == Guided(kind="regex", spec="9+", replay=3)  # all 3 replayed
-    budgeted = request(max_tokens=10, thinking_budget=ThinkingBudget(tokens=4, end=[7]))
+    budgeted = request(max_tokens=10, thinking_budget=ThinkingBudget(tokens=4, end=7))
     again = continuation(continuation(budgeted, [9, 9]), [9])
-    assert again.sampling.thinking_budget == ThinkingBudget(tokens=4, end=[7], replay=3)
+    assert again.sampling.thinking_budget == ThinkingBudget(tokens=4, end=7, replay=3)
     scored = request(max_tokens=10, prompt_logprobs=1)  # the first output brings them
     assert continuation(scored, []).sampling.prompt_logprobs == 1
     assert continuation(scored, [9]).sampling.prompt_logprobs is None

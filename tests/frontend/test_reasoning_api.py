@@ -15,12 +15,7 @@ import openai
 import pytest
 
 from kvbaton.llm.tokenizer import Tokenizer
-from tests.frontend.conftest import (
-    start_frontend,
-    start_serve,
-    stop_cleanly,
-    wait_for_health,
-)
+from tests.frontend.conftest import served_beside_a_plain_frontend
 
 pytestmark = pytest.mark.integration
 
@@ -42,30 +37,14 @@ def frontends(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     assert Tokenizer(chat_model).decode(ids) == ANSWER
     discovery = tmp_path_factory.mktemp("discovery")
     fixed = ",".join(map(str, ids))
-    served = start_serve(
-        chat_model,
-        discovery,
-        "--engine",
-        "fixed",
-        "--fixed-tokens",
-        fixed,
-        "--reasoning-parser",
-        "qwen3",
-    )
-    try:
-        plain = start_frontend(discovery, "kvbaton")
-        try:
-            wait_for_health(plain.url, served.model, 1)
-            yield Frontends(
-                served.model,
-                len(ids),
-                openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0),
-                openai.OpenAI(base_url=f"{plain.url}/v1", api_key="none", max_retries=0),
-            )
-        finally:
-            stop_cleanly(plain)
-    finally:
-        stop_cleanly(served)
+    flags = ("--engine", "fixed", "--fixed-tokens", fixed, "--reasoning-parser", "qwen3")
+    with served_beside_a_plain_frontend(chat_model, discovery, *flags) as (served, plain):
+        yield Frontends(
+            served.model,
+            len(ids),
+            openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0),
+            openai.OpenAI(base_url=f"{plain.url}/v1", api_key="none", max_retries=0),
+        )
 
 
 def whole(client: openai.OpenAI, f: Frontends, **extra: Any) -> tuple[Any, str | None, str | None]:

@@ -15,7 +15,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.frontend.conftest import start_frontend, start_serve, stop_cleanly, wait_for_health
+from tests.frontend.conftest import served_beside_a_plain_frontend
 from tests.tiny_models import THINKING_TEMPLATE, build_chat_model
 
 pytestmark = pytest.mark.integration
@@ -42,20 +42,13 @@ def frontends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Frontends]:
         added_tokens=["<think>", "</think>"],
     )
     discovery = tmp_path_factory.mktemp("discovery")
-    served = start_serve(model, discovery, "--reasoning-parser", "deepseek-r1")
-    try:
-        plain = start_frontend(discovery, "kvbaton")
-        try:
-            wait_for_health(plain.url, served.model, 1)
-            yield Frontends(
-                served.model,
-                openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0),
-                openai.OpenAI(base_url=f"{plain.url}/v1", api_key="none", max_retries=0),
-            )
-        finally:
-            stop_cleanly(plain)
-    finally:
-        stop_cleanly(served)
+    flags = ("--reasoning-parser", "deepseek-r1")
+    with served_beside_a_plain_frontend(model, discovery, *flags) as (served, plain):
+        yield Frontends(
+            served.model,
+            openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0),
+            openai.OpenAI(base_url=f"{plain.url}/v1", api_key="none", max_retries=0),
+        )
 
 
 def claude_of(client: openai.OpenAI) -> anthropic.Anthropic:

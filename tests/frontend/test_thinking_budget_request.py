@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from kvbaton.frontend.errors import OpenAIError
 from kvbaton.frontend.messages_api import _CutChatRequest
@@ -48,14 +49,12 @@ def chat(
 def test_the_tags_go_as_single_token_ids(tokenizer: Tokenizer) -> None:
     opening, closing = tags(tokenizer)
     prompt = [5, opening, 6]  # the template opened the reasoning
-    assert thinking_budget(chat(5), R1, tokenizer, prompt) == ThinkingBudget(
-        tokens=5, end=[closing]
-    )
+    assert thinking_budget(chat(5), R1, tokenizer, prompt) == ThinkingBudget(tokens=5, end=closing)
     assert thinking_budget(chat(5), QWEN3, tokenizer, [5]) == ThinkingBudget(
-        tokens=5, end=[closing], start=[opening]
+        tokens=5, end=closing, start=opening
     )
     soft = thinking_budget(chat(5, _CutChatRequest), R1, tokenizer, prompt)
-    assert soft == ThinkingBudget(tokens=5, end=[closing], required=False)
+    assert soft == ThinkingBudget(tokens=5, end=closing, required=False)
 
 
 def test_an_answer_without_reasoning_gets_no_budget(tokenizer: Tokenizer) -> None:
@@ -64,6 +63,8 @@ def test_an_answer_without_reasoning_gets_no_budget(tokenizer: Tokenizer) -> Non
     assert thinking_budget(chat(-1), R1, tokenizer, [5]) is None  # vLLM's "no budget"
     closed = [5, opening, 6, closing, 7]  # the template switched the thinking off
     assert thinking_budget(chat(5), R1, tokenizer, closed) is None
+    quoted = [5, opening, 6, closing, 7, 8, 9, 10, opening]  # tags in a message, then opened
+    assert thinking_budget(chat(5), R1, tokenizer, quoted) == ThinkingBudget(tokens=5, end=closing)
     done = [
         {"role": "user", "content": "Why?"},
         {"role": "assistant", "content": "<think>so</think>Be"},
@@ -72,9 +73,7 @@ def test_an_answer_without_reasoning_gets_no_budget(tokenizer: Tokenizer) -> Non
     assert thinking_budget(answered, QWEN3, tokenizer, [5]) is None
     open_ = [done[0], {"role": "assistant", "content": "<think>so"}]
     going_on = chat(5, messages=open_, continue_final_message=True)
-    assert thinking_budget(going_on, QWEN3, tokenizer, [5]) == ThinkingBudget(
-        tokens=5, end=[closing]
-    )
+    assert thinking_budget(going_on, QWEN3, tokenizer, [5]) == ThinkingBudget(tokens=5, end=closing)
 
 
 def test_where_it_cannot_be_enforced_chat_refuses_it(
@@ -94,5 +93,5 @@ def test_where_it_cannot_be_enforced_chat_refuses_it(
 
 def test_bad_budgets_are_refused_as_fields() -> None:
     for bad in (-2, True, "5", 1.5):
-        with pytest.raises(Exception, match="thinking_token_budget"):
+        with pytest.raises(ValidationError, match="thinking_token_budget"):
             chat(bad)  # type: ignore[arg-type]

@@ -151,7 +151,8 @@ class LLMEngine:
         if (budget := params.thinking_budget) is not None:
             if budget.replay > n:
                 raise ValueError("the thinking budget replays more tokens than the prompt has")
-            if any(t < 0 or t >= self.vocab_size for t in budget.start + budget.end):
+            tags = [budget.end] if budget.start is None else [budget.start, budget.end]
+            if any(t < 0 or t >= self.vocab_size for t in tags):
                 raise ValueError(
                     f"thinking budget tags must be token ids in [0, {self.vocab_size})"
                 )

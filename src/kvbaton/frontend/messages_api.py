@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, StrictInt, ValidationError, field_validator, model_validator
 
 from kvbaton.frontend.openai_types import (
     ChatCompletionRequest,
@@ -156,7 +156,7 @@ class ToolChoice(_NullIsDefault):
 
 class Thinking(_NullIsDefault):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Annotated[int, Field(ge=1)] | None = None
+    budget_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     display: Literal["summarized", "omitted"] | None = None
 
 

@@ -18,6 +18,7 @@ from kvbaton.llm.tokenizer import ReservedNameError, Tokenizer
 from kvbaton.protocols.llm import Guided, PreprocessedRequest, SamplingParams, ThinkingBudget
 
 ChatTools = tuple[ToolCallFormat, ToolUse | None]
+CLOSED_TAIL = 4  # the prompt's last tokens where a template closes the reasoning (`_closes`)
 
 
 def chat_prompt(
@@ -92,8 +93,8 @@ def thinking_budget(
       the engine finds and places tags by id, and text spelled in other tokens would not match.
     - Where it cannot be enforced (no reasoning parser, tags that are not single tokens), a
       required budget is a 400 naming it; another is dropped.
-    - The template may close the reasoning in the prompt (its thinking switched off): an answer
-      that would start inside it then has none.
+    - The template may close the reasoning at the prompt's end (its thinking switched off): an
+      answer that would start inside it then has none.
     """
     if not isinstance(request, ChatCompletionRequest):
         return None
@@ -109,14 +110,14 @@ def thinking_budget(
         else:
             continued = request.continued_text()
             start = reasoning_start(fmt, continued)
-            if continued is None and fmt.implicit_start:  # unless the template closed it
-                start = None if _last(prompt, closing) > _last(prompt, opening) else start
+            if continued is None and fmt.implicit_start and _closes(prompt, opening, closing):
+                start = None  # the template closed the reasoning: the answer has none
             if start is None:
                 return None
             return ThinkingBudget(
                 tokens=tokens,
-                end=[closing],
-                start=[opening] if start else [],
+                end=closing,
+                start=opening if start else None,
                 required=request.budget_required,
             )
     if not request.budget_required:
@@ -124,12 +125,16 @@ def thinking_budget(
     raise bad_request(f"thinking_token_budget {why}", "thinking_token_budget")
 
 
-def _last(tokens: list[int], token: int) -> int:
-    """Where `token` is last in `tokens`; -1 if it is not."""
-    for i in range(len(tokens) - 1, -1, -1):
-        if tokens[i] == token:
-            return i
-    return -1
+def _closes(prompt: list[int], opening: int, closing: int) -> bool:
+    """Whether the prompt ends by closing a reasoning it opened: its last `closing` is after its
+    last `opening`, among its last `CLOSED_TAIL` tokens (a template's thinking switched off;
+    not a tag in a message).
+    """
+    tail = prompt[-CLOSED_TAIL:]
+    if closing not in tail:
+        return False
+    last = len(prompt) - tail[::-1].index(closing) - 1
+    return opening in prompt[:last] and opening not in prompt[last:]
 
 
 def build_requests(

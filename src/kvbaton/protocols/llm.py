@@ -21,10 +21,10 @@ class Guided(msgspec.Struct, kw_only=True, frozen=True):
 
 class ThinkingBudget(msgspec.Struct, kw_only=True, frozen=True):
     """At most `tokens` tokens of reasoning: the engine then places `end`, the closing tag's
-    token ids, itself (`engine/thinking_budget.py`).
+    token id, itself (`engine/thinking_budget.py`).
 
-    - `start`: the opening tag's ids; the reasoning starts only if the output opens with them.
-      Empty: the output starts inside the reasoning.
+    - `start`: the opening tag's id; the reasoning starts only if the output opens with it.
+      None: the output starts inside the reasoning.
     - The reasoning ends before the budget where the output holds `end`.
     - `replay`: the prompt's last tokens that were generated (a migrated request's).
     - `required` False: an engine that cannot place tokens goes on without the budget (where a
@@ -34,8 +34,8 @@ class ThinkingBudget(msgspec.Struct, kw_only=True, frozen=True):
     """
 
     tokens: int
-    end: list[int]
-    start: list[int] = msgspec.field(default_factory=list)
+    end: int
+    start: int | None = None
     replay: int = 0
     required: bool = True
 
@@ -109,7 +109,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if (budget := self.thinking_budget) is not None:
             checks += [
                 (budget.tokens >= 0, "thinking_budget", "tokens must be at least 0"),
-                (bool(budget.end), "thinking_budget", "needs the closing tag's token ids"),
                 (budget.replay >= 0, "thinking_budget", "replay must be at least 0"),
                 (self.guided is None, "thinking_budget", "cannot go with a constraint"),
             ]
