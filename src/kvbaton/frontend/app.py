@@ -356,7 +356,11 @@ class Frontend:
                 context_length=served.card.context_length,
                 vocab_size=served.tokenizer.vocab_size,
                 tools=use,
-                thinking=thinking_budget(body, reasoning, served.tokenizer, prompts[0]),
+                thinking=(
+                    thinking_budget(body, reasoning, served.tokenizer, prompts[0])
+                    if isinstance(body, ChatCompletionRequest)
+                    else None
+                ),
             )
             pres = fork_requests(pres, body.n)
             continued = body.continued_text() if isinstance(body, ChatCompletionRequest) else None

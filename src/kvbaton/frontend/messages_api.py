@@ -17,10 +17,9 @@ to run on kvbaton's models.
   enabled or adaptive (the template's `enable_thinking` true; `display` "omitted" leaves the
   thinking's text out of the answer; `budget_tokens` is chat's `thinking_token_budget`, not
   required: where that could not be enforced, only `max_tokens` bounds the thinking) or
-  disabled (false);
-  `output_config.effort` (the template's `reasoning_effort`) and `output_config.format` (a
-  JSON schema, enforced). A tool's `strict` is chat's: its schema
-  is enforced when the call is forced, either way.
+  disabled (false); `output_config.effort` (the template's `reasoning_effort`) and
+  `output_config.format` (a JSON schema, enforced). A tool's `strict` is chat's: its schema is
+  enforced when the call is forced, either way.
 - Fields that name the caller or steer Anthropic's caching and routing are taken and change
   nothing (`_HARMLESS`; `cache_control` on blocks and tools); any other is a 400 naming it.
 """

@@ -83,7 +83,10 @@ def prompt_token_ids(
 
 
 def thinking_budget(
-    request: _Common, fmt: ReasoningFormat | None, tokenizer: Tokenizer, prompt: list[int]
+    request: ChatCompletionRequest,
+    fmt: ReasoningFormat | None,
+    tokenizer: Tokenizer,
+    prompt: list[int],
 ) -> ThinkingBudget | None:
     """A chat request's `thinking_token_budget` for its `prompt`, with the tags of `fmt` (the
     frontend's reasoning format) as token ids; None where it asks none (-1: none) or its answer
@@ -96,8 +99,6 @@ def thinking_budget(
     - The template may close the reasoning at the prompt's end (its thinking switched off): an
       answer that would start inside it then has none.
     """
-    if not isinstance(request, ChatCompletionRequest):
-        return None
     tokens = request.thinking_token_budget
     if tokens is None or tokens == -1:
         return None
