@@ -414,7 +414,7 @@ class ChatCompletionRequest(_TemplateInputs, _Common):
     prediction: Any = None
     verbosity: Verbosity | None = None
     thinking_token_budget: Annotated[StrictInt, Field(ge=-1)] | None = None  # vLLM's; -1: none
-    # A subclass's, never a body's: False where clients send a budget with every request
+    # A subclass's, never a body's: False where clients send a budget whatever the model
     # (Anthropic's); an engine or frontend that cannot enforce it then goes on without it.
     budget_required: ClassVar[bool] = True
 

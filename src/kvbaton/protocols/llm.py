@@ -27,8 +27,8 @@ class ThinkingBudget(msgspec.Struct, kw_only=True, frozen=True):
       None: the output starts inside the reasoning.
     - The reasoning ends before the budget where the output holds `end`.
     - `replay`: the prompt's last tokens that were generated (a migrated request's).
-    - `required` False: an engine that cannot place tokens goes on without the budget (where a
-      client sends one with every request, as Anthropic's do); True: it refuses the request
+    - `required` False: an engine that cannot place tokens goes on without the budget (where
+      clients send one whatever the model, as Anthropic's do); True: it refuses the request
       (vLLM's; the mocker, which draws nothing from a model, ignores budgets).
     - No constraint goes with it (a constraint applies from the output's first token).
     """
