@@ -102,28 +102,34 @@ def thinking_budget(
     tokens = request.thinking_token_budget
     if tokens is None or tokens == -1:
         return None
-    why = "needs a frontend started with --reasoning-parser (which names the reasoning's tags)"
-    if fmt is not None:
-        ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (fmt.start, fmt.end)]
-        opening, closing = (i[0] if len(i) == 1 else None for i in ids)
-        if opening is None or closing is None:
-            why = f"needs a model whose tokenizer has {fmt.start} and {fmt.end} as single tokens"
-        else:
-            continued = request.continued_text()
-            start = reasoning_start(fmt, continued)
-            if continued is None and fmt.implicit_start and _closes(prompt, opening, closing):
-                start = None  # the template closed the reasoning: the answer has none
-            if start is None:
-                return None
-            return ThinkingBudget(
-                tokens=tokens,
-                end=closing,
-                start=opening if start else None,
-                required=request.budget_required,
-            )
-    if not request.budget_required:
+    if fmt is None:
+        why = "needs a frontend started with --reasoning-parser (which names the reasoning's tags)"
+        _refuse_if_required(request, why)
         return None
-    raise bad_request(f"thinking_token_budget {why}", "thinking_token_budget")
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (fmt.start, fmt.end)]
+    opening, closing = (i[0] if len(i) == 1 else None for i in ids)
+    if opening is None or closing is None:
+        why = f"needs a model whose tokenizer has {fmt.start} and {fmt.end} as single tokens"
+        _refuse_if_required(request, why)
+        return None
+    continued = request.continued_text()
+    start = reasoning_start(fmt, continued)
+    if continued is None and fmt.implicit_start and _closes(prompt, opening, closing):
+        start = None  # the template closed the reasoning: the answer has none
+    if start is None:
+        return None
+    return ThinkingBudget(
+        tokens=tokens,
+        end=closing,
+        start=opening if start else None,
+        required=request.budget_required,
+    )
+
+
+def _refuse_if_required(request: ChatCompletionRequest, why: str) -> None:
+    """A 400 naming the budget and saying `why` it cannot be enforced, if it is required."""
+    if request.budget_required:
+        raise bad_request(f"thinking_token_budget {why}", "thinking_token_budget")
 
 
 def _closes(prompt: list[int], opening: int, closing: int) -> bool:
