@@ -84,7 +84,7 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if not seq.params.greedy:
                 tokens[i] = self._draw(logits[i], seq)
-            if seq.thinking is not None and (placed := seq.placed_token()) is not None:
+            if (placed := seq.placed_token()) is not None:
                 tokens[i] = placed  # (drawn all the same: a seeded draw stays in step)
         for i, matcher in constrained:
             if not matcher.consume_token(tokens[i]):  # its row alone fails (the engine aborts it)

@@ -97,10 +97,11 @@ class Sequence:
 
     def placed_token(self) -> int | None:
         """The token its thinking budget places next, or None (the model draws)."""
-        budget = self.params.thinking_budget
-        if self.thinking is None or budget is None:
+        if self.thinking is None:
             return None
-        return self.thinking.placed(self.token_ids, self.num_prompt_tokens - budget.replay)
+        return self.thinking.placed(
+            self.token_ids, self.num_prompt_tokens - self.thinking.budget.replay
+        )
 
     @property
     def is_finished(self) -> bool:
